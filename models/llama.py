@@ -19,7 +19,6 @@ from models.config import ModelConfig
 from models.gguf_loader import LlamaLayerWeights, LlamaWeights
 from models.paged import AttentionFn, KVCache
 from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.kv_write import write_kv_reference
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -65,8 +64,7 @@ class LlamaBlock(nnx.Module):
         q = rope(self.wq(h).reshape(t, cfg.num_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
         k = rope(self.wk(h).reshape(t, cfg.num_kv_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
         v = self.wv(h).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        k_pages, v_pages = write_kv_reference(k_pages, v_pages, k, v, meta.slot_mapping)
-        o = attention(q, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5)
+        o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5)
         x = x + self.wo(o.reshape(t, cfg.num_heads * cfg.head_dim))
         h = self.mlp_norm(x)
         x = x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))

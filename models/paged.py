@@ -13,10 +13,16 @@ from pallas_kernels.attention_metadata import AttentionMetadata
 
 
 class AttentionFn(Protocol):
+    """Write the step's new `k`, `v` `[T, kv_heads, d]` into the pages and attend with `q`.
+
+    One call does both so that a backend may fuse the write into its kernel. Returns the
+    attention output `[T, heads, d]` and the updated pages.
+    """
+
     def __call__(
-        self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
-        *, scale: float,
-    ) -> jax.Array: ...
+        self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+        meta: AttentionMetadata, *, scale: float,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]: ...
 
 
 @jax.tree_util.register_dataclass

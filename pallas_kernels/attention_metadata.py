@@ -8,7 +8,7 @@ tokens of context. Prefill chunks and decodes mix freely; padding tokens sit aft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
@@ -21,3 +21,6 @@ class AttentionMetadata:
     query_start: jax.Array  # [S + 1] int32: cumulative query lengths; padded sequences are empty
     context_lens: jax.Array  # [S] int32: cached + new tokens each sequence attends to
     block_tables: jax.Array  # [S, max_blocks_per_seq] int32: physical block of each logical block
+    # Static: every real sequence has exactly one query token. Lets a backend pick its
+    # decode kernel at trace time; a different value is a different compiled step.
+    decode_only: bool = field(default=False, metadata=dict(static=True))
