@@ -19,17 +19,7 @@ from models.config import ModelConfig
 from models.gguf_loader import LlamaLayerWeights, LlamaWeights
 from models.paged import AttentionFn, KVCache
 from pallas_kernels.attention_metadata import AttentionMetadata
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half rotary embedding of `x: [T, heads, head_dim]` at integer `positions`."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1])
-    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
-    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+from pallas_kernels.rope import rope
 
 
 def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:

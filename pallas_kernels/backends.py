@@ -1,20 +1,27 @@
 """Attention backends: how a layer writes its new K/V and attends, picked by name.
 
-`auto` is the jnp reference on CPU, where XLA runs it well, and the Pallas (Triton) kernels
-on GPU. Any backend can be forced by name, e.g. to run the reference on a GPU when a kernel
-is in doubt.
+- `reference`: the jnp references; what `auto` picks on CPU, where XLA runs them well.
+- `pallas`: the Pallas Triton kernels (ragged, split-K decode, KV write); what `auto` picks
+  on GPU (A100 and Hopper alike).
+- `pallas-interpret`: the same kernels run by the Pallas interpreter on any platform, with
+  small tiles so that tests at small sizes cross tile and split edges. For checking and
+  debugging the kernels on CPU, not for speed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 
 from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.kv_write import write_kv_reference
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from pallas_kernels.kv_write import write_kv, write_kv_reference
+from pallas_kernels.paged_decode_attention import paged_decode_attention
+from pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention, ragged_paged_attention_reference,
+)
 
 
 @dataclass(frozen=True)
@@ -40,15 +47,29 @@ class AttentionBackend:
         return attend(q, k_pages, v_pages, meta, scale=scale), k_pages, v_pages
 
 
+def _pallas(name: str, *, interpret: bool = False, block_m: int = 64, block_k: int = 64,
+            keys_per_split: int = 512) -> AttentionBackend:
+    return AttentionBackend(
+        name,
+        write_kv=partial(write_kv, interpret=interpret),
+        ragged=partial(ragged_paged_attention, block_m=block_m, block_k=block_k,
+                       interpret=interpret),
+        decode=partial(paged_decode_attention, block_k=block_k,
+                       keys_per_split=keys_per_split, interpret=interpret),
+    )
+
+
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": AttentionBackend("reference", write_kv_reference, ragged_paged_attention_reference),
+    "pallas": _pallas("pallas"),
+    "pallas-interpret": _pallas("pallas-interpret", interpret=True, block_m=16, block_k=16,
+                                keys_per_split=32),
 }
 
 
 def select_attention(name: str = "auto") -> AttentionBackend:
     if name == "auto":
-        gpu = "pallas" in ATTENTION_BACKENDS and jax.default_backend() == "gpu"
-        name = "pallas" if gpu else "reference"
+        name = "pallas" if jax.default_backend() == "gpu" else "reference"
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:

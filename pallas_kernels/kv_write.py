@@ -1,20 +1,42 @@
-"""Scatter a step's new K/V into the paged pool."""
+"""Scatter a step's new K/V (or hidden states) into a paged pool.
+
+Pools are `[blocks, block_size, ...]`; token `t` goes to flat slot `slot_mapping[t]`.
+Run inside a jit that donates the pages, so the pool is updated in place instead of being
+copied every step.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import jax
+import jax.numpy as jnp
+
+from pallas_kernels.row_copy import copy_rows, copy_rows_reference
+
+
+def write_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
+                copy: Callable = copy_rows_reference) -> jax.Array:
+    """`pages` with token `t` of `new: [T, ...]` written at slot `slot_mapping[t]`."""
+    rows = pages.reshape(pages.shape[0] * pages.shape[1], -1)
+    tokens = new.reshape(new.shape[0], -1)
+    index = jnp.arange(new.shape[0], dtype=slot_mapping.dtype)
+    return copy(tokens, index, rows, slot_mapping).reshape(pages.shape)
 
 
 def write_kv_reference(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Write token `t`'s K/V at flat slot `slot_mapping[t]` of `[blocks, block_size, kv_heads, d]`.
+    """Write token `t`'s K/V at flat slot `slot_mapping[t]` of `[blocks, block_size, kv_heads, d]`."""
+    return write_pages(k_pages, k, slot_mapping), write_pages(v_pages, v, slot_mapping)
 
-    Run inside a jit that donates the pages, so XLA updates them in place instead of copying
-    the pool every step.
-    """
-    shape = k_pages.shape
-    flat = (shape[0] * shape[1], *shape[2:])
-    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(shape)
-    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(shape)
-    return k_pages, v_pages
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+    *, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas version of `write_kv_reference`."""
+    copy = partial(copy_rows, interpret=interpret)
+    return (write_pages(k_pages, k, slot_mapping, copy),
+            write_pages(v_pages, v, slot_mapping, copy))

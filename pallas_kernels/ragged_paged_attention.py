@@ -1,5 +1,8 @@
 """Ragged paged attention: prefill chunks and decodes of many sequences in one call.
 
+`ragged_paged_attention` is the Pallas (Triton) kernel; `ragged_paged_attention_reference`
+is its jnp oracle with the same signature, and the path XLA:CPU runs well.
+
 The jnp reference splits each token's keys in two and merges them with an online softmax:
 
 - the step's own tokens (read back from their freshly written slots), attended causally
@@ -19,8 +22,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.attention_tiles import (
+    compiler_params, gather, online_softmax_over_keys, paged_kv_loader, scatter,
+)
 
 _MASKED = -1e30
 _TILE = 128  # query/key tile of the in-step causal part
@@ -122,3 +129,96 @@ def ragged_paged_attention_reference(
     m, l, acc = jax.lax.fori_loop(0, num_pages, page, (m, l, acc))
     out = acc / l[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- Pallas kernel
+
+
+def row_tiles(query_start: jax.Array, group: int, block_m: int, num_tokens: int
+              ) -> tuple[jax.Array, jax.Array]:
+    """The kernel's work list: `(sequence, first row)` of each tile of `block_m` query rows.
+
+    A query row is one (token, query head of a KV group) pair, so a KV head's `group` query
+    heads share every K/V tile they load. Tiles never straddle sequences. The list has a
+    static length (the most tiles any batch of this shape can need); unused entries carry
+    sequence `S`, which the kernel skips.
+    """
+    num_seqs = query_start.shape[0] - 1
+    rows = (query_start[1:] - query_start[:-1]) * group
+    tiles = -(-rows // block_m)
+    ends = jnp.cumsum(tiles)
+    w = jnp.arange(-(-num_tokens * group // block_m) + num_seqs)
+    seq = jnp.searchsorted(ends, w, side="right").astype(jnp.int32)
+    first_tile = (ends - tiles)[jnp.minimum(seq, num_seqs - 1)]
+    return seq, ((w - first_tile) * block_m).astype(jnp.int32)
+
+
+def attend_row_tile(q_ref, o_ref, start_ref, ctx_ref, tile_seq_ref, tile_row_ref,
+                    make_loader, *, group: int, head_dim: int, block_m: int, block_k: int,
+                    scale: float) -> None:
+    """One program: a tile of query rows of one sequence and one KV head, against all the keys
+    its rows may see. `make_loader(seq, kv_head)` says where K/V tiles come from."""
+    w, kv_head = pl.program_id(0), pl.program_id(1)
+    seq = tile_seq_ref[w]
+
+    @pl.when(seq < ctx_ref.shape[0])
+    def _():
+        q_start, q_end, ctx = start_ref[seq], start_ref[seq + 1], ctx_ref[seq]
+        prefix = ctx - (q_end - q_start)
+        first_row = tile_row_ref[w]
+        r = first_row + jnp.arange(block_m)
+        valid = r < (q_end - q_start) * group
+        token, head = q_start + r // group, kv_head * group + r % group
+        cols = jnp.arange(head_dim)
+        idx = (token[:, None], head[:, None], cols[None, :])
+        q = gather(q_ref, valid[:, None], *idx)
+        end_key = jnp.minimum(prefix + (first_row + block_m - 1) // group + 1, ctx)
+        state = online_softmax_over_keys(q, prefix + r // group, 0, end_key,
+                                         make_loader(seq, kv_head), scale=scale, block_k=block_k)
+        scatter(o_ref, state.output().astype(o_ref.dtype), valid[:, None], *idx)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    block_m: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas version of `ragged_paged_attention_reference` (same signature and result).
+
+    One program per (tile of `block_m` query rows of one sequence, KV head). It walks the
+    sequence's keys up to its last row's position, cached prefix and the step's own tokens
+    alike (both are already in the pages), so prefill chunks and decodes need no separate
+    paths. Padding tokens' outputs are zeros.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    tile_seq, tile_row = row_tiles(meta.query_start, group, block_m, num_tokens)
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+
+    def loader(table_ref, k_ref, v_ref):
+        return lambda seq, kv_head: paged_kv_loader(table_ref, k_ref, v_ref, seq, kv_head,
+                                                    head_dim, block_size)
+
+    def kernel(q_ref, k_ref, v_ref, start_ref, ctx_ref, table_ref, seq_ref, row_ref, _, o_ref):
+        attend_row_tile(q_ref, o_ref, start_ref, ctx_ref, seq_ref, row_ref,
+                        loader(table_ref, k_ref, v_ref), group=group, head_dim=head_dim,
+                        block_m=block_m, block_k=block_k, scale=scale)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(tile_seq.shape[0], num_kv_heads),
+        input_output_aliases={8: 0},  # zeros in, so rows no tile covers read back as 0
+        compiler_params=compiler_params(num_warps),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(q, k_pages.reshape(flat), v_pages.reshape(flat), meta.query_start, meta.context_lens,
+      meta.block_tables, tile_seq, tile_row, jnp.zeros_like(q))
