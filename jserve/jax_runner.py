@@ -22,7 +22,7 @@ from flax import nnx
 from jserve.batch import Batch, StepOutput
 from jserve.sampling import sample_tokens
 from jserve.scheduler_view import SchedulerLimits
-from models.llama import LlamaForCausalLM
+from models.loading import CausalLM
 from models.paged import KVCache
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backends import select_attention
@@ -124,7 +124,7 @@ class JaxRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,

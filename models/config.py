@@ -54,9 +54,10 @@ class ModelConfig:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = d * self.num_heads * self.head_dim * 2 + d * self.num_kv_heads * self.head_dim * 2
         if self.family == "llama":
-            mlp, norms = 3 * d * f, 2 * d
-        else:  # OPT: fc1/fc2 with biases, LayerNorm scale+bias, attention biases
-            mlp, norms = 2 * d * f + f + d, 4 * d + 4 * d
+            mlp, norms, final_norm, positions = 3 * d * f, 2 * d, d, 0
+        else:  # OPT: fc1/fc2 with biases, LayerNorm scale+bias, attention biases, and a
+            # learned position table with 2 leading rows no token reads
+            mlp, norms, final_norm = 2 * d * f + f + d, 4 * d + 4 * d, 2 * d
+            positions = (self.max_position + 2) * d
         embed = v * d * (1 if self.tie_embeddings else 2)
-        positions = (self.max_position + 2) * d if self.family == "opt" else 0
-        return self.num_layers * (attn + mlp + norms) + embed + positions + d
+        return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm

@@ -1,4 +1,4 @@
-"""Dense, cache-free Llama forward pass used as a correctness oracle.
+"""Dense, cache-free Llama and OPT forward passes used as correctness oracles.
 
 Everything is recomputed from scratch for the full sequence, in float32, with
 no paging or KV cache, so that the optimized engine can be checked against an
@@ -17,6 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.gguf_loader import LlamaWeights
+from models.opt import POSITION_OFFSET, OPTWeights
 
 # Sequences are padded up to a multiple of this so the jitted forward pass is
 # compiled once per bucket instead of once per token.
@@ -25,18 +26,19 @@ _PAD_MULTIPLE = 64
 Params = dict[str, Any]
 
 
-def _to_params(weights: LlamaWeights) -> Params:
-    """Device-resident pytree of the weights (LlamaWeights itself is not a pytree)."""
-    lm_head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return {
-        "embed": jnp.asarray(weights.embed),
-        "final_norm": jnp.asarray(weights.final_norm),
-        "lm_head": jnp.asarray(lm_head),
-        "layers": [
-            {f.name: jnp.asarray(getattr(layer, f.name)) for f in dataclasses.fields(layer)}
-            for layer in weights.layers
-        ],
-    }
+Weights = LlamaWeights | OPTWeights
+
+
+def _to_params(weights: Weights) -> Params:
+    """Device-resident pytree of the weights (the weight dataclasses are not pytrees)."""
+    params = {f.name: getattr(weights, f.name) for f in dataclasses.fields(weights)}
+    params["layers"] = [
+        {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+        for layer in weights.layers
+    ]
+    tied = isinstance(weights, OPTWeights) or weights.lm_head is None
+    params["lm_head"] = weights.embed.T if tied else weights.lm_head
+    return jax.tree.map(jnp.asarray, params)
 
 
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -57,7 +59,34 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return x * jnp.cos(angles) + _rotate_half(x) * jnp.sin(angles)
 
 
-def _attention(hp: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
+def _layer_norm(x: jax.Array, scale_bias: tuple[jax.Array, jax.Array], eps: float) -> jax.Array:
+    scale, bias = scale_bias
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def _affine(x: jax.Array, kernel_bias: tuple[jax.Array, jax.Array]) -> jax.Array:
+    kernel, bias = kernel_bias
+    return x @ kernel + bias
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax(q k^T / sqrt(d)) v over `[T, heads, d]` inputs, flattened to `[T, heads * d]`."""
+    seq, num_heads, head_dim = q.shape
+    # GQA: query head h reads KV head h // group, as in HF's repeat_kv.
+    group = num_heads // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(head_dim)
+    positions = jnp.arange(seq)
+    causal = positions[:, None] >= positions[None, :]
+    scores = jnp.where(causal[None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("hqk,khd->qhd", probs, v).reshape(seq, num_heads * head_dim)
+
+
+def _llama_attention(hp: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     seq = x.shape[0]
     positions = jnp.arange(seq)
     q = (x @ layer["wq"]).reshape(seq, hp.num_heads, hp.head_dim)
@@ -65,29 +94,39 @@ def _attention(hp: ModelConfig, layer: Params, x: jax.Array) -> jax.Array:
     v = (x @ layer["wv"]).reshape(seq, hp.num_kv_heads, hp.head_dim)
     q = _rope(q, positions, hp.rope_theta)
     k = _rope(k, positions, hp.rope_theta)
-    # GQA: query head h reads KV head h // group, as in HF's repeat_kv.
-    group = hp.num_heads // hp.num_kv_heads
-    k = jnp.repeat(k, group, axis=1)
-    v = jnp.repeat(v, group, axis=1)
-    scores = jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(hp.head_dim)
-    causal = positions[:, None] >= positions[None, :]
-    scores = jnp.where(causal[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("hqk,khd->qhd", probs, v).reshape(seq, hp.num_heads * hp.head_dim)
-    return out @ layer["wo"]
+    return _causal_attention(q, k, v) @ layer["wo"]
 
 
 def _mlp(layer: Params, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
 
 
-def _hidden_states(hp: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
-    """Final-normed hidden states [T, D] for a full causal sequence."""
+def _llama_hidden_states(hp: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
     x = params["embed"][token_ids]
     for layer in params["layers"]:
-        x = x + _attention(hp, layer, _rms_norm(x, layer["attn_norm"], hp.norm_eps))
+        x = x + _llama_attention(hp, layer, _rms_norm(x, layer["attn_norm"], hp.norm_eps))
         x = x + _mlp(layer, _rms_norm(x, layer["mlp_norm"], hp.norm_eps))
     return _rms_norm(x, params["final_norm"], hp.norm_eps)
+
+
+def _opt_hidden_states(hp: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
+    """HF OPT with `do_layer_norm_before=True`: learned positions, pre-LayerNorm, ReLU."""
+    seq = token_ids.shape[0]
+    x = params["embed"][token_ids] + params["positions"][jnp.arange(seq) + POSITION_OFFSET]
+    for layer in params["layers"]:
+        h = _layer_norm(x, layer["attn_norm"], hp.norm_eps)
+        q, k, v = (_affine(h, layer[name]).reshape(seq, hp.num_heads, hp.head_dim)
+                   for name in ("q_proj", "k_proj", "v_proj"))
+        x = x + _affine(_causal_attention(q, k, v), layer["out_proj"])
+        h = _layer_norm(x, layer["mlp_norm"], hp.norm_eps)
+        x = x + _affine(jax.nn.relu(_affine(h, layer["fc1"])), layer["fc2"])
+    return _layer_norm(x, params["final_norm"], hp.norm_eps)
+
+
+def _hidden_states(hp: ModelConfig, params: Params, token_ids: jax.Array) -> jax.Array:
+    """Final-normed hidden states [T, D] for a full causal sequence."""
+    family = {"llama": _llama_hidden_states, "opt": _opt_hidden_states}[hp.family]
+    return family(hp, params, token_ids)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -110,7 +149,7 @@ def _padded(token_ids: list[int] | np.ndarray) -> np.ndarray:
     return np.pad(ids, (0, size - len(ids)))
 
 
-def dense_logits(hparams: ModelConfig, weights: LlamaWeights, token_ids: np.ndarray) -> np.ndarray:
+def dense_logits(hparams: ModelConfig, weights: Weights, token_ids: np.ndarray) -> np.ndarray:
     """Float32 logits [T, V] for every position of `token_ids` [T]."""
     token_ids = np.asarray(token_ids)
     logits = _all_logits(hparams, _to_params(weights), jnp.asarray(_padded(token_ids)))
@@ -119,7 +158,7 @@ def dense_logits(hparams: ModelConfig, weights: LlamaWeights, token_ids: np.ndar
 
 def dense_greedy_generate(
     hparams: ModelConfig,
-    weights: LlamaWeights,
+    weights: Weights,
     prompt_ids: list[int] | np.ndarray,
     max_new_tokens: int,
     eos_token_id: int | None,

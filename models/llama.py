@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.gguf_loader import LlamaLayerWeights, LlamaWeights
-from models.paged import AttentionFn, KVCache
+from models.paged import AttentionFn, KVCache, run_blocks
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.rope import rope
 
@@ -76,13 +76,8 @@ class LlamaForCausalLM(nnx.Module):
         self, token_ids: jax.Array, cache: KVCache, meta: AttentionMetadata, attention: AttentionFn
     ) -> tuple[jax.Array, KVCache]:
         """Final hidden states `[T, D]` of a flat ragged batch, and the updated cache."""
-        x = self.embed(token_ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.layers, cache.k, cache.v):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, meta, attention)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        return self.final_norm(x), KVCache(k=k_out, v=v_out)
+        x, cache = run_blocks(self.layers, self.embed(token_ids), cache, meta, attention)
+        return self.final_norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:

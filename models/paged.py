@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +23,15 @@ class AttentionFn(Protocol):
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         meta: AttentionMetadata, *, scale: float,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+class PagedBlock(Protocol):
+    """A decoder block that attends through one layer's pages and hands them back updated."""
+
+    def __call__(
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+        attention: AttentionFn,
     ) -> tuple[jax.Array, jax.Array, jax.Array]: ...
 
 
@@ -49,3 +59,19 @@ class KVCache:
     @property
     def scratch_block(self) -> int:
         return self.k[0].shape[0] - 1
+
+
+def run_blocks(
+    blocks: Sequence[PagedBlock], x: jax.Array, cache: KVCache, meta: AttentionMetadata,
+    attention: AttentionFn,
+) -> tuple[jax.Array, KVCache]:
+    """Thread the residual stream through every block, each with its own layer's pages.
+
+    Families differ inside their blocks, not in how the cache is threaded, so they share this.
+    """
+    k_out, v_out = [], []
+    for block, k_pages, v_pages in zip(blocks, cache.k, cache.v, strict=True):
+        x, k_pages, v_pages = block(x, k_pages, v_pages, meta, attention)
+        k_out.append(k_pages)
+        v_out.append(v_pages)
+    return x, KVCache(k=k_out, v=v_out)

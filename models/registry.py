@@ -22,11 +22,12 @@ def _llama(name: str, *, vocab: int, d: int, layers: int, heads: int, kv: int, f
     )
 
 
-def _opt(name: str, *, d: int, layers: int, heads: int) -> ModelConfig:
+def _opt(name: str, *, d: int, layers: int, heads: int, vocab: int = 50272,
+         ctx: int = 2048) -> ModelConfig:
     return ModelConfig(
-        name=name, family="opt", vocab_size=50272, hidden_size=d, num_layers=layers,
+        name=name, family="opt", vocab_size=vocab, hidden_size=d, num_layers=layers,
         num_heads=heads, num_kv_heads=heads, head_dim=d // heads, intermediate_size=4 * d,
-        max_position=2048, norm_eps=1e-5, tie_embeddings=True, bos_token_id=2, eos_token_id=2,
+        max_position=ctx, norm_eps=1e-5, tie_embeddings=True, bos_token_id=2, eos_token_id=2,
     )
 
 
@@ -45,6 +46,8 @@ MODELS: dict[str, ModelConfig] = {
                ctx=131072, theta=500000.0),
         _llama("yi-34b", vocab=64000, d=7168, layers=60, heads=56, kv=8, ffn=20480, ctx=4096,
                theta=5000000.0),
+        # The OPT counterpart of tiny-llama, for tests against the dense OPT oracle.
+        _opt("tiny-opt", d=64, layers=2, heads=4, vocab=512, ctx=1024),
         _opt("opt-13b", d=5120, layers=40, heads=40),
         _opt("opt-30b", d=7168, layers=48, heads=56),
         _opt("opt-66b", d=9216, layers=64, heads=72),
