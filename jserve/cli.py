@@ -21,6 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output token cap (default: min(model context, 2048))")
+    p.add_argument("--attention", default="auto",
+                   choices=["auto", "reference", "pallas", "pallas-interpret"],
+                   help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -29,7 +32,8 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr)
     llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
-              block_size=args.block_size, max_model_len=args.max_model_len, warmup=False)
+              block_size=args.block_size, max_model_len=args.max_model_len,
+              attention=args.attention, warmup=False)
     print(f"ready in {time.perf_counter() - t0:.1f}s (step shapes compile on first use)",
           file=sys.stderr)
     try:

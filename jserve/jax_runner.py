@@ -78,9 +78,11 @@ class Buckets:
         return prefill + decode
 
 
-def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int) -> StepInputs:
+def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
+                      mark_decode: bool = False) -> StepInputs:
     """Pad a batch to its bucket; padding tokens write to the scratch block, padded
-    sequences are empty."""
+    sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
+    backends with a decode kernel."""
     n, t_real = batch.num_seqs, batch.num_tokens
     t, s = b.tokens(t_real), b.seqs(n)
     q = batch.query_lens
@@ -112,7 +114,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int) -> 
         out[:n] = a
         return out
 
-    meta = AttentionMetadata(positions, slots, query_start, context_lens, tables)
+    decode_only = mark_decode and bool(np.all(q == 1))
+    meta = AttentionMetadata(positions, slots, query_start, context_lens, tables, decode_only)
     return StepInputs(
         token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
         pad(x.top_k), pad(x.seeds), pad(x.output_index),
@@ -143,6 +146,7 @@ class JaxRunner:
         self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype)
         self.scratch_block = self.cache.scratch_block
         attention_fn = select_attention(attention)
+        self.mark_decode = attention_fn.specialises_decode
 
         def step(params: Any, cache: KVCache, x: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
             m = nnx.merge(graphdef, params)
@@ -154,7 +158,7 @@ class JaxRunner:
             return tokens, logprobs, cache
 
         self._step = jax.jit(step, donate_argnums=(1,))
-        self._compiled: set[tuple[int, int]] = set()
+        self._compiled: set[tuple[int, int, bool]] = set()
         self.warmed_up = False
 
     # ------------------------------------------------------------------ compile
@@ -168,11 +172,11 @@ class JaxRunner:
 
             it = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for t, s in it:
-            self._run(self._padding_inputs(t, s))
+            self._run(self._padding_inputs(t, s, decode_only=self.mark_decode and t == s))
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _padding_inputs(self, t: int, s: int) -> StepInputs:
+    def _padding_inputs(self, t: int, s: int, decode_only: bool = False) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         meta = AttentionMetadata(
@@ -181,6 +185,7 @@ class JaxRunner:
             query_start=z(s + 1, np.int32),
             context_lens=z(s, np.int32),
             block_tables=np.full((s, self.buckets.max_blocks_per_seq), self.scratch_block, np.int32),
+            decode_only=decode_only,
         )
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
@@ -188,14 +193,16 @@ class JaxRunner:
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
         n = batch.num_seqs
-        tokens, logprobs = self._run(build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block))
+        x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
+                              self.mark_decode)
+        tokens, logprobs = self._run(x)
         return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
 
     def _run(self, x: StepInputs) -> tuple[jax.Array, jax.Array]:
-        shape = (x.token_ids.shape[0], x.sample_index.shape[0])
+        shape = (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only)
         if shape not in self._compiled:
             if self.warmed_up:
-                log.warning("compiling step for new bucket (T, S)=%s while serving", shape)
+                log.warning("compiling step for new bucket (T, S, decode_only)=%s while serving", shape)
             self._compiled.add(shape)
         tokens, logprobs, self.cache = self._step(self.params, self.cache, x)
         return tokens, logprobs

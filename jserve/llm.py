@@ -48,7 +48,8 @@ class LLM:
         max_num_seqs / max_num_batched_tokens: per-step limits (vLLM's meaning).
         weights: 'auto' (real where shipped, else random), 'real' or 'dummy'.
         dtype: 'auto' (float32 on CPU, bfloat16 on accelerators) or a jnp dtype name.
-        attention: attention backend ('auto', 'reference').
+        attention: attention backend: 'auto' (Pallas kernels on GPU, jnp reference on CPU),
+            'reference', 'pallas', or 'pallas-interpret' (the kernels interpreted, for checking).
         warmup: compile the step's shape buckets now rather than on first use.
     """
 

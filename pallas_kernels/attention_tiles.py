@@ -30,6 +30,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def check_head_dim(head_dim: int) -> None:
+    """Triton tiles are powers of two and its dots need every side >= 16."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Pallas attention kernels need head_dim a power of two >= 16, "
+                         f"got {head_dim}; use attention='reference'")
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plgpu.CompilerParams:
     """Triton launch parameters; passing them is also what selects the Triton backend on GPU
     (without them JAX lowers GPU kernels with Mosaic GPU, which needs sm_90)."""

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.attention_tiles import (
-    TileLoader, compiler_params, dot, gather, slots_of_keys,
+    check_head_dim, TileLoader, compiler_params, dot, gather, slots_of_keys,
 )
 from pallas_kernels.ragged_paged_attention import (
     attend_row_tile, ragged_paged_attention_reference, row_tiles, sequence_of_tokens,
@@ -138,6 +138,7 @@ def hidden_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, hidden = hidden_pages.shape
     num_kv_heads = proj.wk.shape[1] // head_dim
+    check_head_dim(head_dim)
     group = num_heads // num_kv_heads
     tile_seq, tile_row = row_tiles(meta.query_start, group, block_m, num_tokens)
     use_rope = proj.rope_theta is not None

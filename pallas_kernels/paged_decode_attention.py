@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.attention_tiles import (
-    compiler_params, gather, next_pow2, online_softmax_over_keys, paged_kv_loader,
+    check_head_dim, compiler_params, gather, next_pow2, online_softmax_over_keys, paged_kv_loader,
 )
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -60,6 +60,7 @@ def paged_decode_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = meta.block_tables.shape
+    check_head_dim(head_dim)
     group = num_heads // num_kv_heads
     rows = max(16, next_pow2(group))  # the smallest tile a tensor-core dot takes
     keys_per_split = -(-keys_per_split // block_k) * block_k

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.attention_tiles import (
-    compiler_params, gather, online_softmax_over_keys, paged_kv_loader, scatter,
+    check_head_dim, compiler_params, gather, online_softmax_over_keys, paged_kv_loader, scatter,
 )
 
 _MASKED = -1e30
@@ -199,6 +199,7 @@ def ragged_paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
+    check_head_dim(head_dim)
     group = num_heads // num_kv_heads
     tile_seq, tile_row = row_tiles(meta.query_start, group, block_m, num_tokens)
     flat = (num_blocks * block_size, num_kv_heads, head_dim)

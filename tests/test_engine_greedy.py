@@ -45,14 +45,18 @@ def test_tiny_model_matches_dense_oracle(tiny_loaded: LoadedModel) -> None:
     assert llm.num_preemptions == 0
 
 
-def test_tiny_model_identical_under_preemption(tiny_loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+def test_tiny_model_identical_under_preemption(tiny_loaded: LoadedModel, attention: str) -> None:
+    """Also the Pallas kernels (interpreted) end to end: ragged prefill, the split-K decode
+    kernel on all-decode steps and the KV write, under preemption."""
     prompts = _random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33], seed=1)
     roomy = LLM(tiny_loaded, num_blocks=512, warmup=False)
     # 12 blocks of 4 tokens: two or three sequences at a time, growth forces preemptions.
-    tight = LLM(tiny_loaded, num_blocks=12, block_size=4, max_model_len=48, warmup=False)
+    tight = LLM(tiny_loaded, num_blocks=12, block_size=4, max_model_len=48, attention=attention,
+                warmup=False)
     expected = _engine_ids(roomy, prompts, 40)
     assert _engine_ids(tight, prompts, 40) == [e[: 48 - len(p)] for e, p in zip(expected, prompts)]
-    print(f"tiny model: {tight.num_preemptions} preemptions")
+    print(f"tiny model, {attention}: {tight.num_preemptions} preemptions")
     assert tight.num_preemptions > 0
     assert tight.engine.state.blocks.num_free == 12
 

@@ -92,7 +92,8 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[in
     return [o.token_ids for o in outs]
 
 
-def test_engine_greedy_matches_dense_oracle_with_and_without_preemption() -> None:
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+def test_engine_greedy_matches_dense_oracle_with_and_without_preemption(attention: str) -> None:
     roomy = LLM("tiny-opt", weights="dummy", num_blocks=256, warmup=False)
     loaded: LoadedModel = roomy.model
     cfg = loaded.config
@@ -104,7 +105,8 @@ def test_engine_greedy_matches_dense_oracle_with_and_without_preemption() -> Non
     assert roomy.num_preemptions == 0
 
     # 12 blocks of 4 tokens: two or three sequences at a time, growth forces preemptions.
-    tight = LLM(loaded, num_blocks=12, block_size=4, max_model_len=48, warmup=False)
+    tight = LLM(loaded, num_blocks=12, block_size=4, max_model_len=48, attention=attention,
+                warmup=False)
     assert _greedy(tight, prompts, 24) == [e[: 48 - len(p)] for e, p in zip(expected, prompts)]
     assert tight.num_preemptions > 0
     assert tight.engine.state.blocks.num_free == 12
