@@ -24,7 +24,7 @@ from jserve.sampling import sample_tokens
 from jserve.scheduler_view import SchedulerLimits
 from models.loading import CausalLM
 from models.paged import KVCache
-from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
@@ -90,32 +90,21 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     if x is None:
         raise ValueError("the JAX runner needs a batch built with inputs")
 
-    tables = np.full((s, b.max_blocks_per_seq), scratch_block, np.int32)
-    for i, table in enumerate(x.block_tables):
-        tables[i, : len(table)] = table
-    seq_of_token = np.repeat(np.arange(n), q)
-    query_start = np.zeros(s + 1, np.int32)
-    query_start[1 : n + 1] = np.cumsum(q)
-    query_start[n + 1 :] = t_real
-    positions = np.zeros(t, np.int32)
-    positions[:t_real] = batch.start[seq_of_token] + np.arange(t_real) - query_start[seq_of_token]
-    slots = np.full(t, scratch_block * bs, np.int32)
-    pos = positions[:t_real]
-    slots[:t_real] = tables[seq_of_token, pos // bs] * bs + pos % bs
-    context_lens = np.zeros(s, np.int32)
-    context_lens[:n] = batch.context_lens
+    meta = ragged_metadata(
+        batch.start, q, x.block_tables, num_tokens=t, num_seqs=s,
+        max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=scratch_block,
+        decode_only=mark_decode and bool(np.all(q == 1)),
+    )
     token_ids = np.zeros(t, np.int32)
     token_ids[:t_real] = x.token_ids
     sample_index = np.zeros(s, np.int32)
-    sample_index[:n] = query_start[1 : n + 1] - 1
+    sample_index[:n] = meta.query_start[1 : n + 1] - 1
 
     def pad(a: np.ndarray, fill: float = 0) -> np.ndarray:
         out = np.full(s, fill, a.dtype)
         out[:n] = a
         return out
 
-    decode_only = mark_decode and bool(np.all(q == 1))
-    meta = AttentionMetadata(positions, slots, query_start, context_lens, tables, decode_only)
     return StepInputs(
         token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
         pad(x.top_k), pad(x.seeds), pad(x.output_index),

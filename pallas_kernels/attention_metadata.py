@@ -8,9 +8,11 @@ tokens of context. Prefill chunks and decodes mix freely; padding tokens sit aft
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -24,3 +26,40 @@ class AttentionMetadata:
     # Static: every real sequence has exactly one query token. Lets a backend pick its
     # decode kernel at trace time; a different value is a different compiled step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
+
+
+def ragged_metadata(
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    tables: Sequence[np.ndarray],
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    max_blocks: int,
+    block_size: int,
+    scratch_block: int,
+    decode_only: bool = False,
+) -> AttentionMetadata:
+    """Host-side (numpy) metadata of a step padded to `num_tokens` x `num_seqs`.
+
+    Sequence `i` computes `query_lens[i]` tokens from position `starts[i]` through the
+    physical blocks `tables[i]`. Padding tokens write to the scratch block; padded sequences
+    are empty and their tables point at the scratch block.
+    """
+    n = len(query_lens)
+    t_real = int(np.sum(query_lens))
+    block_tables = np.full((num_seqs, max_blocks), scratch_block, np.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    seq_of_token = np.repeat(np.arange(n), query_lens)
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    query_start[1 : n + 1] = np.cumsum(query_lens)
+    query_start[n + 1 :] = t_real
+    positions = np.zeros(num_tokens, np.int32)
+    pos = np.asarray(starts)[seq_of_token] + np.arange(t_real) - query_start[seq_of_token]
+    positions[:t_real] = pos
+    slots = np.full(num_tokens, scratch_block * block_size, np.int32)
+    slots[:t_real] = block_tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    context_lens = np.zeros(num_seqs, np.int32)
+    context_lens[:n] = np.asarray(starts) + np.asarray(query_lens)
+    return AttentionMetadata(positions, slots, query_start, context_lens, block_tables, decode_only)

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""One decode step of the real runner against its memory roofline, in one run.
+
+A decode step must read every weight once and every sequence's K/V once; at batch 64 that
+traffic dwarfs the arithmetic, so its floor is
+
+    roofline = (weight bytes + K/V bytes read + K/V bytes written) / copy bandwidth
+
+with the copy bandwidth measured in the same run (device_timing.copy_bandwidth). The step
+is `JaxRunner`'s jit step (model, attention backend, sampling), fed an all-decode batch of
+`--batch` sequences, each at `--context` tokens, over shuffled distinct blocks of a cache
+filled with random values. Two times are reported: the device step alone (inputs already
+on the device), and `runner.execute` (host metadata, transfer and token read-back too).
+
+Defaults: llama-2-7b with dummy weights at batch 64 and context 2048 on GPU (bfloat16;
+13.5 GB of weights plus 69 GB of K/V, so it needs an H200-class GPU: on a smaller one it
+halves the batch until the cache fits, and says so). On CPU that does not fit in memory,
+so the default there is smollm2-135m's shape at context 1024, float32, and the figures are
+for the CPU reference path.
+
+Usage::
+
+    python bench/decode_step.py
+    python bench/decode_step.py --model llama-2-7b --batch 32 --context 2048 --attention pallas
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from device_timing import copy_bandwidth, device_name, median_seconds, on_gpu, random_like, today
+
+from jserve.batch import Batch, BatchInputs
+from jserve.jax_runner import JaxRunner, build_step_inputs
+from models.loading import load_model
+from models.paged import KVCache
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, vocab: int,
+                 rng: np.random.Generator) -> Batch:
+    """`batch` sequences each decoding the token at position `context - 1`."""
+    per_seq = -(-context // block_size)
+    ids = rng.permutation(num_blocks)[: batch * per_seq].astype(np.int32)
+    z = lambda dt: np.zeros(batch, dt)  # noqa: E731
+    inputs = BatchInputs(
+        token_ids=rng.integers(0, vocab, batch).astype(np.int32),
+        block_tables=tuple(np.split(ids, batch)), temperature=z(np.float32),
+        top_p=np.ones(batch, np.float32), top_k=z(np.int32), seeds=z(np.uint32),
+        output_index=z(np.int32))
+    return Batch(seq_ids=np.arange(batch), start=np.full(batch, context - 1, np.int32),
+                 query_lens=np.ones(batch, np.int32), sample=np.ones(batch, bool), inputs=inputs)
+
+
+def fits(cfg, batch: int, context: int, itemsize: int) -> bool:
+    """Weights and K/V within 85% of the device's memory (where the backend reports it)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    need = cfg.num_params * itemsize + batch * context * cfg.kv_bytes_per_token // 2 * itemsize
+    return limit is None or need < 0.85 * limit
+
+
+def main() -> None:
+    gpu = on_gpu()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-2-7b" if gpu else "smollm2-135m")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=2048 if gpu else 1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16" if gpu else "float32")
+    ap.add_argument("--attention", default="auto", help="auto, reference, pallas")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--output", default=None,
+                    help="JSON path (default: bench/results/decode_step_<platform>.json)")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+
+    loaded = load_model(args.model, weights="dummy", dtype=dtype)
+    cfg = loaded.config
+    batch = args.batch
+    while batch > 1 and not fits(cfg, batch, args.context, dtype.itemsize):
+        batch //= 2
+    if batch != args.batch:
+        print(f"note: batch {args.batch} x {args.context} tokens does not fit this device; "
+              f"measuring batch {batch}")
+    per_seq = -(-args.context // args.block_size)
+    num_blocks = batch * per_seq + 1
+    runner = JaxRunner(loaded.model, num_blocks=num_blocks, block_size=args.block_size,
+                       max_num_batched_tokens=batch, max_num_seqs=batch,
+                       max_model_len=per_seq * args.block_size, attention=args.attention)
+    shape = runner.cache.k[0].shape
+    runner.cache = KVCache(k=[random_like(shape, dtype, 2 * i) for i in range(cfg.num_layers)],
+                           v=[random_like(shape, dtype, 2 * i + 1) for i in range(cfg.num_layers)])
+    step_batch = decode_batch(batch, args.context, args.block_size, num_blocks, cfg.vocab_size, rng)
+
+    x = jax.device_put(build_step_inputs(step_batch, runner.buckets, args.block_size,
+                                         runner.scratch_block, runner.mark_decode))
+
+    def device_step():
+        tokens, _, runner.cache = runner._step(runner.params, runner.cache, x)
+        return tokens
+
+    step_s = median_seconds(device_step, repeats=args.repeats)
+    execute_s = median_seconds(lambda: runner.execute(step_batch), repeats=args.repeats)
+    copy_bps = copy_bandwidth(1 << 30 if gpu else 1 << 28)
+
+    weight_bytes = sum(p.nbytes for p in jax.tree.leaves(runner.params))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    kv_read = batch * args.context * kv_per_token
+    kv_written = batch * kv_per_token
+    roofline_s = (weight_bytes + kv_read + kv_written) / copy_bps
+    ratio = step_s / roofline_s
+    result = {
+        "device": device_name(), "date": today(), "model": args.model, "dtype": dtype.name,
+        "attention": args.attention, "batch": batch, "context": args.context,
+        "block_size": args.block_size, "weight_bytes": weight_bytes, "kv_read_bytes": kv_read,
+        "copy_bytes_per_s": copy_bps, "roofline_s": roofline_s, "device_step_s": step_s,
+        "execute_s": execute_s, "step_over_roofline": ratio,
+    }
+    print(f"\n{args.model} ({dtype.name}, attention={args.attention}) on {device_name()}: "
+          f"decode batch {batch}, context {args.context}")
+    print(f"  weights {weight_bytes / 1e9:.2f} GB + K/V read {kv_read / 1e9:.2f} GB "
+          f"at measured copy bandwidth {copy_bps / 1e9:.1f} GB/s")
+    print(f"  {'roofline':<28} {roofline_s * 1e3:9.2f} ms")
+    print(f"  {'device step':<28} {step_s * 1e3:9.2f} ms   {ratio:.2f}x roofline")
+    print(f"  {'runner.execute (with host)':<28} {execute_s * 1e3:9.2f} ms   "
+          f"{execute_s / roofline_s:.2f}x roofline")
+    if gpu:
+        print(f"  goal: device step <= 1.25x roofline: {'PASS' if ratio <= 1.25 else 'MISS'}")
+    else:
+        print("  CPU: the jnp reference path; the 1.25x goal is for the Pallas kernels on H100")
+    out = pathlib.Path(args.output or RESULTS / f"decode_step_{'gpu' if gpu else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

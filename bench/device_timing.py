@@ -1,0 +1,58 @@
+"""Timing helpers shared by the device benchmarks (kernels.py, decode_step.py).
+
+Device work is asynchronous, so every timed call blocks until its outputs are ready;
+calls are warmed up first (compilation stays out of the numbers) and the median of many
+runs is reported. The bandwidth ceiling is measured, not taken from a datasheet: a large
+device-to-device elementwise copy, counting bytes read plus bytes written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def median_seconds(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 20) -> float:
+    """Median wall time of `fn()` with its outputs ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 20) -> float:
+    """Bytes/s of a jit elementwise copy of a random `nbytes` float32 buffer (read + write).
+
+    `x * 2` rather than a plain copy, which XLA may elide or alias away.
+    """
+    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
+    double = jax.jit(lambda a: a * 2)
+    return 2 * x.nbytes / median_seconds(lambda: double(x), repeats=repeats)
+
+
+def random_like(shape: tuple[int, ...], dtype, seed: int = 0) -> jax.Array:
+    """Random normal data made on the device (never time on zeros: they hide unwritten
+    outputs and can run faster than real data)."""
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
