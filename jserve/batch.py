@@ -22,6 +22,15 @@ class BatchInputs:
 
 
 @dataclass(frozen=True)
+class BlockMove:
+    """A request's KV moving between device and host: its device blocks, in table order
+    (where a swap-out reads from, or where a swap-in writes to)."""
+
+    seq_id: int
+    device_blocks: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
 class Batch:
     """Scheduled sequences in plan order; sequence `i` computes `query_lens[i]` tokens
     starting at position `start[i]`, all laid on one flat token axis.
@@ -35,6 +44,18 @@ class Batch:
     query_lens: np.ndarray  # [S] int32
     sample: np.ndarray  # [S] bool
     inputs: BatchInputs | None = None  # None unless the runner asked for them
+    # Done before the step's compute, outs first (an in may reuse blocks an out freed).
+    swap_out: tuple[BlockMove, ...] = ()
+    swap_in: tuple[BlockMove, ...] = ()
+    host_dropped: tuple[int, ...] = ()  # seq ids that ended while swapped out
+
+    @property
+    def moves_blocks(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.host_dropped)
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return sum(len(m.device_blocks) for m in self.swap_out + self.swap_in)
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from jserve.cache_sizing import block_bytes
 from jserve.clock import VirtualClock, WallClock
 from jserve.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
 from jserve.engine import Engine
@@ -48,6 +49,7 @@ class BenchConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9  # simulator KV sizing, as vLLM's setting
+    swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (vLLM's default)
     profile: str | None = None  # calibrated cost profile for the simulator (jserve profile)
     trace: str | None = None  # replay this JSONL trace instead of sampling one
 
@@ -106,13 +108,16 @@ def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
     num_blocks = cfg.num_blocks or kv_capacity_blocks(
         model, hw, cfg.block_size, utilization=cfg.gpu_memory_utilization)
     policy = make_policy(cfg.policy)
+    block = block_bytes(model, cfg.block_size, dtype_bytes=2)
     state = EngineState(num_blocks=num_blocks, block_size=cfg.block_size, limits=_limits(cfg),
                         eos_token_id=None, vocab_size=model.vocab_size,
-                        chunked_prefill=policy.chunked_prefill)
+                        chunked_prefill=policy.chunked_prefill,
+                        num_host_blocks=int(cfg.swap_space * 2**30 // block))
     clock = VirtualClock()
     # A profile was measured on the bucketed JAX runner: model its padding too.
     pad = Buckets.for_limits(state.limits, cfg.block_size).tokens if cfg.profile else None
-    return Engine(state, policy, SimRunner(cost, clock, pad=pad), clock.now), clock
+    runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
+    return Engine(state, policy, runner, clock.now), clock
 
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
@@ -150,7 +155,8 @@ def _real_engine(cfg: BenchConfig) -> tuple[Engine, WallClock, Callable[[TraceRe
 
     llm = LLM(cfg.model, policy=cfg.policy, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
               max_model_len=cfg.max_total_len, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, warmup=True)
+              max_num_batched_tokens=cfg.max_num_batched_tokens, swap_space=cfg.swap_space,
+              warmup=True)
     tokenizer = llm.tokenizer
     rng = np.random.default_rng(cfg.seed)
 

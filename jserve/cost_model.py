@@ -90,10 +90,14 @@ class StepShape:
         )
 
     @classmethod
-    def of(cls, batch: Batch, pad: Callable[[int], int] | None = None) -> StepShape:
+    def of(cls, batch: Batch, pad: Callable[[int], int] | None = None,
+           bytes_per_block: int = 0) -> StepShape:
         """Shape of a runner's `Batch` (a few numpy reductions: called every simulated step);
-        `pad` maps a token count to the runner's bucket when padding is modelled."""
+        `pad` maps a token count to the runner's bucket when padding is modelled;
+        `bytes_per_block` prices the batch's swapped blocks (all layers' K and V)."""
         shape = cls.from_lens(batch.start, batch.query_lens)
+        if batch.num_swapped_blocks:
+            shape = dataclasses.replace(shape, swap_bytes=batch.num_swapped_blocks * bytes_per_block)
         if pad is None or batch.num_seqs == 0:
             return shape
         padded = pad(shape.num_tokens)

@@ -10,6 +10,7 @@ from typing import Protocol
 from jserve.batch import Batch, StepOutput
 from jserve.engine_state import EngineState
 from jserve.errors import PlanError
+from jserve.plan import PreemptMode
 from jserve.policies.base import Policy
 from jserve.request import Request
 from jserve.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class Runner(Protocol):
 class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions that moved K/V to host memory
     num_batched_tokens: int = 0
 
 
@@ -62,9 +64,12 @@ class Engine:
         plan = self.policy.schedule(view)
         self.state.apply(plan, view.now)
         self.stats.num_preemptions += len(plan.preempt)
+        self.stats.num_swaps += sum(m is PreemptMode.SWAP for m in plan.preempt.values())
         batch = self.state.batch(with_inputs=self.runner.needs_inputs)
         if batch.num_seqs == 0:
-            if not plan.preempt and len(view.requests):
+            if batch.moves_blocks:
+                self.runner.execute(batch)
+            if not plan.preempt and not plan.swap_in and len(view.requests):
                 raise PlanError(
                     f"policy {self.policy.name!r} scheduled nothing with {len(view.requests)} "
                     "requests unfinished: the engine would stall"

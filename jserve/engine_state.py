@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jserve.batch import Batch, BatchInputs, StepOutput
+from jserve.batch import Batch, BatchInputs, BlockMove, StepOutput
 from jserve.block_manager import BlockManager
 from jserve.errors import InvalidRequestError, PlanError
 from jserve.plan import Plan, PreemptMode
@@ -34,8 +34,12 @@ class EngineState:
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
         chunked_prefill: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
+        plans may only preempt by recompute)."""
         self.blocks = BlockManager(num_blocks, block_size)
+        self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
         self.limits = limits
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
@@ -59,6 +63,8 @@ class EngineState:
         self._by_request_id: dict[str, int] = {}
         self._next_seq_id = 0
         self._applied: Plan | None = None
+        self._moves: tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]] = ((), ())
+        self._host_dropped: list[int] = []  # ended while swapped: the runner drops their copy
 
     # ----------------------------------------------------------------------- requests
     def add(
@@ -68,8 +74,13 @@ class EngineState:
         params: SamplingParams,
         arrival_time: float,
         prompt: str | None = None,
+        predicted_len: int = 0,
+        predicted_dir: int = 0,
     ) -> Request:
-        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why."""
+        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why.
+
+        `predicted_len` / `predicted_dir`: an output-length predictor's estimate and expected
+        error direction (+1 over, -1 under), for policies that allocate by prediction."""
         ids = [int(t) for t in prompt_token_ids]
         self._validate(request_id, ids, params)
         cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
@@ -87,6 +98,7 @@ class EngineState:
         self._row[seq_id] = self.table.add(
             seq_id=seq_id, status=RequestStatus.WAITING, arrival_time=arrival_time,
             prompt_len=len(ids), num_tokens=len(ids), max_len=cap, first_token_time=math.nan,
+            predicted_len=predicted_len, predicted_dir=predicted_dir,
         )
         return req
 
@@ -133,6 +145,8 @@ class EngineState:
             now=now, requests=self.table.snapshot(), block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks, num_free_blocks=self.blocks.num_free,
             limits=self.limits,
+            num_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_blocks,
+            num_free_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_free,
         )
 
     def apply(self, plan: Plan, now: float) -> None:
@@ -140,16 +154,33 @@ class EngineState:
         cannot honour is a policy bug, never trimmed."""
         self._validate_plan(plan)
         cols = self.table.data
-        for seq_id in plan.preempt:  # validated: all RECOMPUTE
+        swap_out, swap_in = [], []
+        for seq_id, mode in plan.preempt.items():
             row = self._row[seq_id]
+            held = np.asarray(self.blocks.table(seq_id), np.int32)
             self.blocks.free(seq_id)
             cols.num_blocks[row] = 0
-            cols.num_computed[row] = 0
-            cols.status[row] = RequestStatus.WAITING
+            if mode is PreemptMode.SWAP:
+                self.host_blocks.allocate(seq_id, len(held))
+                cols.num_host_blocks[row] = len(held)
+                cols.status[row] = RequestStatus.SWAPPED
+                swap_out.append(BlockMove(seq_id, held))
+            else:
+                cols.num_computed[row] = 0
+                cols.status[row] = RequestStatus.WAITING
             cols.num_preemptions[row] += 1
             metrics = self.requests[seq_id].metrics
             metrics.num_preemptions += 1
             metrics.last_preempted_at = now
+        for seq_id in sorted(plan.swap_in):
+            row = self._row[seq_id]
+            n = self.host_blocks.free(seq_id)
+            self.blocks.allocate(seq_id, n)
+            cols.num_host_blocks[row] = 0
+            cols.num_blocks[row] = n
+            cols.status[row] = RequestStatus.RUNNING
+            swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
+        self._moves = (tuple(swap_out), tuple(swap_in))
         for seq_id, n in plan.allocate.items():
             self.blocks.allocate(seq_id, n)
             cols.num_blocks[self._row[seq_id]] += n
@@ -165,17 +196,31 @@ class EngineState:
 
     def _validate_plan(self, plan: Plan) -> None:
         cols, lim, bs = self.table.data, self.limits, self.blocks.block_size
-        freed = 0
+        freed, to_host = 0, 0
         for seq_id, mode in plan.preempt.items():
             row = self._live_row(seq_id, "preempt")
             if cols.status[row] != RequestStatus.RUNNING:
                 raise PlanError(f"seq {seq_id}: only running requests can be preempted")
-            if mode is not PreemptMode.RECOMPUTE:
-                raise PlanError(f"seq {seq_id}: {mode.value} preemption needs a host KV tier")
+            if mode is PreemptMode.SWAP:
+                if self.host_blocks is None:
+                    raise PlanError(f"seq {seq_id}: swap preemption needs a host KV tier "
+                                    "(num_host_blocks > 0)")
+                to_host += int(cols.num_blocks[row])
             freed += int(cols.num_blocks[row])
-        wanted = sum(plan.allocate.values())
+        from_host = 0
+        for seq_id in plan.swap_in:
+            row = self._live_row(seq_id, "swap in")
+            if cols.status[row] != RequestStatus.SWAPPED:
+                raise PlanError(f"seq {seq_id}: only swapped requests can be swapped in")
+            from_host += int(cols.num_host_blocks[row])
+        if to_host and to_host > self.host_blocks.num_free:
+            raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
+                            "on the host")
+        wanted = sum(plan.allocate.values()) + from_host
         if wanted > self.blocks.num_free + freed:
-            raise PlanError(f"plan allocates {wanted} blocks, {self.blocks.num_free + freed} free")
+            swapping = f" ({from_host} of them to swap in)" if from_host else ""
+            raise PlanError(f"plan allocates {wanted} blocks, {self.blocks.num_free + freed} free"
+                            + swapping)
         for seq_id, n in plan.allocate.items():
             self._live_row(seq_id, "allocate to")
             if n < 0:
@@ -193,13 +238,15 @@ class EngineState:
             row = self._live_row(seq_id, "run")
             if seq_id in plan.preempt:
                 raise PlanError(f"seq {seq_id}: run and preempted in the same plan")
+            if cols.status[row] == RequestStatus.SWAPPED and seq_id not in plan.swap_in:
+                raise PlanError(f"seq {seq_id}: is swapped out; swap it in before running it")
             end = int(cols.num_computed[row]) + n
             if n < 1 or end > cols.num_tokens[row]:
                 raise PlanError(
                     f"seq {seq_id}: cannot run {n} tokens with {cols.num_computed[row]} of "
                     f"{cols.num_tokens[row]} computed"
                 )
-            held = int(cols.num_blocks[row]) + plan.allocate.get(seq_id, 0)
+            held = int(cols.num_blocks[row] + cols.num_host_blocks[row]) + plan.allocate.get(seq_id, 0)
             if held * bs < end:
                 raise PlanError(
                     f"seq {seq_id}: holds {held} blocks, needs {self.blocks.blocks_for(end)} "
@@ -219,7 +266,10 @@ class EngineState:
         start = cols.num_computed[rows].astype(np.int32)
         sample = (start + query_lens) == cols.num_tokens[rows]
         inputs = self._inputs(seq_ids, start, query_lens) if with_inputs else None
-        return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample, inputs=inputs)
+        swap_out, swap_in = self._moves
+        dropped, self._host_dropped = tuple(self._host_dropped), []
+        return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
+                     inputs=inputs, swap_out=swap_out, swap_in=swap_in, host_dropped=dropped)
 
     def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray) -> BatchInputs:
         reqs = [self.requests[int(s)] for s in seq_ids]
@@ -240,6 +290,7 @@ class EngineState:
 
         Returns the requests that gained a token (live objects: read, don't keep mutating)."""
         self._applied = None
+        self._moves = ((), ())
         cols = self.table.data
         updated = []
         tokens, logprobs = out.next_tokens.tolist(), out.logprobs.tolist()
@@ -303,6 +354,8 @@ class EngineState:
         req.finish_reason = reason
         req.metrics.finished_time = now
         self.blocks.free(req.seq_id)
+        if self.host_blocks is not None and self.host_blocks.free(req.seq_id):
+            self._host_dropped.append(req.seq_id)
         self.table.remove(self._row.pop(req.seq_id))
         del self.requests[req.seq_id]
         del self._by_request_id[req.request_id]
@@ -310,17 +363,27 @@ class EngineState:
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
         self.blocks.check_invariants()
+        if self.host_blocks is not None:
+            self.host_blocks.check_invariants()
+            assert self.host_blocks.seq_ids() <= set(self._row), "host blocks of a request that ended"
         cols = self.table.data
         assert len(self.table) == len(self.requests) == len(self._row)
         for seq_id, row in self._row.items():
             assert cols.seq_id[row] == seq_id
             assert cols.num_blocks[row] == self.blocks.num_held(seq_id), f"seq {seq_id} blocks"
             assert 0 <= cols.num_computed[row] <= cols.num_tokens[row] <= cols.max_len[row]
-            assert cols.num_computed[row] <= cols.num_blocks[row] * self.blocks.block_size
+            assert cols.num_computed[row] <= (cols.num_blocks[row] + cols.num_host_blocks[row]) * self.blocks.block_size
             req = self.requests[seq_id]
             assert cols.num_tokens[row] == req.num_tokens
+            host = 0 if self.host_blocks is None else self.host_blocks.num_held(seq_id)
+            assert cols.num_host_blocks[row] == host, f"seq {seq_id} host blocks"
             if cols.status[row] == RequestStatus.WAITING:
-                assert cols.num_blocks[row] == 0 and cols.num_computed[row] == 0
+                assert cols.num_blocks[row] == 0 and cols.num_computed[row] == 0 and host == 0
+            elif cols.status[row] == RequestStatus.SWAPPED:
+                assert cols.num_blocks[row] == 0, f"swapped seq {seq_id} holds device blocks"
+                assert cols.num_computed[row] <= host * self.blocks.block_size
+            else:
+                assert host == 0, f"running seq {seq_id} holds host blocks"
         assert self.blocks.seq_ids() <= set(self._row), "blocks held by a request that ended"
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.batch import Batch, StepOutput
+from jserve.host_kv import HostKVStore
 from jserve.sampling import sample_tokens
 from jserve.scheduler_view import SchedulerLimits
 from models.loading import CausalLM
@@ -136,6 +137,7 @@ class JaxRunner:
         self.scratch_block = self.cache.scratch_block
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
+        self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
 
         def step(params: Any, cache: KVCache, x: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
             m = nnx.merge(graphdef, params)
@@ -181,11 +183,23 @@ class JaxRunner:
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
+        self._move_blocks(batch)
         n = batch.num_seqs
+        if n == 0:
+            return StepOutput.empty()
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
                               self.mark_decode)
         tokens, logprobs = self._run(x)
         return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
+
+    def _move_blocks(self, batch: Batch) -> None:
+        """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
+        for move in batch.swap_out:
+            self.host_kv.swap_out(self.cache, move)
+        for move in batch.swap_in:
+            self.cache = self.host_kv.swap_in(self.cache, move)
+        for seq_id in batch.host_dropped:
+            self.host_kv.drop(seq_id)
 
     def _run(self, x: StepInputs) -> tuple[jax.Array, jax.Array]:
         shape = (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only)

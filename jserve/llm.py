@@ -51,6 +51,8 @@ class LLM:
         attention: attention backend: 'auto' (Pallas kernels on GPU, jnp reference on CPU),
             'reference', 'pallas', or 'pallas-interpret' (the kernels interpreted, for checking).
         warmup: compile the step's shape buckets now rather than on first use.
+        swap_space: GiB of host memory for K/V of requests preempted by swapping (vLLM's
+            option and default); 0 leaves policies recompute preemption only.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class LLM:
         attention: str = "auto",
         warmup: bool = True,
         seed: int = 0,
+        swap_space: float = 4.0,
     ) -> None:
         enable_compilation_cache()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -92,6 +95,8 @@ class LLM:
             num_blocks=num_blocks, block_size=block_size, limits=limits,
             eos_token_id=self.config.eos_token_id, vocab_size=self.config.vocab_size,
             tokenizer=self.tokenizer, chunked_prefill=self.policy.chunked_prefill,
+            num_host_blocks=num_blocks_for_budget(self.config, block_size, dtype_bytes(dtype),
+                                                  swap_space * 2**30),
         )
         self.runner = JaxRunner(
             loaded.model, num_blocks=num_blocks, block_size=block_size,

@@ -10,7 +10,7 @@ from types import MappingProxyType
 
 class PreemptMode(enum.Enum):
     RECOMPUTE = "recompute"  # drop the KV; the request re-prefills prompt + output later
-    SWAP = "swap"  # move the KV to host memory and back (needs a host tier)
+    SWAP = "swap"  # move the KV to host memory; a later plan swaps it back in
 
 
 def _frozen(mapping: Mapping | None) -> Mapping:
@@ -21,19 +21,31 @@ def _frozen(mapping: Mapping | None) -> Mapping:
 class Plan:
     """One iteration's decisions, keyed by `seq_id`, carried out in this order:
 
-    1. `preempt`: release the KV of running requests;
-    2. `allocate`: append that many fresh blocks to a request's table;
-    3. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
+    1. `preempt`: release the device KV of running requests (dropped, or swapped to host);
+    2. `swap_in`: bring swapped requests' KV back into fresh device blocks (they become
+       running, with all their computed tokens);
+    3. `allocate`: append that many fresh blocks to a request's table;
+    4. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
        a whole prompt, or 1 for a decode). Insertion order is batch order.
+
+    Blocks a preemption frees may serve a swap-in or an allocation of the same plan: the
+    runner copies swapped-out blocks before anything writes to them.
     """
 
     run: Mapping[int, int] = field(default_factory=dict)
     allocate: Mapping[int, int] = field(default_factory=dict)
     preempt: Mapping[int, PreemptMode] = field(default_factory=dict)
+    swap_in: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("run", "allocate", "preempt"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
+        object.__setattr__(self, "swap_in", frozenset(self.swap_in))
+
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether the plan swaps anything (a step with work even if it runs nothing)."""
+        return bool(self.swap_in) or PreemptMode.SWAP in self.preempt.values()
 
     @property
     def num_batched_tokens(self) -> int:

@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0  # arrived; holds no KV (never started, or preempted by recompute)
     RUNNING = 1  # holds KV blocks on the device
     FINISHED = 2
+    SWAPPED = 3  # preempted by swapping: its KV waits in host memory, none on the device
 
 
 class FinishReason(str, enum.Enum):

@@ -28,9 +28,14 @@ class RequestArrays:
     num_tokens: np.ndarray = _col(np.int32)  # prompt + generated so far
     num_computed: np.ndarray = _col(np.int32)  # tokens whose K/V is in the cache
     max_len: np.ndarray = _col(np.int32)  # num_tokens never exceeds this
-    num_blocks: np.ndarray = _col(np.int32)  # KV blocks held
+    num_blocks: np.ndarray = _col(np.int32)  # KV blocks held on the device
+    num_host_blocks: np.ndarray = _col(np.int32)  # KV blocks held in host memory (swapped)
     num_preemptions: np.ndarray = _col(np.int32)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
+    # Output length a predictor expects (0: no prediction), and the direction its
+    # classifier expects the error to take: +1 over-predicted, -1 under, 0 unknown.
+    predicted_len: np.ndarray = _col(np.int32)
+    predicted_dir: np.ndarray = _col(np.int8)
 
     @classmethod
     def empty(cls, n: int) -> RequestArrays:

@@ -34,6 +34,8 @@ class SchedulerView:
     num_blocks: int
     num_free_blocks: int
     limits: SchedulerLimits
+    num_host_blocks: int = 0  # host tier for swap preemption; 0: recompute only
+    num_free_host_blocks: int = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

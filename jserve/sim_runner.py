@@ -20,17 +20,19 @@ class SimRunner:
     needs_inputs = False
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock, token_id: int = 0,
-                 pad: Callable[[int], int] | None = None) -> None:
+                 pad: Callable[[int], int] | None = None, bytes_per_block: int = 0) -> None:
         """`pad`: the simulated runner's token bucketing (e.g. `Buckets.tokens` of the JAX
-        runner whose profile the cost model was fitted to); None models no padding."""
+        runner whose profile the cost model was fitted to); None models no padding.
+        `bytes_per_block`: K/V bytes of one block over all layers, what a swap moves."""
         self.cost_model = cost_model
+        self.bytes_per_block = bytes_per_block
         self.clock = clock
         self.pad = pad
         self.token_id = token_id
         self.busy_time = 0.0
 
     def execute(self, batch: Batch) -> StepOutput:
-        dt = self.cost_model.step_time(StepShape.of(batch, self.pad))
+        dt = self.cost_model.step_time(StepShape.of(batch, self.pad, self.bytes_per_block))
         self.clock.advance(dt)
         self.busy_time += dt
         n = batch.num_seqs

@@ -17,6 +17,9 @@ from functools import partial
 import jax
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.block_copy import (
+    gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
+)
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import (
@@ -26,12 +29,15 @@ from pallas_kernels.ragged_paged_attention import (
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """An `AttentionFn` built from a KV write, a ragged kernel and an optional decode kernel."""
+    """An `AttentionFn` built from a KV write, a ragged kernel and an optional decode kernel,
+    plus the block gather/scatter the runner swaps with."""
 
     name: str
     write_kv: Callable
     ragged: Callable
     decode: Callable | None = None  # one query token per sequence; None: use `ragged`
+    gather_blocks: Callable = gather_blocks_reference
+    scatter_blocks: Callable = scatter_blocks_reference
 
     @property
     def specialises_decode(self) -> bool:
@@ -56,6 +62,8 @@ def _pallas(name: str, *, interpret: bool = False, block_m: int = 64, block_k: i
                        interpret=interpret),
         decode=partial(paged_decode_attention, block_k=block_k,
                        keys_per_split=keys_per_split, interpret=interpret),
+        gather_blocks=partial(gather_blocks, interpret=interpret),
+        scatter_blocks=partial(scatter_blocks, interpret=interpret),
     )
 
 

@@ -30,7 +30,7 @@ from jserve.batch import Batch, StepOutput
 from jserve.engine import Engine
 from jserve.engine_state import EngineState
 from jserve.errors import InvalidRequestError
-from jserve.plan import Plan
+from jserve.plan import Plan, PreemptMode
 from jserve.policies.base import Policy
 from jserve.policies.vllm import VLLMPolicy
 from jserve.request import RequestOutput, RequestStatus
@@ -65,13 +65,38 @@ class FakeRunner:
         self.tok = np.full((num_blocks, block_size), -1, np.int64)
         self.owner = np.full((num_blocks, block_size), -1, np.int64)
         self.pos = np.full((num_blocks, block_size), -1, np.int64)
+        self.host: dict[int, tuple[np.ndarray, ...]] = {}  # swapped seq -> its blocks' (tok, owner, pos)
         self.num_calls = 0
+        self.num_swaps = 0
 
     needs_inputs = True
 
+    def _move_blocks(self, batch: Batch) -> None:
+        """Swaps as the JAX runner does them: outs, then ins, then drops. A swapped-out
+        block's slots are poisoned, so a sequence reading them after a swap-in that did not
+        restore them fails the owner/position checks."""
+        for move in batch.swap_out:
+            assert move.seq_id not in self.host, f"seq {move.seq_id} swapped out twice"
+            b = move.device_blocks
+            self.host[move.seq_id] = (self.tok[b].copy(), self.owner[b].copy(), self.pos[b].copy())
+            self.owner[b], self.pos[b] = -2, -2
+            self.num_swaps += 1
+        for move in batch.swap_in:
+            tok, owner, pos = self.host.pop(move.seq_id)
+            b = move.device_blocks
+            assert len(b) == len(tok), f"seq {move.seq_id}: swapped {len(tok)} blocks in as {len(b)}"
+            self.tok[b], self.owner[b], self.pos[b] = tok, owner, pos
+        for seq in batch.host_dropped:
+            assert seq in self.host, f"seq {seq} dropped but never swapped out"
+            del self.host[seq]
+
     def execute(self, batch: Batch) -> StepOutput:
         self.num_calls += 1
+        self._move_blocks(batch)
         s = batch.num_seqs
+        if s == 0:
+            assert batch.moves_blocks, "an empty batch that moves nothing"
+            return StepOutput.empty()
         assert 1 <= s <= self.limits.max_num_seqs
         assert batch.num_tokens == int(batch.query_lens.sum()) <= self.limits.max_num_batched_tokens
         assert len(batch.inputs.block_tables) == s and len(set(batch.seq_ids.tolist())) == s
@@ -116,7 +141,7 @@ def assert_view_unchanged(view: SchedulerView, before: dict[str, np.ndarray], sc
 
 def plan_key(plan: Plan) -> tuple:
     """Everything a plan says, order of `run` included (it is the batch order)."""
-    return (list(plan.run.items()), dict(plan.allocate), dict(plan.preempt))
+    return (list(plan.run.items()), dict(plan.allocate), dict(plan.preempt), sorted(plan.swap_in))
 
 
 def check_plan(view: SchedulerView, plan: Plan) -> None:
@@ -124,24 +149,32 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     r, lim = view.requests, view.limits
     row = {int(s): i for i, s in enumerate(r.seq_id)}
     running = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.RUNNING)}
-    assert set(plan.run) | set(plan.allocate) | set(plan.preempt) <= set(row), "plan names an unknown request"
+    swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
+    assert set(plan.run) | set(plan.allocate) | set(plan.preempt) | plan.swap_in <= set(row), \
+        "plan names an unknown request"
     assert set(plan.preempt) <= running, "preempted a request that is not running"
+    assert plan.swap_in <= swapped, "swapped in a request that is not swapped out"
     assert not set(plan.preempt) & (set(plan.run) | set(plan.allocate)), "preempted and run/allocated"
     assert len(plan.run) <= lim.max_num_seqs
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
     freed = sum(int(r.num_blocks[row[s]]) for s in plan.preempt)
-    assert sum(plan.allocate.values()) <= view.num_free_blocks + freed, "allocates more than is free"
+    back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
+    assert sum(plan.allocate.values()) + back <= view.num_free_blocks + freed, "allocates more than is free"
+    to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
+    assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
     for s, n in plan.run.items():
         i = row[s]
         end = int(r.num_computed[i]) + n
+        assert s not in swapped or s in plan.swap_in, f"seq {s}: runs while swapped out"
         assert 1 <= n and end <= r.num_tokens[i], f"seq {s}: runs {n} tokens past its last known token"
-        held = int(r.num_blocks[i]) + plan.allocate.get(s, 0)
+        held = int(r.num_blocks[i] + r.num_host_blocks[i]) + plan.allocate.get(s, 0)
         assert held * view.block_size >= end, f"seq {s}: runs {end} tokens in {held} blocks"
     # A request never holds blocks for tokens it can never have.
     for s, n in plan.allocate.items():
         i = row[s]
-        assert int(r.num_blocks[i]) + n <= view.blocks_for(int(r.max_len[i])), f"seq {s}: over-allocated"
+        held = int(r.num_blocks[i] + r.num_host_blocks[i])
+        assert held + n <= view.blocks_for(int(r.max_len[i])), f"seq {s}: over-allocated"
 
 
 PlanCheck = Callable[[SchedulerView, Plan], None]
@@ -193,12 +226,13 @@ class Harness:
     policy: Policy = dataclasses.field(default_factory=VLLMPolicy)
     plan_checks: Sequence[PlanCheck] = ()
     state_checks: Sequence[Callable[[Harness], None]] = ()
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.state = EngineState(
             num_blocks=self.num_blocks, block_size=self.block_size, limits=self.limits,
             eos_token_id=self.eos, vocab_size=self.vocab_size, tokenizer=None,
-            chunked_prefill=self.policy.chunked_prefill,
+            chunked_prefill=self.policy.chunked_prefill, num_host_blocks=self.num_host_blocks,
         )
         self.clock = FakeClock()
         self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size)
@@ -290,7 +324,12 @@ class Harness:
         assert view.num_free_blocks == len(free)
         assert set(r.seq_id.tolist()) == set(st_.requests)
         assert {s for s in bm.seq_ids() if bm.num_held(s)} <= set(st_.requests), "blocks held by an ended request"
-        assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING]).all()
+        assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING,
+                                  RequestStatus.SWAPPED]).all()
+        swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
+        # The runner hears of a request that ended while swapped at the next step.
+        ended = {self.seq_of[rid] for rid in self.final}
+        assert swapped <= set(self.runner.host) <= swapped | ended, "host copies != swapped set"
         for i, seq in enumerate(r.seq_id.tolist()):
             assert r.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
             assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING
@@ -320,6 +359,8 @@ class Harness:
         assert len(self.state.requests) == 0 and len(self.state.table) == 0
         assert self.state.blocks.num_free == self.num_blocks and not self.state.blocks.seq_ids()
         assert (self.state.blocks.ref_counts == 0).all()
+        host = self.state.host_blocks
+        assert host is None or (host.num_free == self.num_host_blocks and not host.seq_ids())
         assert set(self.final) == set(self.specs)
         for rid, spec in self.specs.items():
             out = self.final[rid]
@@ -401,9 +442,12 @@ def configs(
         max_num_batched_tokens = draw(st.integers(low, 2 * low))
     vocab_size = draw(st.integers(4, 48))
     eos = draw(st.one_of(st.none(), st.integers(0, vocab_size - 1)))
+    # A host tier for swap preemption: none, or one that is sometimes too small for a victim.
+    num_host_blocks = draw(st.sampled_from([0, max(1, num_blocks // 2), 2 * num_blocks]))
     return dict(
         num_blocks=num_blocks, block_size=block_size, eos=eos, vocab_size=vocab_size,
         limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len),
+        num_host_blocks=num_host_blocks,
     )
 
 

@@ -61,6 +61,24 @@ def test_tiny_model_identical_under_preemption(tiny_loaded: LoadedModel, attenti
     assert tight.engine.state.blocks.num_free == 12
 
 
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+def test_tiny_model_identical_when_preempted_by_swapping(tiny_loaded: LoadedModel,
+                                                          attention: str) -> None:
+    """Swapped-out K/V go to host memory and come back into other blocks bit for bit, so
+    greedy outputs equal an unconstrained run's."""
+    prompts = _random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33], seed=1)
+    roomy = LLM(tiny_loaded, num_blocks=512, warmup=False)
+    tight = LLM(tiny_loaded, policy="vllm-swap", num_blocks=12, block_size=4, max_model_len=48,
+                attention=attention, warmup=False)
+    expected = _engine_ids(roomy, prompts, 40)
+    assert _engine_ids(tight, prompts, 40) == [e[: 48 - len(p)] for e, p in zip(expected, prompts)]
+    state = tight.engine.state
+    print(f"tiny model, vllm-swap, {attention}: {tight.num_preemptions} preemptions")
+    assert tight.num_preemptions > 0 and tight.engine.stats.num_swaps == tight.num_preemptions
+    assert state.blocks.num_free == 12 and state.host_blocks.num_free == state.host_blocks.num_blocks
+    assert len(tight.runner.host_kv) == 0
+
+
 def _chat_prompts(loaded: LoadedModel) -> list[list[int]]:
     tok = loaded.tokenizer
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]

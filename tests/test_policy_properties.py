@@ -241,3 +241,21 @@ def test_fastgen_admits_no_request_past_max_num_seqs_holders() -> None:
     h = Harness(num_blocks=8, block_size=6, limits=SchedulerLimits(2, 9, 38), eos=None,
                 vocab_size=8, policy=policy, plan_checks=plan_checks_for(policy))
     h.run([spec(18, 8), spec(28, 1), spec(23, 4)] + [spec(1, 1, arrive=1)] * 4)
+
+
+@pytest.mark.parametrize("num_host_blocks", [1, 64])
+def test_vllm_swap_swaps_and_keeps_outputs(num_host_blocks: int) -> None:
+    """Four long requests over a cache of three requests' worth: the latest arrivals are
+    swapped out and back (with a 1-block host tier, too small for them, they are recomputed
+    instead); either way every output equals the unpreempted run (`check_done`)."""
+    policy = POLICIES["vllm-swap"]()
+    h = Harness(num_blocks=12, block_size=4, limits=SchedulerLimits(4, 48, 48), eos=None,
+                vocab_size=16, policy=policy, num_host_blocks=num_host_blocks)
+    h.run([spec(10, 30, arrive=0)] * 4)
+    preempted = sum(len(p.preempt) for p in h.policy.plans)
+    assert preempted > 0
+    if num_host_blocks > 1:
+        assert h.runner.num_swaps == preempted
+        assert sum(len(p.swap_in) for p in h.policy.plans) == preempted
+    else:
+        assert h.runner.num_swaps == 0

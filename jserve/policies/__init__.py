@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+
+from jserve.plan import PreemptMode
 
 from jserve.policies.base import Policy
 from jserve.policies.fastgen import FastGenPolicy
@@ -11,6 +14,7 @@ from jserve.policies.vllm import VLLMPolicy
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     "vllm": VLLMPolicy,
+    "vllm-swap": partial(VLLMPolicy, name="vllm-swap", preemption_mode=PreemptMode.SWAP),
     "sarathi": SarathiPolicy,
     "fastgen": FastGenPolicy,
 }

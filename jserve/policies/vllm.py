@@ -7,6 +7,10 @@
 - Decodes grow each running request block by block; when the cache runs out, the
   latest-arrived running request is preempted by recompute (it returns to the waiting set,
   and as the earliest waiting arrival it is readmitted first).
+- With `preemption_mode=SWAP` (vLLM's `--preemption-mode swap`, policy `vllm-swap`) victims
+  go to host memory while it has room. As in vLLM v0, swapped requests come back before
+  anything new is admitted: no prefills run while any are swapped, and they are swapped in
+  (oldest first, decoding in the same step) in steps that preempt nobody.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ class VLLMPolicy:
     name: str = "vllm"
     chunked_prefill: bool = False
     watermark: float = 0.01
+    preemption_mode: PreemptMode = PreemptMode.RECOMPUTE
 
     def schedule(self, view: SchedulerView) -> Plan:
         return self._prefills(view) or self._decodes(view)
 
     def _prefills(self, view: SchedulerView) -> Plan | None:
         r, lim = view.requests, view.limits
+        if (r.status == RequestStatus.SWAPPED).any():
+            return None
         running = int((r.status == RequestStatus.RUNNING).sum())
         watermark = int(self.watermark * view.num_blocks) if running else 0
         free, budget = view.num_free_blocks, lim.max_num_batched_tokens
@@ -52,19 +59,48 @@ class VLLMPolicy:
         run: dict[int, int] = {}
         allocate: dict[int, int] = {}
         preempt: dict[int, PreemptMode] = {}
+        host_free = view.num_free_host_blocks
+
+        def evict(i: int) -> None:
+            nonlocal host_free
+            held = int(r.num_blocks[i])
+            swap = self.preemption_mode is PreemptMode.SWAP and held <= host_free
+            preempt[int(r.seq_id[i])] = PreemptMode.SWAP if swap else PreemptMode.RECOMPUTE
+            host_free -= held if swap else 0
+
         while queue:
             i = queue.pop(0)
             need = view.blocks_for(int(r.num_computed[i]) + 1) - int(r.num_blocks[i])
             while need > free and queue:
                 victim = queue.pop()  # latest arrival
-                preempt[int(r.seq_id[victim])] = PreemptMode.RECOMPUTE
+                evict(victim)
                 free += int(r.num_blocks[victim])
             if need > free:  # nobody left to evict but itself
-                preempt[int(r.seq_id[i])] = PreemptMode.RECOMPUTE
+                evict(i)
                 break
             seq = int(r.seq_id[i])
             run[seq] = int(r.num_tokens[i] - r.num_computed[i])
             if need:
                 allocate[seq] = need
             free -= need
-        return Plan(run=run, allocate=allocate, preempt=preempt)
+        swap_in = set() if preempt else self._swap_ins(view, free, len(run), run, allocate)
+        return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=swap_in)
+
+    def _swap_ins(self, view: SchedulerView, free: int, running: int, run: dict[int, int],
+                  allocate: dict[int, int]) -> set[int]:
+        """Swapped requests back in, oldest first, while blocks and sequence slots allow;
+        each also decodes this step (adding to `run` / `allocate`)."""
+        r = view.requests
+        swap_in: set[int] = set()
+        for i in r.with_status(RequestStatus.SWAPPED):
+            held = int(r.num_host_blocks[i])
+            grow = view.blocks_for(int(r.num_computed[i]) + 1) - held
+            if held + grow > free or running + len(swap_in) >= view.limits.max_num_seqs:
+                break
+            seq = int(r.seq_id[i])
+            swap_in.add(seq)
+            run[seq] = int(r.num_tokens[i] - r.num_computed[i])
+            if grow:
+                allocate[seq] = grow
+            free -= held + grow
+        return swap_in

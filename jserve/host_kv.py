@@ -1,0 +1,69 @@
+"""Swapped-out requests' K/V, kept in host memory until they are swapped back in.
+
+A swap-out gathers the request's blocks of every layer's K and V into one device buffer
+(`[2 * layers, n, block_size, kv_heads, head_dim]`) and moves it to host memory in one
+`device_put`; a swap-in moves it back and scatters it into the request's new blocks inside a
+jit that donates the pool, so only those blocks are written. One buffer per request rather
+than a host pool mirroring the device's: a swap is then a single transfer each way and the
+host copy needs no block bookkeeping of its own (the engine state accounts for host blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.batch import BlockMove
+from models.paged import KVCache
+
+
+def host_sharding() -> jax.sharding.Sharding | None:
+    """Pinned host memory of the default device, where the backend has it (None: keep host
+    copies as numpy arrays)."""
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        return None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+class HostKVStore:
+    def __init__(self, gather_blocks: Callable, scatter_blocks: Callable) -> None:
+        def gather(cache: KVCache, ids: jax.Array) -> jax.Array:
+            return jnp.stack([gather_blocks(p, ids) for p in cache.k + cache.v])
+
+        def scatter(cache: KVCache, ids: jax.Array, blocks: jax.Array) -> KVCache:
+            layers = len(cache.k)
+            pools = [scatter_blocks(p, ids, blocks[i]) for i, p in enumerate(cache.k + cache.v)]
+            return KVCache(k=pools[:layers], v=pools[layers:])
+
+        self._gather = jax.jit(gather)
+        self._scatter = jax.jit(scatter, donate_argnums=0)
+        self._host = host_sharding()
+        self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device") \
+            if self._host is not None else None
+        self._held: dict[int, jax.Array | np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def swap_out(self, cache: KVCache, move: BlockMove) -> None:
+        if move.seq_id in self._held:
+            raise RuntimeError(f"seq {move.seq_id} is already swapped out")
+        buf = self._gather(cache, jnp.asarray(move.device_blocks))
+        self._held[move.seq_id] = np.asarray(buf) if self._host is None else jax.device_put(buf, self._host)
+
+    def swap_in(self, cache: KVCache, move: BlockMove) -> KVCache:
+        held = self._held.pop(move.seq_id)
+        if held.shape[1] != len(move.device_blocks):
+            raise RuntimeError(f"seq {move.seq_id}: {held.shape[1]} blocks swapped out, "
+                               f"{len(move.device_blocks)} to swap in")
+        buf = jax.device_put(held, self._device) if self._device is not None else jnp.asarray(held)
+        return self._scatter(cache, jnp.asarray(move.device_blocks), buf)
+
+    def drop(self, seq_id: int) -> None:
+        """Forget a request that ended while swapped out."""
+        self._held.pop(seq_id, None)

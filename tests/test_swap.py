@@ -1,0 +1,97 @@
+"""Swap preemption's bookkeeping: plans the state refuses, what a swap does to the columns
+and both tiers, and the simulator charging the transfer. (Outputs staying identical under
+swaps: test_engine_greedy.py and the vllm-swap property tests.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from policy_harness import FakeClock, FakeRunner
+
+from jserve.batch import Batch, StepOutput
+from jserve.cost_model import RooflineCostModel, StepShape
+from jserve.engine import Engine
+from jserve.engine_state import EngineState
+from jserve.errors import PlanError
+from jserve.hardware import get_hardware
+from jserve.plan import Plan, PreemptMode
+from jserve.policies.vllm import VLLMPolicy
+from jserve.request import RequestStatus
+from jserve.sampling_params import SamplingParams
+from jserve.scheduler_view import SchedulerLimits
+from models.registry import get_config
+
+LIMITS = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)
+
+
+def batch_output(batch: Batch) -> StepOutput:
+    return StepOutput(np.ones(batch.num_seqs, np.int32), np.zeros(batch.num_seqs, np.float32))
+
+
+def _two_running(num_host_blocks: int) -> tuple[EngineState, int, int]:
+    state = EngineState(num_blocks=6, block_size=4, limits=LIMITS, eos_token_id=None,
+                        vocab_size=16, num_host_blocks=num_host_blocks)
+    engine = Engine(state, VLLMPolicy(), FakeRunner(6, 4, LIMITS, 16), clock=FakeClock())
+    for rid in "ab":
+        engine.add_request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    a, b = state.snapshot(0.0).requests.seq_id.tolist()
+    return state, a, b
+
+
+def test_swap_needs_a_host_tier_with_room() -> None:
+    state, a, _ = _two_running(num_host_blocks=0)
+    with pytest.raises(PlanError, match="needs a host KV tier"):
+        state.apply(Plan(preempt={a: PreemptMode.SWAP}), 0.0)
+    state, a, b = _two_running(num_host_blocks=3)
+    with pytest.raises(PlanError, match="swaps out 4 blocks, 3 free on the host"):
+        state.apply(Plan(preempt={a: PreemptMode.SWAP, b: PreemptMode.SWAP}), 0.0)
+    state.check_invariants()
+
+
+def test_swap_out_and_in_moves_blocks_between_tiers() -> None:
+    state, a, b = _two_running(num_host_blocks=8)
+    held = state.blocks.table(a)
+    state.apply(Plan(preempt={a: PreemptMode.SWAP}), 1.0)
+    batch = state.batch()
+    assert [m.seq_id for m in batch.swap_out] == [a] and list(batch.swap_out[0].device_blocks) == held
+    view = state.snapshot(1.0)
+    row = view.requests.seq_id.tolist().index(a)
+    assert view.requests.status[row] == RequestStatus.SWAPPED
+    assert view.requests.num_computed[row] == 5 and view.requests.num_host_blocks[row] == 2
+    assert view.num_free_host_blocks == 6
+    state.commit(batch, batch_output(batch), 1.0)
+    state.check_invariants()
+
+    with pytest.raises(PlanError, match="swap it in before running it"):
+        state.apply(Plan(run={a: 1}), 2.0)
+    with pytest.raises(PlanError, match="only swapped requests can be swapped in"):
+        state.apply(Plan(swap_in={b}), 2.0)
+    state.apply(Plan(swap_in={a}, run={a: 1, b: 1}), 2.0)
+    batch = state.batch()
+    assert [m.seq_id for m in batch.swap_in] == [a] and len(batch.swap_in[0].device_blocks) == 2
+    assert state.host_blocks.num_free == 8
+    state.commit(batch, batch_output(batch), 2.0)
+    state.check_invariants()
+
+
+def test_abort_while_swapped_frees_the_host_and_tells_the_runner() -> None:
+    state, a, _ = _two_running(num_host_blocks=8)
+    state.apply(Plan(preempt={a: PreemptMode.SWAP}), 1.0)
+    state.commit(state.batch(), batch_output(state.batch()), 1.0)
+    state.abort("a", 2.0)
+    assert state.host_blocks.num_free == 8
+    state.apply(Plan(), 3.0)
+    assert state.batch().host_dropped == (a,)
+    state.check_invariants()
+
+
+def test_simulator_charges_swapped_bytes_over_pcie() -> None:
+    cfg, hw = get_config("opt-13b"), get_hardware("a100-80g")
+    cost = RooflineCostModel(cfg, hw)
+    state, a, _ = _two_running(num_host_blocks=8)
+    state.apply(Plan(preempt={a: PreemptMode.SWAP}), 1.0)
+    bytes_per_block = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 2
+    shape = StepShape.of(state.batch(), bytes_per_block=bytes_per_block)
+    assert shape.swap_bytes == 2 * bytes_per_block
+    assert cost.step_time(shape) == pytest.approx(2 * bytes_per_block / hw.pcie_bandwidth)
