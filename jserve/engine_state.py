@@ -7,6 +7,7 @@ after any step.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
@@ -65,6 +66,9 @@ class EngineState:
         self._applied: Plan | None = None
         self._moves: tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]] = ((), ())
         self._host_dropped: list[int] = []  # ended while swapped: the runner drops their copy
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=4096)
+        self._step_times: collections.deque[float] = collections.deque(maxlen=16)
+        self._applied_at = 0.0
 
     # ----------------------------------------------------------------------- requests
     def add(
@@ -98,8 +102,9 @@ class EngineState:
         self._row[seq_id] = self.table.add(
             seq_id=seq_id, status=RequestStatus.WAITING, arrival_time=arrival_time,
             prompt_len=len(ids), num_tokens=len(ids), max_len=cap, first_token_time=math.nan,
-            predicted_len=predicted_len, predicted_dir=predicted_dir,
+            predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
         )
+        self._arrivals.append(arrival_time)
         return req
 
     @property
@@ -140,6 +145,17 @@ class EngineState:
         return bool(self.requests)
 
     # ----------------------------------------------------------------------- the loop
+    ARRIVAL_WINDOW = 30.0  # seconds over which `SchedulerView.arrival_rate` is measured
+
+    def arrival_rate(self, now: float) -> float:
+        """Requests per second that arrived in the last `ARRIVAL_WINDOW` seconds (or since
+        the first arrival, if that is more recent)."""
+        if not self._arrivals:
+            return 0.0
+        start = max(now - self.ARRIVAL_WINDOW, self._arrivals[0])
+        n = sum(1 for t in reversed(self._arrivals) if t > start)
+        return n / max(now - start, 1e-9) if n else 0.0
+
     def snapshot(self, now: float) -> SchedulerView:
         return SchedulerView(
             now=now, requests=self.table.snapshot(), block_size=self.blocks.block_size,
@@ -147,6 +163,8 @@ class EngineState:
             limits=self.limits,
             num_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_blocks,
             num_free_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_free,
+            arrival_rate=self.arrival_rate(now),
+            iteration_time=max(self._step_times, default=0.0),
         )
 
     def apply(self, plan: Plan, now: float) -> None:
@@ -160,6 +178,7 @@ class EngineState:
             held = np.asarray(self.blocks.table(seq_id), np.int32)
             self.blocks.free(seq_id)
             cols.num_blocks[row] = 0
+            cols.reserved_blocks[row] = 0
             if mode is PreemptMode.SWAP:
                 self.host_blocks.allocate(seq_id, len(held))
                 cols.num_host_blocks[row] = len(held)
@@ -192,7 +211,10 @@ class EngineState:
             if metrics.last_preempted_at is not None:
                 metrics.preempted_time += now - metrics.last_preempted_at
                 metrics.last_preempted_at = None
+        for seq_id, n in plan.reserve.items():
+            cols.reserved_blocks[self._row[seq_id]] = n
         self._applied = plan
+        self._applied_at = now
 
     def _validate_plan(self, plan: Plan) -> None:
         cols, lim, bs = self.table.data, self.limits, self.blocks.block_size
@@ -234,6 +256,21 @@ class EngineState:
                 f"plan runs {plan.num_batched_tokens} tokens, max_num_batched_tokens is "
                 f"{lim.max_num_batched_tokens}"
             )
+        if plan.reserve:
+            for seq_id, n in plan.reserve.items():
+                self._live_row(seq_id, "reserve for")
+                if n < 0 or seq_id in plan.preempt:
+                    raise PlanError(f"seq {seq_id}: cannot reserve {n} blocks"
+                                    + (" and preempt it" if seq_id in plan.preempt else ""))
+            promised = cols.reserved_blocks.copy()
+            for seq_id, n in plan.reserve.items():
+                promised[self._row[seq_id]] = n
+            for seq_id in plan.preempt:
+                promised[self._row[seq_id]] = 0
+            live = np.fromiter(self._row.values(), np.int64, len(self._row))
+            if int(promised[live].sum()) > self.blocks.num_blocks:
+                raise PlanError(f"plan reserves {int(promised[live].sum())} blocks in all, the "
+                                f"cache has {self.blocks.num_blocks}")
         for seq_id, n in plan.run.items():
             row = self._live_row(seq_id, "run")
             if seq_id in plan.preempt:
@@ -291,6 +328,8 @@ class EngineState:
         Returns the requests that gained a token (live objects: read, don't keep mutating)."""
         self._applied = None
         self._moves = ((), ())
+        if batch.num_seqs:
+            self._step_times.append(now - self._applied_at)
         cols = self.table.data
         updated = []
         tokens, logprobs = out.next_tokens.tolist(), out.logprobs.tolist()
@@ -307,6 +346,7 @@ class EngineState:
             if req.finished:
                 continue
             cols.num_tokens[row] += 1
+            cols.last_token_time[row] = now
             if np.isnan(cols.first_token_time[row]):
                 cols.first_token_time[row] = now
         return updated
@@ -385,6 +425,9 @@ class EngineState:
             else:
                 assert host == 0, f"running seq {seq_id} holds host blocks"
         assert self.blocks.seq_ids() <= set(self._row), "blocks held by a request that ended"
+        live = np.fromiter(self._row.values(), np.int64, len(self._row))
+        assert (cols.reserved_blocks[live] >= 0).all()
+        assert int(cols.reserved_blocks[live].sum()) <= self.blocks.num_blocks, "over-reserved"
 
 
 def _slice(req: Request, start: int, n: int) -> list[int]:

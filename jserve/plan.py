@@ -27,6 +27,9 @@ class Plan:
     3. `allocate`: append that many fresh blocks to a request's table;
     4. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
        a whole prompt, or 1 for a decode). Insertion order is batch order.
+    5. `reserve`: set a request's reservation (blocks promised to it, materialised by later
+       `allocate`s) to that many blocks; reservations are bookkeeping for policies that
+       allocate a predicted demand (CacheOpt, RLP, S3), and their sum never exceeds the cache.
 
     Blocks a preemption frees may serve a swap-in or an allocation of the same plan: the
     runner copies swapped-out blocks before anything writes to them.
@@ -36,9 +39,10 @@ class Plan:
     allocate: Mapping[int, int] = field(default_factory=dict)
     preempt: Mapping[int, PreemptMode] = field(default_factory=dict)
     swap_in: frozenset[int] = frozenset()
+    reserve: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("run", "allocate", "preempt"):
+        for name in ("run", "allocate", "preempt", "reserve"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
 

@@ -32,6 +32,10 @@ class RequestArrays:
     num_host_blocks: np.ndarray = _col(np.int32)  # KV blocks held in host memory (swapped)
     num_preemptions: np.ndarray = _col(np.int32)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
+    last_token_time: np.ndarray = _col(np.float64)  # nan until the first token
+    # Blocks a reserving policy has promised the request (its allocation, of which `num_blocks`
+    # are materialised so far); 0 for policies that allocate block by block.
+    reserved_blocks: np.ndarray = _col(np.int32)
     # Output length a predictor expects (0: no prediction), and the direction its
     # classifier expects the error to take: +1 over-predicted, -1 under, 0 unknown.
     predicted_len: np.ndarray = _col(np.int32)

@@ -36,6 +36,15 @@ class SchedulerView:
     limits: SchedulerLimits
     num_host_blocks: int = 0  # host tier for swap preemption; 0: recompute only
     num_free_host_blocks: int = 0
+    arrival_rate: float = 0.0  # requests/s arrived over the recent window
+    iteration_time: float = 0.0  # longest recent step, seconds (0 before the first step)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks promised to live requests beyond what they hold (reserved, not yet
+        materialised): free blocks that reserving policies must not hand to others."""
+        r = self.requests
+        return int((r.reserved_blocks - r.num_blocks).clip(min=0).sum())
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
