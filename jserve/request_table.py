@@ -40,6 +40,9 @@ class RequestArrays:
     # classifier expects the error to take: +1 over-predicted, -1 under, 0 unknown.
     predicted_len: np.ndarray = _col(np.int32)
     predicted_dir: np.ndarray = _col(np.int8)
+    # The client's latency targets in seconds (nan: none given), for SLO-aware policies.
+    ttft_slo: np.ndarray = _col(np.float64)
+    tbt_slo: np.ndarray = _col(np.float64)
 
     @classmethod
     def empty(cls, n: int) -> RequestArrays:
