@@ -45,9 +45,11 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
         prompt: str | None = None, arrival_time: float | None = None,
+        ttft_slo: float | None = None, tbt_slo: float | None = None,
     ) -> None:
         now = self.clock() if arrival_time is None else arrival_time
-        self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt)
+        self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,
+                       ttft_slo=ttft_slo, tbt_slo=tbt_slo)
 
     def abort(self, request_id: str) -> Request | None:
         return self.state.abort(request_id, self.clock())

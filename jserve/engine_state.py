@@ -68,10 +68,18 @@ class EngineState:
         params: SamplingParams,
         arrival_time: float,
         prompt: str | None = None,
+        ttft_slo: float | None = None,
+        tbt_slo: float | None = None,
     ) -> Request:
-        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why."""
+        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why.
+
+        `ttft_slo` / `tbt_slo` (seconds) are the client's targets; policies read them from
+        the view's columns (nan where none was given)."""
         ids = [int(t) for t in prompt_token_ids]
         self._validate(request_id, ids, params)
+        for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
+            if slo is not None and not (math.isfinite(slo) and slo > 0):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}")
         cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
         seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -87,6 +95,8 @@ class EngineState:
         self._row[seq_id] = self.table.add(
             seq_id=seq_id, status=RequestStatus.WAITING, arrival_time=arrival_time,
             prompt_len=len(ids), num_tokens=len(ids), max_len=cap, first_token_time=math.nan,
+            ttft_slo=math.nan if ttft_slo is None else ttft_slo,
+            tbt_slo=math.nan if tbt_slo is None else tbt_slo,
         )
         return req
 

@@ -49,7 +49,8 @@ def replay(
         while i < len(pending) and start + pending[i].arrival_time <= now:
             spec = pending[i]
             engine.add_request(spec.request_id, prompt_ids(spec), benchmark_params(spec),
-                               prompt=spec.prompt, arrival_time=start + spec.arrival_time)
+                               prompt=spec.prompt, arrival_time=start + spec.arrival_time,
+                               ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo)
             i += 1
         if not engine.has_unfinished:
             clock.wait_until(start + pending[i].arrival_time)

@@ -31,6 +31,9 @@ class RequestArrays:
     num_blocks: np.ndarray = _col(np.int32)  # KV blocks held
     num_preemptions: np.ndarray = _col(np.int32)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
+    # The client's latency targets in seconds (nan: none given), for SLO-aware policies.
+    ttft_slo: np.ndarray = _col(np.float64)
+    tbt_slo: np.ndarray = _col(np.float64)
 
     @classmethod
     def empty(cls, n: int) -> RequestArrays:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jserve import LLM, InvalidRequestError, SamplingParams
@@ -66,3 +67,16 @@ def test_context_cap_finishes_with_length(llm: LLM) -> None:
     [out] = llm.generate(prompt_token_ids=[list(range(1, 61))],
                          sampling_params=SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_slos_reach_the_view_and_bad_ones_are_refused(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="ttft_slo must be a positive number"):
+        engine.add_request("bad", [1, 2], SamplingParams(), ttft_slo=0.0)
+    engine.add_request("slo", [1, 2], SamplingParams(), ttft_slo=0.5, tbt_slo=0.05)
+    engine.add_request("none", [1, 2], SamplingParams())
+    r = engine.state.snapshot(0.0).requests
+    assert r.ttft_slo[0] == 0.5 and r.tbt_slo[0] == 0.05 and np.isnan(r.ttft_slo[1:]).all()
+    for request_id in ("slo", "none"):
+        engine.abort(request_id)
+    assert not engine.state.has_unfinished
