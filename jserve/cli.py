@@ -150,6 +150,22 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from jserve import LLM
+    from jserve.server import serve
+
+    logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
+    logging.getLogger("jserve").setLevel(logging.INFO)
+    llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
+              block_size=args.block_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              warmup=not args.no_warmup)
+    serve(llm, args.host, args.port)
+    return 0
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
@@ -175,6 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     from jserve.policies import POLICIES
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    s.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences per step (default: %(default)s)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: max(max-model-len, 2048))")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="start at once and compile step shapes on first use instead")
+    _add_engine_args(s)
+    s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="replay a workload through the real engine or the simulator")
     b.add_argument("--policy", default="vllm", choices=sorted(POLICIES), help="default: vllm")
