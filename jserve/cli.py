@@ -89,11 +89,13 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of sampling")
 
 
-def _bench_config(args: argparse.Namespace, policy: str, rate: float):
+def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: str = "inprocess",
+                  url: str | None = None):
     from jserve.benchmark import BenchConfig
 
     return BenchConfig(
-        engine=args.engine, policy=policy, workload=args.workload, rate=rate,
+        engine="real" if backend == "http" else args.engine, backend=backend, url=url,
+        policy=policy, workload=args.workload, rate=rate,
         num_requests=args.num_requests, model=args.model, hardware=args.hardware, cv=args.cv,
         ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
         slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
@@ -116,7 +118,10 @@ def _bench(args: argparse.Namespace) -> int:
     from jserve.benchmark import run_benchmark
     from jserve.metrics import format_table
 
-    result = run_benchmark(_bench_config(args, args.policy, args.rate))
+    if args.backend == "http" and not args.url:
+        print("error: --backend http needs --url", file=sys.stderr)
+        return 2
+    result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
     print(format_table(result.summary))
     print(f"steps {result.num_steps}, KV blocks {result.num_blocks}, "
           f"wall {result.wall_time:.1f}s", file=sys.stderr)
@@ -205,11 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     s.set_defaults(func=_serve)
 
-    b = sub.add_parser("bench", help="replay a workload through the real engine or the simulator")
+    b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "
+                                     "or a running server")
     b.add_argument("--policy", default="vllm", choices=sorted(POLICIES), help="default: vllm")
     b.add_argument("--rate", type=float, default=float("inf"),
                    help="arrival rate in requests/s; inf sends all at once (default: inf)")
     b.add_argument("--output", default=None, help="write the summary and per-request records as JSON")
+    b.add_argument("--backend", choices=["inprocess", "http"], default="inprocess",
+                   help="inprocess: run the engine (or simulator) here; http: send the trace to a "
+                        "running `jserve serve` at --url (--model and --policy must name what it "
+                        "runs; its cache settings apply) (default: inprocess)")
+    b.add_argument("--url", default=None, help="base URL of the server, e.g. http://127.0.0.1:8000")
     _add_bench_args(b)
     b.set_defaults(func=_bench)
 

@@ -1,25 +1,49 @@
 """The OpenAI-compatible server over real loopback HTTP: the official `openai` client
-(streaming and not), error JSON, and a mid-stream disconnect that must free its blocks."""
+(streaming and not), error JSON, a mid-stream disconnect that must free its blocks,
+per-request SLOs reaching the policy, and the benchmark's HTTP backend."""
 
 from __future__ import annotations
 
 import json
+import math
+import pathlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import openai
 import pytest
 
 from jserve import LLM
+from jserve.benchmark import BenchConfig, run_benchmark
+from jserve.cli import main
 from jserve.http_client import scrape_metrics
 from jserve.http_client import wait_until_idle as server_idle
+from jserve.plan import Plan
+from jserve.policies.vllm import VLLMPolicy
+from jserve.scheduler_view import SchedulerView
 from jserve.server import build_app, serve_in_background
 from models.loading import LoadedModel
 
 TINY_CONTEXT = 1024
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 ABORTED = 'jserve_requests_finished_total{finish_reason="abort"}'
+
+
+@dataclass
+class SloRecordingPolicy:
+    """vLLM's schedule, noting the SLO columns it is shown (test-only state)."""
+
+    name: str = "vllm"
+    chunked_prefill: bool = False
+    inner: VLLMPolicy = field(default_factory=VLLMPolicy)
+    seen: set[tuple[float, float]] = field(default_factory=set)
+
+    def schedule(self, view: SchedulerView) -> Plan:
+        r = view.requests
+        self.seen |= {(a, b) for a, b in zip(r.ttft_slo.tolist(), r.tbt_slo.tolist())
+                      if not math.isnan(a)}
+        return self.inner.schedule(view)
 
 
 @dataclass
@@ -39,7 +63,7 @@ def _serve(llm: LLM) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def tiny(tiny_loaded: LoadedModel) -> Iterator[Served]:
     """tiny-llama (random weights, no tokenizer): prompts are token ids."""
-    llm = LLM(tiny_loaded, num_blocks=128, max_model_len=TINY_CONTEXT,
+    llm = LLM(tiny_loaded, policy=SloRecordingPolicy(), num_blocks=128, max_model_len=TINY_CONTEXT,
               max_num_seqs=8, max_num_batched_tokens=TINY_CONTEXT, warmup=False)
     yield from _serve(llm)
 
@@ -135,6 +159,32 @@ def test_server_keeps_serving_after_errors(tiny: Served) -> None:
     out = tiny.client.completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=3, extra_body=NO_EOS)
     assert out.usage.completion_tokens == 3
     wait_until_idle(tiny)
+
+
+# ------------------------------------------------------------------ SLOs and the HTTP benchmark
+
+
+def test_http_bench_replays_a_trace_and_slos_reach_the_policy(tiny: Served, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--backend", "http", "--url", tiny.url, "--model", "tiny-llama",
+                 "--workload", "fixed:12:5", "--num-requests", "6", "--rate", "100",
+                 "--ttft-slo", "2", "--tbt-slo", "0.5", "--slo-scale", "0.5", "2.5",
+                 "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["backend"] == "http" and data["summary"]["num_finished"] == 6
+    records = data["requests"]
+    assert all(r["output_len"] == 5 and r["prompt_len"] == 12 and len(r["token_times"]) == 5
+               for r in records)
+    assert data["num_steps"] > 0 and data["num_blocks"] == 128
+    assert {(r["ttft_slo"], r["tbt_slo"]) for r in records} <= tiny.llm.policy.seen
+    wait_until_idle(tiny)
+
+
+def test_http_bench_refuses_a_server_running_another_policy(tiny: Served) -> None:
+    cfg = BenchConfig(engine="real", backend="http", url=tiny.url, model="tiny-llama",
+                      policy="sarathi", workload="fixed:4:2", num_requests=1)
+    with pytest.raises(ValueError, match="pass --model tiny-llama --policy vllm"):
+        run_benchmark(cfg, progress=False)
 
 
 # ------------------------------------------------------------------ text and chat (SmolLM2)
