@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ from jserve.scheduler_view import SchedulerView
 from jserve.server import build_app, serve_in_background
 from models.loading import LoadedModel
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_CONTEXT = 1024
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 ABORTED = 'jserve_requests_finished_total{finish_reason="abort"}'
@@ -212,3 +216,16 @@ def test_text_completion_stops_at_a_stop_string(smol: Served) -> None:
     streamed = smol.client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8,
                                               temperature=0, stop=[","], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == " 5"
+
+
+# ------------------------------------------------------------------ the load test
+
+
+@pytest.mark.slow
+def test_http_load_script_passes(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "load.json"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}  # this checkout's jserve, installed or not
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "http_load.py"), "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["passed"]
