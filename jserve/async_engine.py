@@ -131,7 +131,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine has admitted it; raises the engine's
         `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
-        if self._task is None or self._stopping:
+        if not self.running or self._stopping:
             raise EngineStopped("the engine loop is not running")
         stream = RequestStream(self, request_id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -39,8 +39,8 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
-    def invalid(cls, err: InvalidRequestError | ValueError, param: str | None = None) -> OpenAIError:
-        return cls(400, str(err), param=param)
+    def invalid(cls, err: InvalidRequestError) -> OpenAIError:
+        return cls(400, str(err))
 
     def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from jserve.async_engine import AsyncEngine, RequestStream
+from jserve.async_engine import AsyncEngine, EngineStopped, RequestStream
 from jserve.errors import InvalidRequestError
 from jserve.llm import LLM
 from jserve.openai_protocol import (
@@ -76,9 +76,9 @@ def _sse(payload: dict[str, Any] | str) -> str:
 class OpenAIServer:
     """The routes' logic: one served model, one engine loop."""
 
-    def __init__(self, llm: LLM, model_name: str | None = None) -> None:
+    def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.model = model_name or llm.config.name
+        self.model = llm.config.name
         self.policy = llm.policy.name
         self.max_model_len = llm.engine.state.limits.max_model_len
         self.engine = AsyncEngine(llm.engine)
@@ -180,9 +180,9 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, f"{param or 'request body'}: {err['msg']}", param=param)
 
 
-def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
+def build_app(llm: LLM) -> FastAPI:
     """The ASGI app serving `llm`; its lifespan starts and stops the engine loop."""
-    server = OpenAIServer(llm, model_name)
+    server = OpenAIServer(llm)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -200,6 +200,10 @@ def build_app(llm: LLM, model_name: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return await openai_error(_, _validation_error(exc))
+
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
+        return await openai_error(_, OpenAIError(503, str(exc), type="server_error"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

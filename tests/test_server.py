@@ -142,7 +142,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny: Served) -> None:
         (b'{"model": "tiny-llama", "prompt": "text"}', 400, "no tokenizer"),
     ],
 )
-def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int, message: str) -> None:
+def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int,
+                                                   message: str) -> None:
     r = httpx.post(f"{tiny.url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status
     err = r.json()["error"]
