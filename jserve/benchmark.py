@@ -1,7 +1,9 @@
-"""Serving benchmarks: one trace through the real engine or the simulator, summarised.
+"""Serving benchmarks: one trace through the real engine, the simulator or a running
+server over HTTP, summarised.
 
 The real engine and the simulator share everything but the runner and the clock: the
-same `EngineState`, policy, trace replay and metrics.
+same `EngineState`, policy, trace replay and metrics. The HTTP backend sends the same
+trace with the same prompts and sampling settings, and its records feed the same metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from models.registry import DEFAULT_MODEL, get_config
 @dataclass(frozen=True)
 class BenchConfig:
     engine: Literal["real", "sim"] = "sim"
+    backend: Literal["inprocess", "http"] = "inprocess"  # http: a running `jserve serve`
+    url: str | None = None  # the server's base URL (http backend)
     policy: str = "vllm"
     workload: str = "sharegpt"
     rate: float = math.inf  # requests/s; inf = all at t=0
@@ -52,6 +56,14 @@ class BenchConfig:
     swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (vLLM's default)
     profile: str | None = None  # calibrated cost profile for the simulator (jserve profile)
     trace: str | None = None  # replay this JSONL trace instead of sampling one
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("real", "sim"):
+            raise ValueError(f"engine must be 'real' or 'sim', not {self.engine!r}")
+        if self.backend not in ("inprocess", "http"):
+            raise ValueError(f"backend must be 'inprocess' or 'http', not {self.backend!r}")
+        if self.backend == "http" and (self.engine != "real" or not self.url):
+            raise ValueError("the http backend benchmarks a real server: engine='real' and a url")
 
 
 @dataclass
@@ -121,29 +133,53 @@ def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
 
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
-    if cfg.engine not in ("real", "sim"):
-        raise ValueError(f"engine must be 'real' or 'sim', not {cfg.engine!r}")
     trace = make_trace(cfg)
-    t0 = time.perf_counter()
-    if cfg.engine == "sim":
-        engine, clock = sim_engine(cfg)
-        prompt_ids = _dummy_prompt_ids
-    else:
-        engine, clock, prompt_ids = _real_engine(cfg)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(trace.requests), desc=f"{cfg.engine}:{cfg.policy}", unit="req")
-    records = replay(engine, trace, clock, prompt_ids,
-                     on_finish=(lambda _: bar.update(1)) if bar is not None else None)
+        label = "http" if cfg.backend == "http" else cfg.engine
+        bar = tqdm(total=len(trace.requests), desc=f"{label}:{cfg.policy}", unit="req")
+    on_finish = (lambda _: bar.update(1)) if bar is not None else None
+    t0 = time.perf_counter()
+    if cfg.backend == "http":
+        from jserve.http_client import replay_http
+
+        run = replay_http(cfg.url, cfg.model, cfg.policy, trace,
+                          random_prompt_ids(get_config(cfg.model).vocab_size, cfg.seed), on_finish)
+        records, totals = run.records, run.totals
+    else:
+        if cfg.engine == "sim":
+            engine, clock = sim_engine(cfg)
+            prompt_ids = _dummy_prompt_ids
+        else:
+            engine, clock, prompt_ids = _real_engine(cfg)
+        records = replay(engine, trace, clock, prompt_ids, on_finish=on_finish)
+        totals = EngineTotals(engine.stats.num_steps, engine.stats.num_preemptions,
+                              engine.state.blocks.num_blocks)
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
     summary = summarize(records, None if cfg.slo_scale else cfg.ttft_slo,
                         None if cfg.slo_scale else cfg.tbt_slo)
-    return BenchResult(cfg, summary, records, wall, engine.stats.num_steps,
-                       engine.stats.num_preemptions, engine.state.blocks.num_blocks)
+    return BenchResult(cfg, summary, records, wall, totals.num_steps, totals.num_preemptions,
+                       totals.num_blocks)
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """Engine-wide counts of one run (the HTTP backend reads them from `/metrics`)."""
+
+    num_steps: int
+    num_preemptions: int
+    num_blocks: int
+
+
+def random_prompt_ids(vocab_size: int, seed: int) -> Callable[[int], list[int]]:
+    """Prompts for synthetic workloads: seeded random ids (above the usual special ids),
+    drawn in trace order so every backend sends the same prompts for one seed."""
+    rng = np.random.default_rng(seed)
+    return lambda n: rng.integers(3, vocab_size, n).tolist()
 
 
 def _dummy_prompt_ids(req: TraceRequest) -> list[int]:
@@ -158,12 +194,12 @@ def _real_engine(cfg: BenchConfig) -> tuple[Engine, WallClock, Callable[[TraceRe
               max_num_batched_tokens=cfg.max_num_batched_tokens, swap_space=cfg.swap_space,
               warmup=True)
     tokenizer = llm.tokenizer
-    rng = np.random.default_rng(cfg.seed)
+    random_ids = random_prompt_ids(llm.config.vocab_size, cfg.seed)
 
     def prompt_ids(req: TraceRequest) -> list[int]:
         # Text is tokenized as the trace measured it; synthetic prompts get random ids.
         if req.prompt is not None and tokenizer is not None:
             return tokenizer.encode(req.prompt)
-        return rng.integers(3, llm.config.vocab_size, req.prompt_len).tolist()
+        return random_ids(req.prompt_len)
 
     return llm.engine, WallClock(), prompt_ids

@@ -93,11 +93,13 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of sampling")
 
 
-def _bench_config(args: argparse.Namespace, policy: str, rate: float):
+def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: str = "inprocess",
+                  url: str | None = None):
     from jserve.benchmark import BenchConfig
 
     return BenchConfig(
-        engine=args.engine, policy=policy, workload=args.workload, rate=rate,
+        engine="real" if backend == "http" else args.engine, backend=backend, url=url,
+        policy=policy, workload=args.workload, rate=rate,
         num_requests=args.num_requests, model=args.model, hardware=args.hardware, cv=args.cv,
         ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
         slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
@@ -120,7 +122,10 @@ def _bench(args: argparse.Namespace) -> int:
     from jserve.benchmark import run_benchmark
     from jserve.metrics import format_table
 
-    result = run_benchmark(_bench_config(args, args.policy, args.rate))
+    if args.backend == "http" and not args.url:
+        print("error: --backend http needs --url", file=sys.stderr)
+        return 2
+    result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
     print(format_table(result.summary))
     print(f"steps {result.num_steps}, KV blocks {result.num_blocks}, "
           f"wall {result.wall_time:.1f}s", file=sys.stderr)
@@ -154,6 +159,22 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from jserve import LLM
+    from jserve.server import serve
+
+    logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
+    logging.getLogger("jserve").setLevel(logging.INFO)
+    llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
+              block_size=args.block_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              warmup=not args.no_warmup)
+    serve(llm, args.host, args.port)
+    return 0
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
@@ -180,11 +201,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jserve.policies import POLICIES
 
-    b = sub.add_parser("bench", help="replay a workload through the real engine or the simulator")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    s.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences per step (default: %(default)s)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: max(max-model-len, 2048))")
+    s.add_argument("--no-warmup", action="store_true",
+                   help="start at once and compile step shapes on first use instead")
+    _add_engine_args(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "
+                                     "or a running server")
     b.add_argument("--policy", default="vllm", choices=sorted(POLICIES), help="default: vllm")
     b.add_argument("--rate", type=float, default=float("inf"),
                    help="arrival rate in requests/s; inf sends all at once (default: inf)")
     b.add_argument("--output", default=None, help="write the summary and per-request records as JSON")
+    b.add_argument("--backend", choices=["inprocess", "http"], default="inprocess",
+                   help="inprocess: run the engine (or simulator) here; http: send the trace to a "
+                        "running `jserve serve` at --url (--model and --policy must name what it "
+                        "runs; its cache settings apply) (default: inprocess)")
+    b.add_argument("--url", default=None, help="base URL of the server, e.g. http://127.0.0.1:8000")
     _add_bench_args(b)
     b.set_defaults(func=_bench)
 

@@ -78,6 +78,13 @@ class Buckets:
                   if s <= self.max_tokens and (s, s) not in prefill]
         return prefill + decode
 
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, S) bucket a batch can fall in (S <= T: each sequence has a token), for
+        loads whose prefill steps pack many prompts, such as a burst of short requests."""
+        tokens = sorted({self.tokens(2**i) for i in range(3, 20)})
+        seqs = sorted({self.seqs(2**i) for i in range(3, 20)})
+        return [(t, s) for t in tokens for s in seqs if s <= t]
+
 
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
                       mark_decode: bool = False) -> StepInputs:
@@ -153,9 +160,10 @@ class JaxRunner:
         self.warmed_up = False
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False) -> float:
-        """Compile every bucket a vLLM-style schedule uses; returns the seconds it took."""
-        shapes = self.buckets.warmup_shapes()
+    def warmup(self, progress: bool = False, shapes: list[tuple[int, int]] | None = None) -> float:
+        """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses);
+        returns the seconds it took."""
+        shapes = self.buckets.warmup_shapes() if shapes is None else shapes
         t0 = time.perf_counter()
         it = shapes
         if progress:

@@ -1,0 +1,219 @@
+"""The engine loop of a server: one asyncio task steps the `Engine` while request handlers
+add and abort requests and await their token streams.
+
+A jit step takes milliseconds to seconds, so it runs in a worker thread (`to_thread`) and
+the event loop keeps serving HTTP meanwhile. `EngineState` is not thread-safe, so handlers
+never touch the engine: they queue adds and aborts, and the loop task applies them on the
+loop thread between steps, when no step is running. After each step the loop publishes
+every advanced request's new tokens and text to that request's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from jserve.engine import Engine
+from jserve.request import Request, RequestMetrics
+from jserve.sampling_params import SamplingParams
+from jserve.server_metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a request gained since its consumer last read: new tokens and their text."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # set on the last delta
+    metrics: RequestMetrics | None = None  # the finished request's timings, on the last delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def then(self, later: Delta) -> Delta:
+        return Delta(self.token_ids + later.token_ids, self.text + later.text,
+                     later.finish_reason, later.metrics)
+
+
+class RequestStream:
+    """One request's deltas as an async iterator. Deltas that piled up while the consumer
+    was busy come out merged, one per read. `close()` aborts the request unless it has
+    finished, so a consumer that stops early (client gone) frees its blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+        self._done = False
+
+    def put(self, item: Delta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        delta = self._take(await self._queue.get())
+        while not delta.finished and not self._queue.empty():
+            delta = delta.then(self._take(self._queue.get_nowait()))
+        self._done = delta.finished
+        return delta
+
+    def _take(self, item: Delta | BaseException) -> Delta:
+        if isinstance(item, BaseException):
+            self._done = True  # the engine already dropped the request
+            raise item
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Live:
+    """Publishing state of a request the engine holds."""
+
+    stream: RequestStream
+    holdback: int  # trailing characters withheld while a stop string may still be forming
+    num_tokens_sent: int = 0
+    num_chars_sent: int = 0
+
+
+class EngineStopped(RuntimeError):
+    """The server shut down before the request finished."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._live: dict[str, _Live] = {}
+        self._ops: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the loop task on the running event loop."""
+        self.metrics.update(self.engine)
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="jserve-engine")
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        """Let the running step finish, stop, and fail the requests still in flight."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await self._task
+        self._task = None
+        self._apply_ops()  # settle handlers still waiting for admission
+        self._fail_all(EngineStopped("the server is shutting down"))
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+        prompt: str | None = None, ttft_slo: float | None = None, tbt_slo: float | None = None,
+    ) -> RequestStream:
+        """Queue a request and wait until the engine has admitted it; raises the engine's
+        `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
+        if not self.running or self._stopping:
+            raise EngineStopped("the engine loop is not running")
+        stream = RequestStream(self, request_id)
+        admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        arrival = self.engine.clock()
+
+        def add() -> None:
+            if admitted.cancelled():  # the handler is gone already
+                return
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                        arrival_time=arrival, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+            except Exception as e:  # InvalidRequestError, or a bug the handler reports as 500
+                admitted.set_exception(e)
+                return
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            self._live[request_id] = _Live(stream, holdback)
+            admitted.set_result(None)
+
+        self._submit(add)
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # admitted just as the handler was cancelled
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (its client left); frees its blocks before the next step."""
+
+        def abort() -> None:
+            self._live.pop(request_id, None)
+            if self.engine.abort(request_id) is not None:
+                self.metrics.finished.labels("abort").inc()
+
+        self._submit(abort)
+
+    def _submit(self, op: Callable[[], None]) -> None:
+        self._ops.append(op)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while not self._stopping:
+            self._apply_ops()
+            if not self.engine.has_unfinished:
+                self._wake.clear()  # nothing was submitted since the ops ran: no await between
+                await self._wake.wait()
+                continue
+            try:
+                self._publish(await asyncio.to_thread(self.engine.step))
+            except Exception as e:  # a policy or runner bug: fail what is in flight, keep serving
+                log.exception("engine step failed; aborting the %d requests in flight", len(self._live))
+                self._fail_all(e)
+            self.metrics.update(self.engine)
+
+    def _apply_ops(self) -> None:
+        if self._ops:
+            ops, self._ops = self._ops, []
+            for op in ops:
+                op()
+            self.metrics.update(self.engine)
+
+    def _publish(self, updated: list[Request]) -> None:
+        for req in updated:
+            live = self._live.get(req.request_id)
+            if live is None:
+                continue
+            self.metrics.observe_tokens(req, live.num_tokens_sent)
+            text = req.text
+            end = len(text) if req.finished else max(live.num_chars_sent, len(text) - live.holdback)
+            finish = None if req.finish_reason is None else req.finish_reason.value
+            live.stream.put(Delta(req.output_token_ids[live.num_tokens_sent:],
+                                  text[live.num_chars_sent:end], finish,
+                                  req.metrics if req.finished else None))
+            live.num_tokens_sent = len(req.output_token_ids)
+            live.num_chars_sent = end
+            if req.finished:
+                del self._live[req.request_id]
+                self.metrics.finished.labels(finish).inc()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, live in self._live.items():
+            live.stream.put(error)
+            self.engine.abort(request_id)
+        self._live.clear()

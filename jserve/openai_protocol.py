@@ -1,0 +1,207 @@
+"""The OpenAI wire format: request bodies (pydantic), response and chunk JSON, error JSON.
+
+Kept apart from the routes so the HTTP layer only wires requests to the engine, and so the
+benchmark client and the tests read the same field names the server writes.
+
+Extensions beyond OpenAI's API (vLLM's names where vLLM has one): `top_k`, `ignore_eos`,
+`return_token_ids` (each choice carries the generated token ids: a model without a
+tokenizer has no text to stream), `ttft_slo` / `tbt_slo` (seconds, handed to SLO-aware
+policies), and on the finishing chunk of a stream a `jserve` object with the request's
+preemptions, which a client cannot observe otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from jserve.errors import InvalidRequestError
+from jserve.request import RequestMetrics
+from jserve.sampling_params import SamplingParams
+
+# OpenAI's default for /v1/completions; chat completions default to the rest of the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class OpenAIError(Exception):
+    """An error the client caused or must see, rendered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    @classmethod
+    def invalid(cls, err: InvalidRequestError) -> OpenAIError:
+        return cls(400, str(err))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def model_not_found(model: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served}`",
+                       param="model", code="model_not_found")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share. Nullable as in OpenAI's spec: null means the default.
+    Fields this server does not implement (penalties, logprobs, ...) are ignored."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; 0 or -1 (vLLM's old "off") disable it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    ttft_slo: float | None = None
+    tbt_slo: float | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's options, or `OpenAIError` (400) naming what is wrong."""
+        if self.n not in (None, 1):
+            raise OpenAIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        max_tokens = self.requested_max_tokens()
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,
+                max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                stop=self.stop or (), ignore_eos=self.ignore_eos, seed=self.seed,
+            )
+        except InvalidRequestError as e:
+            raise OpenAIError.invalid(e) from None
+
+
+class CompletionRequest(GenerationRequest):
+    """/v1/completions: one prompt, as text or token ids (a one-element batch is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise OpenAIError(400, f"send one prompt per request, got {len(p)}", param="prompt")
+            return p[0]
+        return p
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """/v1/chat/completions: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one endpoint shapes its JSON: the completion and chat formats differ only in
+    object names and in how a choice holds its text."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
+               *, stream: bool, first: bool = False) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            c["text"] = text
+        elif stream:
+            c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        c["logprobs"] = None
+        c["finish_reason"] = finish_reason
+        if token_ids is not None:
+            c["token_ids"] = token_ids
+        return c
+
+
+COMPLETION = ResponseFormat("cmpl-", "text_completion", "text_completion", chat=False)
+CHAT = ResponseFormat("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """The fields every response and chunk of one request repeat."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, fmt: ResponseFormat, model: str) -> ResponseHeader:
+        return cls(fmt.id_prefix + uuid.uuid4().hex, int(time.time()), model)
+
+    def body(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def preemption_info(metrics: RequestMetrics) -> dict[str, float]:
+    """The `jserve` extension object of a finishing chunk."""
+    return {"num_preemptions": metrics.num_preemptions, "preempted_time": metrics.preempted_time}
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": model, "object": "model", "created": created, "owned_by": "jserve",
+         "max_model_len": max_model_len},
+    ]}

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server over real loopback HTTP: the official `openai` client
+(streaming and not), error JSON, a mid-stream disconnect that must free its blocks,
+per-request SLOs reaching the policy, and the benchmark's HTTP backend."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+from jserve import LLM
+from jserve.benchmark import BenchConfig, run_benchmark
+from jserve.cli import main
+from jserve.http_client import scrape_metrics
+from jserve.http_client import wait_until_idle as server_idle
+from jserve.plan import Plan
+from jserve.policies.vllm import VLLMPolicy
+from jserve.scheduler_view import SchedulerView
+from jserve.server import build_app, serve_in_background
+from models.loading import LoadedModel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_CONTEXT = 1024
+NO_EOS = {"ignore_eos": True, "return_token_ids": True}
+ABORTED = 'jserve_requests_finished_total{finish_reason="abort"}'
+
+
+@dataclass
+class SloRecordingPolicy:
+    """vLLM's schedule, noting the SLO columns it is shown (test-only state)."""
+
+    name: str = "vllm"
+    chunked_prefill: bool = False
+    inner: VLLMPolicy = field(default_factory=VLLMPolicy)
+    seen: set[tuple[float, float]] = field(default_factory=set)
+
+    def schedule(self, view: SchedulerView) -> Plan:
+        r = view.requests
+        self.seen |= {(a, b) for a, b in zip(r.ttft_slo.tolist(), r.tbt_slo.tolist())
+                      if not math.isnan(a)}
+        return self.inner.schedule(view)
+
+
+@dataclass
+class Served:
+    url: str
+    llm: LLM
+    client: openai.OpenAI
+
+
+def _serve(llm: LLM) -> Iterator[Served]:
+    with serve_in_background(build_app(llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield Served(url, llm, client)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_loaded: LoadedModel) -> Iterator[Served]:
+    """tiny-llama (random weights, no tokenizer): prompts are token ids."""
+    llm = LLM(tiny_loaded, policy=SloRecordingPolicy(), num_blocks=128, max_model_len=TINY_CONTEXT,
+              max_num_seqs=8, max_num_batched_tokens=TINY_CONTEXT, warmup=False)
+    yield from _serve(llm)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_loaded: LoadedModel) -> Iterator[Served]:
+    """SmolLM2 with its real weights and tokenizer, for text prompts and chat."""
+    llm = LLM(smollm2_loaded, num_blocks=64, max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=256, warmup=False)
+    yield from _serve(llm)
+
+
+def wait_until_idle(served: Served) -> None:
+    """No request left and every block free, as /metrics and the engine itself say."""
+    assert server_idle(served.url), "the server still holds requests or blocks"
+    state = served.llm.engine.state
+    assert not state.has_unfinished and state.blocks.num_free == state.blocks.num_blocks
+    state.check_invariants()
+
+
+# ------------------------------------------------------------------ token-id prompts
+
+
+def test_models_and_health(tiny: Served) -> None:
+    [model] = tiny.client.models.list().data
+    assert model.id == "tiny-llama" and model.owned_by == "jserve"
+    assert httpx.get(f"{tiny.url}/health").json() == {"status": "ok", "model": "tiny-llama",
+                                                     "policy": "vllm"}
+
+
+def test_completion_streamed_equals_non_streamed(tiny: Served) -> None:
+    kw = dict(model="tiny-llama", prompt=[5, 6, 7, 8], max_tokens=6, temperature=0, extra_body=NO_EOS)
+    full = tiny.client.completions.create(**kw)
+    [choice] = full.choices
+    assert choice.finish_reason == "length" and len(choice.token_ids) == 6
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (4, 6)
+
+    chunks = list(tiny.client.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    *token_chunks, usage_chunk = chunks
+    assert [t for c in token_chunks for t in c.choices[0].token_ids] == choice.token_ids
+    assert [c.choices[0].finish_reason for c in token_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    assert token_chunks[-1].jserve == {"num_preemptions": 0, "preempted_time": 0.0}
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 6
+    wait_until_idle(tiny)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny: Served) -> None:
+    aborted = scrape_metrics(tiny.url).get(ABORTED, 0)
+    stream = tiny.client.completions.create(model="tiny-llama", prompt=[1, 2, 3],
+                                            max_tokens=TINY_CONTEXT - 3, stream=True, extra_body=NO_EOS)
+    for _, chunk in zip(range(2), stream):
+        assert chunk.choices[0].finish_reason is None
+    stream.close()
+    wait_until_idle(tiny)
+    assert scrape_metrics(tiny.url)[ABORTED] == aborted + 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b'{"model": "tiny-llama", "prompt": [1, 2', 400, "malformed JSON body"),
+        (b'{"model": "tiny-llama"}', 400, "prompt: Field required"),
+        (b'{"model": "gpt-4", "prompt": [1]}', 404, "The model `gpt-4` does not exist"),
+        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens must be"),
+        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "only n=1 is supported"),
+        (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo must be a positive number"),
+        (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt token ids must lie in"),
+        (json.dumps({"model": "tiny-llama", "prompt": [1] * TINY_CONTEXT}).encode(), 400,
+         "the context limit is 1024"),
+        (b'{"model": "tiny-llama", "prompt": "text"}', 400, "no tokenizer"),
+    ],
+)
+def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int,
+                                                   message: str) -> None:
+    r = httpx.post(f"{tiny.url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_bad_chat_requests_and_client_exceptions(tiny: Served) -> None:
+    r = httpx.post(f"{tiny.url}/v1/chat/completions", json={"model": "tiny-llama"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        tiny.client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError) as missing:
+        tiny.client.completions.create(model="gpt-4", prompt=[1])
+    assert missing.value.code == "model_not_found"
+
+
+def test_server_keeps_serving_after_errors(tiny: Served) -> None:
+    out = tiny.client.completions.create(model="tiny-llama", prompt=[9, 9], max_tokens=3, extra_body=NO_EOS)
+    assert out.usage.completion_tokens == 3
+    wait_until_idle(tiny)
+
+
+# ------------------------------------------------------------------ SLOs and the HTTP benchmark
+
+
+def test_http_bench_replays_a_trace_and_slos_reach_the_policy(tiny: Served, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--backend", "http", "--url", tiny.url, "--model", "tiny-llama",
+                 "--workload", "fixed:12:5", "--num-requests", "6", "--rate", "100",
+                 "--ttft-slo", "2", "--tbt-slo", "0.5", "--slo-scale", "0.5", "2.5",
+                 "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["backend"] == "http" and data["summary"]["num_finished"] == 6
+    records = data["requests"]
+    assert all(r["output_len"] == 5 and r["prompt_len"] == 12 and len(r["token_times"]) == 5
+               for r in records)
+    assert data["num_steps"] > 0 and data["num_blocks"] == 128
+    assert {(r["ttft_slo"], r["tbt_slo"]) for r in records} <= tiny.llm.policy.seen
+    wait_until_idle(tiny)
+
+
+def test_http_bench_refuses_a_server_running_another_policy(tiny: Served) -> None:
+    cfg = BenchConfig(engine="real", backend="http", url=tiny.url, model="tiny-llama",
+                      policy="sarathi", workload="fixed:4:2", num_requests=1)
+    with pytest.raises(ValueError, match="pass --model tiny-llama --policy vllm"):
+        run_benchmark(cfg, progress=False)
+
+
+# ------------------------------------------------------------------ text and chat (SmolLM2)
+
+
+def test_chat_streamed_equals_non_streamed(smol: Served) -> None:
+    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}],
+              max_tokens=8, temperature=0)
+    full = smol.client.chat.completions.create(**kw)
+    [choice] = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length") and full.usage.prompt_tokens > 10
+
+    chunks = list(smol.client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    wait_until_idle(smol)
+
+
+def test_text_completion_stops_at_a_stop_string(smol: Served) -> None:
+    out = smol.client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8,
+                                         temperature=0, stop=[","])
+    assert out.choices[0].text == " 5" and out.choices[0].finish_reason == "stop"
+    streamed = smol.client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8,
+                                              temperature=0, stop=[","], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == " 5"
+
+
+# ------------------------------------------------------------------ the load test
+
+
+@pytest.mark.slow
+def test_http_load_script_passes(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "load.json"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}  # this checkout's jserve, installed or not
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "http_load.py"), "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(out.read_text())["passed"]
