@@ -90,12 +90,33 @@ def check_chunked_plan(view: SchedulerView, plan: Plan, token_budget: int) -> No
         assert all(is_decode) and plan.num_batched_tokens == budget, f"decodes {left_out} left out"
 
 
+def check_reservations(view: SchedulerView, plan: Plan) -> None:
+    """Reserving policies (RLP, S3, CacheOpt): after the plan every request holds at most
+    its reservation (so no reservation is cut below what its request holds), reservations
+    are set only for requests that keep or gain device blocks, and they sum to at most the
+    cache."""
+    r = view.requests
+    reserved = {int(s): int(n) for s, n in zip(r.seq_id, r.reserved_blocks)}
+    reserved.update(plan.reserve)
+    for s in plan.preempt:
+        assert s not in plan.reserve, f"seq {s}: reserved for and preempted"
+        reserved[s] = 0
+    for i, s in enumerate(r.seq_id.tolist()):
+        held = plan.allocate.get(s, 0)
+        if s not in plan.preempt:
+            held += int(r.num_blocks[i]) + (int(r.num_host_blocks[i]) if s in plan.swap_in else 0)
+        assert held <= reserved[s], f"seq {s}: holds {held} blocks after the plan, reserved {reserved[s]}"
+    assert sum(reserved.values()) <= view.num_blocks, f"reserves {sum(reserved.values())} blocks"
+
+
 def plan_checks_for(policy: Policy) -> tuple[PlanCheck, ...]:
+    checks: tuple[PlanCheck, ...] = (check_holders_within_max_num_seqs,)
+    if getattr(policy, "reserves", False):
+        checks += (check_reservations,)
     if policy.chunked_prefill and _has_field(policy, "token_budget"):
         budget = policy.token_budget  # type: ignore[attr-defined]
-        return (lambda view, plan: check_chunked_plan(view, plan, budget), check_victims_arrived_later,
-                check_holders_within_max_num_seqs)
-    return (check_holders_within_max_num_seqs,)
+        checks += (lambda view, plan: check_chunked_plan(view, plan, budget), check_victims_arrived_later)
+    return checks
 
 
 def harness(policy: Policy, cfg: dict) -> Harness:
