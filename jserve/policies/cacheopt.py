@@ -110,7 +110,7 @@ def embedding_host(alloc: np.ndarray, used: np.ndarray, remaining: np.ndarray, n
     ok = np.flatnonzero(alloc - (used + remaining) - need >= buffer)
     if not len(ok):
         return None
-    return int(ok[np.argmin((alloc - used)[ok], kind="stable")])
+    return int(ok[np.argmin((alloc - used)[ok])])
 
 
 def amortized_shares(supply: float, rt: np.ndarray, prompt: np.ndarray) -> np.ndarray:
@@ -264,10 +264,10 @@ class CacheOptPolicy:
                            lambda i: demand_blocks(view, i, int(total[i])), keep)
             return
         avail = ledger.pool - keep
-        soon = soon_left = self.soon_released(view, ledger, remaining)
+        soon = self.soon_released(view, ledger, remaining)
         holders = int((r.status == RequestStatus.RUNNING).sum()) - len(work.preempt) + len(work.swap_in)
         picked: list[tuple[int, int, int]] = []  # (row, floor, target) in blocks
-        taken, budget = 0, lim.max_num_batched_tokens - work.num_tokens
+        taken, committed, budget = 0, 0, lim.max_num_batched_tokens - work.num_tokens
         for i in queue:
             tokens = int(r.num_tokens[i] - r.num_computed[i])
             if tokens > budget or holders >= lim.max_num_seqs:
@@ -281,11 +281,10 @@ class CacheOptPolicy:
                 fits = floor <= avail - taken
             else:  # PA alone: the rest of the demand comes from requests about to finish
                 target = full
-                fits = floor <= avail - taken and full <= avail - taken + soon_left
+                fits = floor <= avail - taken and committed + full <= avail + soon
             if fits:
                 picked.append((i, floor, target))
-                taken += floor
-                soon_left -= max(0, target - floor - (avail - taken))
+                taken, committed = taken + floor, committed + target
             elif not (self.slo_aware and self._embed(view, ledger, work, i, total, remaining)):
                 break
             budget -= tokens
