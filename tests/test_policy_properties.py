@@ -352,3 +352,17 @@ def test_reserving_policies_preempt_under_prediction_and_keep_outputs(policy: Po
         assert sum(len(p.swap_in) for p in h.policy.plans) == h.runner.num_swaps
     else:
         assert h.runner.num_swaps == 0
+
+
+def test_cacheopt_embeds_into_a_running_requests_padding() -> None:
+    """A long-padded request (4-token prompt, 10 predicted, padded by ~86 tokens) holds most
+    of the cache; later short requests do not fit the pool and are embedded into its unused
+    allocation (its reservation shrinks while it runs); outputs stay the unpreempted run's."""
+    policy = CacheOptPolicy(error_range=(-40.0, 40.0))
+    h = Harness(num_blocks=30, block_size=4, limits=SchedulerLimits(4, 128, 128), eos=None,
+                vocab_size=16, policy=policy, plan_checks=plan_checks_for(policy))
+    short = [dataclasses.replace(spec(4, 6, arrive=k, first=k), predicted_len=4) for k in (1, 2, 3)]
+    h.run([dataclasses.replace(spec(4, 100), predicted_len=10, predicted_dir=-1)] + short)
+    first = h.seq_of["r0"]
+    shrunk = [p.reserve[first] for p in h.policy.plans if first in p.reserve]
+    assert len(shrunk) >= 2 and shrunk[1] < shrunk[0], shrunk

@@ -146,6 +146,18 @@ def swap_preferred(costs: PreemptionCosts | None, cached_tokens: int) -> bool:
 
 # ------------------------------------------------------------------ the policy
 @dataclass(frozen=True)
+class Estimates:
+    """Per-request figures of one step, aligned with the view's rows."""
+
+    total: np.ndarray  # expected total length, padded (what is allocated for)
+    remaining: np.ndarray  # padded total - tokens so far
+    raw_total: np.ndarray  # the unpadded prediction's total (embedding measures slack by it)
+    raw_remaining: np.ndarray
+    rt: np.ndarray  # remaining time to the SLO, seconds
+    critical: np.ndarray
+
+
+@dataclass(frozen=True)
 class CacheOptPolicy:
     """Defaults from the paper: B=8 tokens, m=2 iterations, 8 reserved blocks, alpha=0.9,
     b=8 tokens. Our choices (the paper's values are not known to us): beta=0.05 s (the
@@ -215,10 +227,8 @@ class CacheOptPolicy:
     # ---- the step
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests
-        total = self.demand_tokens(view, self.padding_tokens(view))
-        remaining = np.maximum(total - r.num_tokens, 0)
-        rt = remaining_time(view)
-        critical = is_critical(rt, view.iteration_time, self.critical_eps)
+        est = self.estimates(view)
+        total, remaining, rt, critical = est.total, est.remaining, est.rt, est.critical
 
         def order(status: int) -> list[int]:
             idx = r.with_status(status)
@@ -240,8 +250,7 @@ class CacheOptPolicy:
         swapped = (r.status == RequestStatus.SWAPPED).any()
         keep = self.reserve_keep(view)
         if not self.slo_aware and not swapped:  # vLLM: prefill-first steps
-            self._admit(view, ledger, work, order(RequestStatus.WAITING), total, remaining, rt,
-                        critical, keep)
+            self._admit(view, ledger, work, order(RequestStatus.WAITING), est, keep)
             if work.run:
                 return work.plan(ledger)
         decode_running(view, ledger, work, order(RequestStatus.RUNNING), victim_key,
@@ -249,22 +258,30 @@ class CacheOptPolicy:
         if not work.preempt:
             swap_in_waiting(view, ledger, work, order(RequestStatus.SWAPPED), demand)
         if self.slo_aware and not work.preempt and not swapped:
-            self._admit(view, ledger, work, order(RequestStatus.WAITING), total, remaining, rt,
-                        critical, keep)
+            self._admit(view, ledger, work, order(RequestStatus.WAITING), est, keep)
         return work.plan(ledger)
 
+    def estimates(self, view: SchedulerView) -> Estimates:
+        r = view.requests
+        total = self.demand_tokens(view, self.padding_tokens(view))
+        raw = self.demand_tokens(view, 0.0)
+        rt = remaining_time(view)
+        return Estimates(total, np.maximum(total - r.num_tokens, 0), raw,
+                         np.maximum(raw - r.num_tokens, 0), rt,
+                         is_critical(rt, view.iteration_time, self.critical_eps))
+
     def _admit(self, view: SchedulerView, ledger: Ledger, work: Work, queue: list[int],
-               total: np.ndarray, remaining: np.ndarray, rt: np.ndarray, critical: np.ndarray,
-               keep: int) -> None:
+               est: Estimates, keep: int) -> None:
         """Admissions in `queue` order until the token budget, `max_num_seqs` or the supply
         runs out (see the module docstring for what each component changes)."""
         r, lim = view.requests, view.limits
+        total, critical = est.total, est.critical
         if not (self.slo_aware or self.proactive):  # the whole demand, from what GR leaves
             admit_in_order(view, ledger, work, queue,
                            lambda i: demand_blocks(view, i, int(total[i])), keep)
             return
         avail = ledger.pool - keep
-        soon = self.soon_released(view, ledger, remaining)
+        soon = self.soon_released(view, ledger, est.remaining)
         holders = int((r.status == RequestStatus.RUNNING).sum()) - len(work.preempt) + len(work.swap_in)
         picked: list[tuple[int, int, int]] = []  # (row, floor, target) in blocks
         taken, committed, budget = 0, 0, lim.max_num_batched_tokens - work.num_tokens
@@ -285,11 +302,11 @@ class CacheOptPolicy:
             if fits:
                 picked.append((i, floor, target))
                 taken, committed = taken + floor, committed + target
-            elif not (self.slo_aware and self._embed(view, ledger, work, i, total, remaining)):
+            elif not (self.slo_aware and self._embed(view, ledger, work, i, est)):
                 break
             budget -= tokens
             holders += 1
-        self._grant(view, ledger, work, picked, avail - taken, avail + soon, rt)
+        self._grant(view, ledger, work, picked, avail - taken, avail + soon, est.rt)
 
     def _grant(self, view: SchedulerView, ledger: Ledger, work: Work,
                picked: list[tuple[int, int, int]], rest: int, supply: int, rt: np.ndarray) -> None:
@@ -314,18 +331,19 @@ class CacheOptPolicy:
             ledger.set(int(r.seq_id[i]), floor + g)
             work.schedule(view, i, view.blocks_for(int(r.num_tokens[i])))
 
-    def _embed(self, view: SchedulerView, ledger: Ledger, work: Work, i: int, total: np.ndarray,
-               remaining: np.ndarray) -> bool:
-        """Admit request `i` into the unused allocation of a running request (RSA)."""
+    def _embed(self, view: SchedulerView, ledger: Ledger, work: Work, i: int, est: Estimates) -> bool:
+        """Admit request `i` into the unused allocation of a running request (RSA). Needs and
+        remaining outputs are the unpadded predictions: the padding of a host's allocation
+        is the unused part a guest may borrow."""
         r, bs = view.requests, view.block_size
         hosts = np.array([j for j in r.with_status(RequestStatus.RUNNING)
                           if int(r.seq_id[j]) in work.run], np.int64)
         if not len(hosts):
             return False
-        need_tokens = int(total[i])
+        need_tokens = int(est.raw_total[i])
         take = max(view.blocks_for(int(r.num_tokens[i])), demand_blocks(view, i, need_tokens))
         alloc = np.array([ledger.get(int(r.seq_id[j])) for j in hosts], np.int64)
-        used, rem = r.num_tokens[hosts].astype(np.int64), remaining[hosts]
+        used, rem = r.num_tokens[hosts].astype(np.int64), est.raw_remaining[hosts]
         # Block-level safety beside the paper's token condition: the host keeps what it
         # holds after this step and what it is predicted to still need.
         safe = alloc - take >= np.array([view.blocks_for(int(u + o)) for u, o in zip(used, rem)])
