@@ -6,7 +6,6 @@ from collections.abc import Callable
 from functools import partial
 
 from jserve.plan import PreemptMode
-
 from jserve.policies.base import Policy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.fastgen import FastGenPolicy

@@ -17,7 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jserve.plan import Plan
-from jserve.policies.reservation import demand_blocks, latest_arrival_first, schedule_prefill_first
+from jserve.policies.reservation import (
+    demand_blocks,
+    latest_arrival_first,
+    schedule_prefill_first,
+)
 from jserve.scheduler_view import SchedulerView
 
 
