@@ -214,6 +214,16 @@ class Spec:
     max_tokens: int
     ignore_eos: bool
     arrive_step: int
+    # What an output-length predictor said (0: no prediction) and the direction of its
+    # expected error (+1 over, -1 under, 0 unknown), and the client's SLOs (None: none).
+    predicted_len: int = 0
+    predicted_dir: int = 0
+    ttft_slo: float | None = None
+    tbt_slo: float | None = None
+
+    def request_kwargs(self) -> dict:
+        return dict(predicted_len=self.predicted_len, predicted_dir=self.predicted_dir,
+                    ttft_slo=self.ttft_slo, tbt_slo=self.tbt_slo)
 
 
 @dataclasses.dataclass
@@ -257,11 +267,11 @@ class Harness:
         if not self.valid(spec):
             before = self.fingerprint()
             with pytest.raises(InvalidRequestError):
-                self.engine.add_request(rid, spec.prompt, params)
+                self.engine.add_request(rid, spec.prompt, params, **spec.request_kwargs())
             assert self.fingerprint() == before, "a refused request changed the state"
             self.check()
             return False
-        self.engine.add_request(rid, spec.prompt, params)
+        self.engine.add_request(rid, spec.prompt, params, **spec.request_kwargs())
         (req,) = [q for q in self.state.requests.values() if q.request_id == rid]
         self.seq_of[rid], self.specs[rid] = req.seq_id, spec
         self.check()
@@ -464,11 +474,26 @@ def specs_for(draw: st.DrawFn, cfg: dict, max_requests: int = 12) -> list[Spec]:
         else:
             plen = draw(st.integers(1, max(1, limit - 1)))
         prompt = draw(st.lists(st.integers(0, cfg["vocab_size"] - 1), min_size=plen, max_size=plen))
+        max_tokens = draw(st.integers(1, 40))
         out.append(Spec(
-            prompt=prompt, max_tokens=draw(st.integers(1, 40)), ignore_eos=draw(st.booleans()),
-            arrive_step=draw(st.integers(0, 6)),
+            prompt=prompt, max_tokens=max_tokens, ignore_eos=draw(st.booleans()),
+            arrive_step=draw(st.integers(0, 6)), **draw(predictions(max_tokens)),
         ))
     return out
+
+
+@st.composite
+def predictions(draw: st.DrawFn, max_tokens: int) -> dict:
+    """A predicted output length (none, under or over the request's `max_tokens`) with a
+    direction that is right, wrong or unknown, and TTFT/TBT SLOs (often none) in seconds of
+    the harness's fake clock (one second per clock reading, a few per step)."""
+    kind = draw(st.sampled_from(["none", "under", "over", "exact"]))
+    pred = {"none": 0, "exact": max_tokens,
+            "under": draw(st.integers(1, max_tokens)),
+            "over": max_tokens + draw(st.integers(0, 60))}[kind]
+    slo = st.one_of(st.none(), st.floats(1.0, 30.0))
+    return dict(predicted_len=pred, predicted_dir=draw(st.sampled_from([-1, 0, 1])) if pred else 0,
+                ttft_slo=draw(slo), tbt_slo=draw(slo))
 
 
 def aborts_strategy() -> st.SearchStrategy[dict[int, list[int]]]:

@@ -8,6 +8,8 @@ import pytest
 
 from jserve import LLM, SamplingParams
 from jserve.policies.fastgen import FastGenPolicy
+from jserve.policies.rlp import RLPPolicy
+from jserve.policies.s3 import S3Policy
 from jserve.policies.sarathi import SarathiPolicy
 from models.dense_reference import dense_greedy_generate
 from models.llama import llama_weights_of
@@ -157,3 +159,34 @@ def test_chunked_prefill_policies_match_dense_oracle(tiny_loaded: LoadedModel, p
     print(f"{policy.name}: {tight.num_preemptions} preemptions")
     assert tight.num_preemptions > 0
     assert tight.engine.state.blocks.num_free == 24
+
+
+@pytest.mark.parametrize("policy, swap_space", [
+    ("cacheopt", 4.0), ("cacheopt", 0.0),
+    (RLPPolicy(margin_tokens=2), 4.0), (S3Policy(bucket_tokens=4), 4.0),
+], ids=["cacheopt-swap", "cacheopt-recompute", "rlp", "s3"])
+def test_reserving_policies_identical_on_a_tight_cache(tiny_loaded: LoadedModel, policy,
+                                                       swap_space: float) -> None:
+    """Prediction-based allocation on the real model: requests are added through
+    `engine.add_request` with an under-prediction of 5 output tokens (LLM.generate takes no
+    predictions), so reservations run out and requests are extended, preempted and brought
+    back on a 12-block cache (CacheOpt swaps when it has a host tier and recomputes without
+    one; RLP's margin and S3's buckets are shrunk to this model length, or every reservation
+    would be the whole max_len); greedy outputs equal the roomy vLLM run's."""
+    prompts = _random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33], seed=1)
+    roomy = LLM(tiny_loaded, num_blocks=512, warmup=False)
+    expected = _engine_ids(roomy, prompts, 40)
+    tight = LLM(tiny_loaded, policy=policy, num_blocks=12, block_size=4, max_model_len=48,
+                warmup=False, swap_space=swap_space)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    for k, p in enumerate(prompts):
+        tight.engine.add_request(str(k), p, params, predicted_len=5, predicted_dir=-1)
+    done = {out.request_id: out.token_ids for out in tight._run() if out.finished}
+    assert [done[str(k)] for k in range(len(prompts))] == [e[: 48 - len(p)] for e, p in zip(expected, prompts)]
+    swaps = tight.engine.stats.num_swaps
+    print(f"tiny model, {tight.policy.name}: {tight.num_preemptions} preemptions, {swaps} swaps")
+    assert tight.num_preemptions > 0
+    if tight.policy.name == "cacheopt":
+        assert (swaps > 0) == (swap_space > 0) and (swaps < tight.num_preemptions) == (swap_space == 0)
+    state = tight.engine.state
+    assert state.blocks.num_free == 12 and len(state.table) == 0

@@ -6,9 +6,11 @@ from collections.abc import Callable
 from functools import partial
 
 from jserve.plan import PreemptMode
-
 from jserve.policies.base import Policy
+from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.fastgen import FastGenPolicy
+from jserve.policies.rlp import RLPPolicy
+from jserve.policies.s3 import S3Policy
 from jserve.policies.sarathi import SarathiPolicy
 from jserve.policies.vllm import VLLMPolicy
 
@@ -17,7 +19,17 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "vllm-swap": partial(VLLMPolicy, name="vllm-swap", preemption_mode=PreemptMode.SWAP),
     "sarathi": SarathiPolicy,
     "fastgen": FastGenPolicy,
+    "rlp": RLPPolicy,
+    "s3": S3Policy,
+    "cacheopt": CacheOptPolicy,
 }
+# CacheOpt's ablations (the paper's /CKA, /RSA, /PA, /GR, /PP, /PSS): one component off each.
+CACHEOPT_ABLATIONS = {
+    "CKA": "padding", "RSA": "slo_aware", "PA": "proactive", "GR": "global_reserve",
+    "PP": "preemption_order", "PSS": "swap_selection",
+}
+for _tag, _field in CACHEOPT_ABLATIONS.items():
+    POLICIES[f"cacheopt/{_tag}"] = partial(CacheOptPolicy, name=f"cacheopt/{_tag}", **{_field: False})
 
 
 def make_policy(name: str) -> Policy:
@@ -27,4 +39,4 @@ def make_policy(name: str) -> Policy:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}") from None
 
 
-__all__ = ["POLICIES", "Policy", "make_policy"]
+__all__ = ["CACHEOPT_ABLATIONS", "POLICIES", "Policy", "make_policy"]

@@ -1,0 +1,209 @@
+"""Reservation bookkeeping shared by the prediction-based policies (RLP, S3, CacheOpt).
+
+These policies allocate a request's *predicted* demand up front instead of block by block:
+at admission a plan sets `reserve[seq]` to the blocks promised to the request, and later
+plans materialise them with `allocate` as the request grows. The rules every plan keeps:
+
+- a request never holds more device blocks than its reservation (`held + allocate <=
+  reserved` after the plan), so a reservation is never cut below what its request holds;
+- reservations sum to at most `num_blocks`. Since every block holder holds within its
+  reservation, the blocks nobody has promised are `num_blocks - sum(reserved)`
+  (= `num_free_blocks - view.num_reserved_blocks`): the `Ledger.pool` a new reservation,
+  or an extension of one, may take. Because of the two rules, any allocation inside a
+  reservation finds a free block: no separate free-block count is needed.
+
+Preemption releases the whole reservation (the state clears it), so a request that comes
+back (recompute or swap-in) is reserved for afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jserve.plan import Plan, PreemptMode
+from jserve.request import RequestStatus
+from jserve.scheduler_view import SchedulerView
+
+
+def demand_blocks(view: SchedulerView, i: int, total_tokens: int | None) -> int:
+    """Blocks for request `i` expected to reach `total_tokens` (prompt + output; None: no
+    prediction, its `max_len`): never fewer than its tokens so far plus the next one, never
+    more than `max_len` can fill."""
+    r = view.requests
+    cap = int(r.max_len[i])
+    total = cap if total_tokens is None else int(total_tokens)
+    return view.blocks_for(min(max(total, int(r.num_tokens[i]) + 1), cap))
+
+
+@dataclass
+class Ledger:
+    """One `schedule` call's working copy of the reservations (after the plan so far).
+
+    Local to a call (the policy stays pure); `reserve` is what goes into `Plan.reserve`."""
+
+    view: SchedulerView
+    reserved: dict[int, int] = field(default_factory=dict)  # seq -> promised blocks
+    pool: int = 0  # blocks promised to nobody
+    host_free: int = 0
+    reserve: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, view: SchedulerView) -> Ledger:
+        r = view.requests
+        promised = np.maximum(r.reserved_blocks, r.num_blocks).astype(np.int64)
+        reserved = {int(s): int(p) for s, p in zip(r.seq_id, promised) if p}
+        return cls(view, reserved, view.num_blocks - int(promised.sum()), view.num_free_host_blocks)
+
+    def get(self, seq: int) -> int:
+        return self.reserved.get(seq, 0)
+
+    def set(self, seq: int, blocks: int) -> None:
+        self.pool -= blocks - self.get(seq)
+        self.reserved[seq] = self.reserve[seq] = blocks
+        assert self.pool >= 0, "reserved more than the cache holds"
+
+    def release(self, seq: int) -> None:
+        self.pool += self.reserved.pop(seq, 0)
+        self.reserve.pop(seq, None)
+
+
+@dataclass
+class Work:
+    """A plan under construction."""
+
+    run: dict[int, int] = field(default_factory=dict)
+    allocate: dict[int, int] = field(default_factory=dict)
+    preempt: dict[int, PreemptMode] = field(default_factory=dict)
+    swap_in: set[int] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.run.values())
+
+    def plan(self, ledger: Ledger) -> Plan:
+        return Plan(run=self.run, allocate=self.allocate, preempt=self.preempt,
+                    swap_in=self.swap_in, reserve=ledger.reserve)
+
+    def schedule(self, view: SchedulerView, i: int, blocks_after: int) -> None:
+        """Run all of request `i`'s uncomputed tokens, holding `blocks_after` blocks."""
+        r = view.requests
+        seq = int(r.seq_id[i])
+        self.run[seq] = int(r.num_tokens[i] - r.num_computed[i])
+        held = int(r.num_blocks[i] + (r.num_host_blocks[i] if seq in self.swap_in else 0))
+        if blocks_after > held:
+            self.allocate[seq] = blocks_after - held
+
+
+def evict(view: SchedulerView, ledger: Ledger, i: int, swap: bool) -> PreemptMode:
+    """Preempt running request `i`: by swap if `swap` and the host has room, else by
+    recompute; its reservation returns to the pool."""
+    held = int(view.requests.num_blocks[i])
+    seq = int(view.requests.seq_id[i])
+    ledger.release(seq)
+    if swap and held <= ledger.host_free:
+        ledger.host_free -= held
+        return PreemptMode.SWAP
+    return PreemptMode.RECOMPUTE
+
+
+def decode_running(view: SchedulerView, ledger: Ledger, work: Work, queue: Iterable[int],
+                   victim_key: Callable[[int], object], wants_swap: Callable[[int], bool],
+                   extend: bool = True) -> None:
+    """Every running request in `queue` decodes, inside its reservation where it can.
+
+    A request that exhausted its reservation extends it by the blocks it needs from the
+    pool (`extend`), or else is preempted itself (`extend=False`, S3's rule). While the
+    extensions together exceed the pool, the survivor with the smallest `victim_key` is
+    preempted (possibly one that needs nothing itself): a single survivor always fits, since
+    a request never needs more than the cache."""
+    r = view.requests
+    survivors = list(queue)
+
+    def need(i: int) -> int:  # blocks to hold all its tokens once it has run
+        return view.blocks_for(int(r.num_tokens[i]))
+
+    def short(i: int) -> int:
+        return max(0, need(i) - ledger.get(int(r.seq_id[i])))
+
+    if not extend:
+        for i in [i for i in survivors if short(i)]:
+            survivors.remove(i)
+            work.preempt[int(r.seq_id[i])] = evict(view, ledger, i, wants_swap(i))
+    while survivors and sum(short(i) for i in survivors) > ledger.pool:
+        victim = min(survivors, key=victim_key)
+        survivors.remove(victim)
+        work.preempt[int(r.seq_id[victim])] = evict(view, ledger, victim, wants_swap(victim))
+    for i in survivors:
+        seq = int(r.seq_id[i])
+        if short(i):
+            ledger.set(seq, need(i))
+        work.schedule(view, i, need(i))
+
+
+def swap_in_waiting(view: SchedulerView, ledger: Ledger, work: Work, queue: Iterable[int],
+                    demand: Callable[[int], int]) -> None:
+    """Swapped requests in `queue` order come back (and decode in this step) while a
+    sequence slot and the pool allow: reserved their `demand` if the pool has it, else
+    just what they need now. The first that does not fit stops the rest (no overtaking)."""
+    r, lim = view.requests, view.limits
+    holders = int((r.status == RequestStatus.RUNNING).sum()) - len(work.preempt)
+    for i in queue:
+        need = view.blocks_for(int(r.num_tokens[i]))
+        if holders + len(work.swap_in) >= lim.max_num_seqs or need > ledger.pool:
+            break
+        if work.num_tokens + int(r.num_tokens[i] - r.num_computed[i]) > lim.max_num_batched_tokens:
+            break
+        seq = int(r.seq_id[i])
+        want = max(need, demand(i))
+        ledger.set(seq, want if want <= ledger.pool else need)
+        work.swap_in.add(seq)
+        work.schedule(view, i, need)
+
+
+def admit_in_order(view: SchedulerView, ledger: Ledger, work: Work, queue: Iterable[int],
+                   demand: Callable[[int], int], keep: int = 0) -> None:
+    """Whole-prompt admissions in `queue` order (vLLM's): each is reserved its `demand`
+    (at least its prompt) from the pool less `keep` blocks; the first that does not fit the
+    token budget, `max_num_seqs` or the pool stops admission."""
+    r, lim = view.requests, view.limits
+    holders = int((r.status == RequestStatus.RUNNING).sum()) - len(work.preempt) + len(work.swap_in)
+    for i in queue:
+        need = view.blocks_for(int(r.num_tokens[i]))
+        want = max(need, demand(i))
+        tokens = int(r.num_tokens[i] - r.num_computed[i])
+        if (work.num_tokens + tokens > lim.max_num_batched_tokens
+                or holders >= lim.max_num_seqs or want > ledger.pool - keep):
+            break
+        ledger.set(int(r.seq_id[i]), want)
+        work.schedule(view, i, need)
+        holders += 1
+
+
+def schedule_prefill_first(view: SchedulerView, demand: Callable[[int], int],
+                           victim_key: Callable[[int], object],
+                           wants_swap: Callable[[int], bool] = lambda i: False,
+                           extend: bool = True) -> Plan:
+    """vLLM's step structure with reservations (RLP and S3 are built on vLLM): while
+    nothing is swapped out, admit waiting requests FCFS; a step that admits runs no
+    decodes. Otherwise every running request decodes (`decode_running`) and, in a step
+    that preempts nobody, swapped requests come back oldest first."""
+    r = view.requests
+    ledger, work = Ledger.of(view), Work()
+    if not (r.status == RequestStatus.SWAPPED).any():
+        admit_in_order(view, ledger, work, r.with_status(RequestStatus.WAITING), demand)
+        if work.run:
+            return work.plan(ledger)
+    decode_running(view, ledger, work, r.with_status(RequestStatus.RUNNING), victim_key,
+                   wants_swap, extend)
+    if not work.preempt:
+        swap_in_waiting(view, ledger, work, r.with_status(RequestStatus.SWAPPED), demand)
+    return work.plan(ledger)
+
+
+def latest_arrival_first(view: SchedulerView) -> Callable[[int], tuple]:
+    """vLLM's victim order: the latest-arrived running request goes first."""
+    r = view.requests
+    return lambda i: (-float(r.arrival_time[i]), -int(r.seq_id[i]))

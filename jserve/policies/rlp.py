@@ -1,0 +1,41 @@
+"""RLP: vLLM with prediction-based KV allocation (the CacheOpt paper's RLP baseline).
+
+- Admission FCFS with whole-prompt prefills, prefill-first (vLLM's step structure).
+- Each admitted request is reserved its prompt plus the predicted output plus a fixed
+  margin of `margin_tokens` (100, the baseline's "regression + 100 tokens" predictor), capped
+  at `max_len`; without a prediction (`predicted_len == 0`) it is reserved `max_len`.
+- A request that outgrows its reservation extends it block by block from blocks nobody
+  has reserved; when there are none, the latest-arrived running request is preempted by
+  recompute (vLLM's victim), the requester itself if it is the latest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jserve.plan import Plan
+from jserve.policies.reservation import (
+    demand_blocks,
+    latest_arrival_first,
+    schedule_prefill_first,
+)
+from jserve.scheduler_view import SchedulerView
+
+
+@dataclass(frozen=True)
+class RLPPolicy:
+    name: str = "rlp"
+    chunked_prefill: bool = False
+    margin_tokens: int = 100
+    reserves = True  # class attribute: plans keep held <= reserved
+
+    def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
+        """Predicted total length (prompt + output + margin); None without a prediction."""
+        r = view.requests
+        pred = int(r.predicted_len[i])
+        return int(r.prompt_len[i]) + pred + self.margin_tokens if pred > 0 else None
+
+    def schedule(self, view: SchedulerView) -> Plan:
+        return schedule_prefill_first(
+            view, lambda i: demand_blocks(view, i, self.demand_tokens(view, i)),
+            latest_arrival_first(view))

@@ -1,0 +1,51 @@
+"""S3 (Jin et al., "S3: Increasing GPU Utilization during Generative Inference for Higher
+Throughput", the CacheOpt paper's S3 baseline): allocate the predicted output length's
+bucket, and double it for a request that outgrew it.
+
+- The predictor classifies the output length into 50-token buckets (`bucket_tokens`); a
+  request is reserved its prompt plus the upper edge of its bucket (prediction p lies in
+  [50k, 50k + 50): reserved 50k + 50 output tokens), capped at `max_len`. Without a
+  prediction (`predicted_len == 0`) it is reserved `max_len`.
+- A request that exhausts its reservation is preempted by recompute (S3 does not extend
+  an allocation in place); on re-admission its output demand doubles for every preemption
+  it has had: `bucket * 2**num_preemptions`, capped at `max_len`, so it converges.
+- Otherwise vLLM's loop: FCFS whole-prompt admissions, prefill-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jserve.plan import Plan
+from jserve.policies.reservation import (
+    demand_blocks,
+    latest_arrival_first,
+    schedule_prefill_first,
+)
+from jserve.scheduler_view import SchedulerView
+
+
+def bucket_upper(predicted: int, bucket: int) -> int:
+    """The upper edge of the bucket a predicted output length falls into."""
+    return (predicted // bucket + 1) * bucket
+
+
+@dataclass(frozen=True)
+class S3Policy:
+    name: str = "s3"
+    chunked_prefill: bool = False
+    bucket_tokens: int = 50
+    reserves = True  # class attribute: plans keep held <= reserved
+
+    def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
+        r = view.requests
+        pred = int(r.predicted_len[i])
+        if pred <= 0:
+            return None
+        doublings = min(int(r.num_preemptions[i]), 30)  # beyond 2**30 the cap decides anyway
+        return int(r.prompt_len[i]) + bucket_upper(pred, self.bucket_tokens) * 2**doublings
+
+    def schedule(self, view: SchedulerView) -> Plan:
+        return schedule_prefill_first(
+            view, lambda i: demand_blocks(view, i, self.demand_tokens(view, i)),
+            latest_arrival_first(view), extend=False)

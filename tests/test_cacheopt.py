@@ -1,0 +1,254 @@
+"""CacheOpt's pure pieces by hand (padding, SLO order, embedding, amortisation, victim order,
+swap/recompute choice), its ablation switches, and RLP's and S3's demands. (Random traces
+through the real engine: test_policy_properties.py; real-model outputs: test_engine_greedy.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from jserve.plan import PreemptMode
+from jserve.policies import CACHEOPT_ABLATIONS, POLICIES
+from jserve.policies.cacheopt import (
+    CacheOptPolicy,
+    amortized_shares,
+    confidence,
+    embedding_host,
+    hoeffding_padding,
+    is_critical,
+    padded_output,
+    remaining_time,
+    swap_preferred,
+    tbt_bucket,
+    victim_order,
+)
+from jserve.policies.reservation import Ledger, demand_blocks
+from jserve.policies.rlp import RLPPolicy
+from jserve.policies.s3 import S3Policy, bucket_upper
+from jserve.preemption_cost import PreemptionCosts
+from jserve.request import RequestStatus
+from jserve.request_table import RequestArrays
+from jserve.scheduler_view import SchedulerLimits, SchedulerView
+
+W, R, S = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
+
+
+def view_of(rows: list[dict], num_blocks: int = 64, block_size: int = 4, now: float = 10.0,
+            **kw) -> SchedulerView:
+    """A hand-made view: each row a request (defaults: waiting 8-token prompt, max_len 100,
+    no prediction, no SLO, arrival in row order)."""
+    r = RequestArrays.empty(len(rows))
+    for k, row in enumerate(rows):
+        row = {"seq_id": k, "status": W, "arrival_time": float(k), "prompt_len": 8, "max_len": 100,
+               "first_token_time": math.nan, "last_token_time": math.nan, "ttft_slo": math.nan,
+               "tbt_slo": math.nan, **row}
+        row.setdefault("num_tokens", row["prompt_len"])
+        if row["status"] == R:
+            row.setdefault("num_computed", row["num_tokens"] - 1)
+            row.setdefault("num_blocks", -(-row["num_tokens"] // block_size))
+            row.setdefault("reserved_blocks", row["num_blocks"])
+        for name, value in row.items():
+            getattr(r, name)[k] = value
+    used = int(np.maximum(r.num_blocks, 0).sum())
+    return SchedulerView(now=now, requests=r, block_size=block_size, num_blocks=num_blocks,
+                         num_free_blocks=num_blocks - used,
+                         limits=kw.pop("limits", SchedulerLimits(8, 256, 128)), **kw)
+
+
+# ------------------------------------------------------------------ CKA
+def test_hoeffding_padding_and_confidence_by_hand() -> None:
+    # t = sqrt(-(b - a)^2 / 2 * ln(1 - c)): (b - a) = 200, c = 0.9 -> sqrt(20000 * ln 10)
+    assert hoeffding_padding(-100, 100, 0.9) == pytest.approx(math.sqrt(20000 * math.log(10)))
+    assert hoeffding_padding(-100, 100, 0.9) == pytest.approx(214.597, abs=1e-3)
+    assert hoeffding_padding(0, 10, 0.5) == pytest.approx(math.sqrt(50 * math.log(2)))
+    # c = alpha / (1 + beta * lambda): 0.9 at no load, 0.6 at 10 req/s with beta 0.05
+    assert confidence(0.9, 0.05, 0.0) == pytest.approx(0.9)
+    assert confidence(0.9, 0.05, 10.0) == pytest.approx(0.6)
+    assert hoeffding_padding(-100, 100, confidence(0.9, 0.05, 10.0)) < hoeffding_padding(-100, 100, 0.9)
+
+
+def test_padding_follows_the_predicted_direction() -> None:
+    assert padded_output(50, +1, 10.4) == 39  # expected over-prediction: pad down
+    assert padded_output(50, -1, 10.4) == 61  # expected under-prediction: pad up
+    assert padded_output(50, 0, 10.4) == 61  # unknown: the safe side
+    assert padded_output(5, +1, 10.0) == 1  # never below one token
+
+
+def test_demand_is_prompt_plus_padded_prediction_capped_at_max_len() -> None:
+    view = view_of([
+        dict(predicted_len=20, predicted_dir=-1, prompt_len=10),
+        dict(predicted_len=20, predicted_dir=+1, prompt_len=10),
+        dict(predicted_len=0, prompt_len=10, max_len=70),
+        dict(predicted_len=500, predicted_dir=-1, prompt_len=10),
+    ])
+    policy = CacheOptPolicy(error_range=(-4.0, 4.0))
+    pad = policy.padding_tokens(view)
+    assert pad == pytest.approx(math.sqrt(32 * math.log(10)))  # 8.58 tokens
+    assert policy.demand_tokens(view, pad).tolist() == [10 + 29, 10 + 11, 70, 100]
+    no_cka = dataclasses.replace(policy, padding=False)
+    assert no_cka.padding_tokens(view) == 0.0
+    assert no_cka.demand_tokens(view, 0.0).tolist() == [30, 30, 70, 100]
+    # In blocks: at least the tokens so far plus the next one, at most max_len's.
+    assert demand_blocks(view, 0, 39) == 10 and demand_blocks(view, 0, 3) == 3
+    assert demand_blocks(view, 2, None) == 18 and demand_blocks(view, 3, 10**6) == 25
+
+
+def test_rlp_and_s3_demands() -> None:
+    rows = [dict(predicted_len=20), dict(), dict(predicted_len=20, num_preemptions=2),
+            dict(predicted_len=50)]
+    view = view_of([dict(row, prompt_len=10, max_len=1000) for row in rows])
+    assert RLPPolicy().demand_tokens(view, 0) == 10 + 20 + 100
+    assert RLPPolicy().demand_tokens(view, 1) is None  # no prediction: max_len
+    assert bucket_upper(20, 50) == 50 and bucket_upper(50, 50) == 100 and bucket_upper(0, 50) == 50
+    assert S3Policy().demand_tokens(view, 0) == 10 + 50
+    assert S3Policy().demand_tokens(view, 2) == 10 + 50 * 4  # doubled per preemption
+    assert S3Policy().demand_tokens(view, 3) == 10 + 100
+
+
+# ------------------------------------------------------------------ RSA
+def test_remaining_time_and_critical() -> None:
+    view = view_of([
+        dict(arrival_time=1.0, ttft_slo=5.0),  # waiting: 1 + 5 - 10
+        dict(status=R, num_tokens=9, last_token_time=9.5, tbt_slo=1.0),  # 9.5 + 1 - 10
+        dict(status=R, num_tokens=9, last_token_time=9.5),  # no SLO
+        dict(arrival_time=2.0, ttft_slo=20.0, last_token_time=3.0, tbt_slo=8.0),  # recomputed: TBT
+    ])
+    rt = remaining_time(view)
+    assert rt.tolist() == [pytest.approx(-4.0), pytest.approx(0.5), math.inf, pytest.approx(1.0)]
+    assert is_critical(rt, 0.7, 0.0).tolist() == [True, True, False, False]
+    assert is_critical(rt, 0.3, 0.0).tolist() == [True, False, False, False]
+
+
+def test_embedding_picks_the_host_with_least_remaining_allocation() -> None:
+    alloc = np.array([100, 80, 60, 200])  # a_j, tokens
+    used = np.array([10, 10, 10, 150])  # u_j
+    remaining = np.array([20, 20, 20, 0])  # o_j
+    # need p_i + o_i = 20, b = 8: slack a - (u + o) - need = 50, 30, 10, 30 -> all fit;
+    # remaining allocation a - u = 90, 70, 50, 50: the first least one, row 2.
+    assert embedding_host(alloc, used, remaining, 20, 8) == 2
+    # need 25: row 2's slack is 5 < b, so rows 1 and 3 (a - u = 70, 50): row 3.
+    assert embedding_host(alloc, used, remaining, 25, 8) == 3
+    assert embedding_host(alloc, used, remaining, 70, 8) is None
+
+
+def test_embedding_moves_a_hosts_unused_allocation_to_the_new_request() -> None:
+    # Running seq 0 reserved 20 blocks, predicted to need 4; the pool is empty (reserve off),
+    # so waiting seq 1 (8 + 4 predicted tokens = 3 blocks) is admitted inside seq 0's slack.
+    view = view_of([
+        dict(status=R, num_tokens=9, reserved_blocks=20, predicted_len=4, prompt_len=8,
+             last_token_time=9.0),
+        dict(predicted_len=4, predicted_dir=-1),
+    ], num_blocks=20)
+    policy = CacheOptPolicy(padding=False, global_reserve=False)
+    plan = policy.schedule(view)
+    assert plan.run == {0: 1, 1: 8}
+    assert plan.reserve == {0: 20 - 3, 1: 3}
+    assert dataclasses.replace(policy, slo_aware=False).schedule(view).run == {0: 1}
+
+
+def test_amortized_shares_by_hand() -> None:
+    rt, prompt = np.array([1.0, 3.0]), np.array([30.0, 10.0])
+    # w = RT/sum RT * p/sum p = (1/4 * 3/4, 3/4 * 1/4) = equal: half the supply each.
+    assert amortized_shares(10, rt, prompt).tolist() == pytest.approx([5.0, 5.0])
+    w = np.array([2 / 6 * 10 / 40, 4 / 6 * 30 / 40])
+    assert amortized_shares(12, np.array([2.0, 4.0]), np.array([10.0, 30.0])) == pytest.approx(12 * w / w.sum())
+    # No SLO (inf) or past it: clipped, so weights stay finite.
+    assert np.isfinite(amortized_shares(12, np.array([np.inf, -1.0]), np.array([1.0, 1.0]))).all()
+
+
+def test_critical_requests_get_basic_demand_and_the_rest_is_amortized() -> None:
+    # 30 blocks, nothing running: three waiting 8-token prompts predicted at 100 tokens
+    # (capped at max_len 100: 25 blocks each); seq 2 is critical (its TTFT SLO is past), so it comes first and gets
+    # prompt + B = 16 tokens = 4 blocks; the others get their 3-block floor plus shares.
+    view = view_of([dict(predicted_len=100), dict(predicted_len=100),
+                    dict(predicted_len=100, ttft_slo=1.0, arrival_time=2.0)], num_blocks=30)
+    plan = CacheOptPolicy(padding=False).schedule(view)
+    assert list(plan.run) == [2, 0, 1]
+    assert plan.reserve[2] == 4
+    assert plan.reserve[0] + plan.reserve[1] == 30 - 4 and min(plan.reserve[0], plan.reserve[1]) >= 4
+    # Without RSA: FCFS, the first one takes its whole demand and the next waits.
+    plan = CacheOptPolicy(padding=False, slo_aware=False).schedule(view)
+    assert plan.run == {0: 8} and plan.reserve == {0: 25}
+
+
+# ------------------------------------------------------------------ PP / PSS
+def test_victim_order_tbt_bucket_then_remaining_then_occupancy() -> None:
+    edges = (0.05, 0.1, 0.2, 0.5, 1.0)
+    assert tbt_bucket(np.array([0.01, 0.05, 0.3, 2.0, np.nan]), edges).tolist() == [0, 1, 3, 5, 5]
+    view = view_of([
+        dict(status=R, num_tokens=9, tbt_slo=0.03),  # tight SLO: last
+        dict(status=R, num_tokens=20, tbt_slo=0.3),  # bucket 3, 50 left, 5 blocks
+        dict(status=R, num_tokens=12, tbt_slo=0.3),  # bucket 3, 50 left, 3 blocks
+        dict(status=R, num_tokens=9, tbt_slo=0.3),  # bucket 3, 10 left
+        dict(status=R, num_tokens=9),  # no SLO: loosest, first
+    ])
+    remaining = np.array([90, 50, 50, 10, 0])
+    running = view.requests.with_status(R)
+    assert victim_order(view, running, remaining, edges) == [4, 2, 1, 3, 0]
+
+
+def test_sweet_spot_chooses_swap_above_and_recompute_below() -> None:
+    # Recompute 1e-6 S^2 + 1 ms, swap 2e-5 S + 2 ms: they cross near S = 43.
+    costs = PreemptionCosts(a=1e-6, b=2.0, k=0.0, e=1e-3, g=2e-5, d=2e-3)
+    spot = costs.sweet_spot()
+    assert spot == 44
+    assert not swap_preferred(costs, spot - 1) and swap_preferred(costs, spot)
+    assert swap_preferred(None, 1)  # no fitted costs: swap whenever the host has room
+    # In a plan: two running requests, one block short; the victim (latest, PP off) is
+    # swapped when large, recomputed when small.
+    for tokens, mode in ((100, PreemptMode.SWAP), (20, PreemptMode.RECOMPUTE)):
+        # Each holds tokens/4 full blocks and needs one more for its next token; the cache
+        # is full, so one of them (the latest, PP off) is preempted.
+        row = dict(status=R, num_tokens=tokens + 1, num_computed=tokens, prompt_len=tokens,
+                   max_len=200, num_blocks=tokens // 4)
+        view = view_of([row, row], num_blocks=tokens // 2, num_host_blocks=100,
+                       num_free_host_blocks=100, limits=SchedulerLimits(8, 256, 256))
+        policy = CacheOptPolicy(preemption_costs=costs, preemption_order=False)
+        assert policy.schedule(view).preempt == {1: mode}, tokens
+        assert dataclasses.replace(policy, swap_selection=False).schedule(view).preempt == {1: PreemptMode.RECOMPUTE}
+
+
+def test_swap_needs_host_room() -> None:
+    row = dict(status=R, num_tokens=13, num_computed=12, num_blocks=3)
+    view = view_of([row, row], num_blocks=6, num_host_blocks=2, num_free_host_blocks=2)
+    plan = CacheOptPolicy().schedule(view)  # each holds 3 blocks and needs a 4th
+    assert list(plan.preempt.values()) == [PreemptMode.RECOMPUTE]
+
+
+# ------------------------------------------------------------------ ablations
+def test_each_ablation_turns_off_exactly_its_component() -> None:
+    base = CacheOptPolicy()
+    for tag, field in CACHEOPT_ABLATIONS.items():
+        policy = POLICIES[f"cacheopt/{tag}"]()
+        diff = {f.name for f in dataclasses.fields(base) if getattr(base, f.name) != getattr(policy, f.name)}
+        assert diff == {"name", field} and getattr(policy, field) is False, tag
+
+
+def test_switches_change_their_component() -> None:
+    view = view_of([dict(status=R, num_tokens=98, tbt_slo=0.03, reserved_blocks=30),
+                    dict(status=R, num_tokens=20, predicted_len=20, arrival_time=5.0),
+                    dict(status=R, num_tokens=20, arrival_time=3.0)],
+                   num_host_blocks=8, num_free_host_blocks=8, arrival_rate=10.0)
+    co = CacheOptPolicy()
+    off = {tag: POLICIES[f"cacheopt/{tag}"]() for tag in CACHEOPT_ABLATIONS}
+    # CKA: padding
+    assert co.padding_tokens(view) > 0 and off["CKA"].padding_tokens(view) == 0
+    # GR: blocks kept back from admissions while something runs (capped at 1/8 of 64)
+    assert co.reserve_keep(view) == 8 and off["GR"].reserve_keep(view) == 0
+    # PA: seq 0 finishes within m=2 iterations (max_len 100), its allocation is supply
+    ledger = Ledger.of(view)
+    remaining = np.maximum(co.demand_tokens(view, 0.0) - view.requests.num_tokens, 0)
+    assert co.soon_released(view, ledger, remaining) == 30
+    assert off["PA"].soon_released(view, ledger, remaining) == 0
+    # PSS: swap vs always recompute
+    assert co.wants_swap(view, 1) and not off["PSS"].wants_swap(view, 1)
+    # PP: the loosest SLO with the most remaining tokens vs the latest arrival
+    r = view.requests
+    assert victim_order(view, r.with_status(R), remaining, co.tbt_buckets)[0] == 2
+    # RSA: off runs vLLM's prefill-first steps (see also the embedding / amortisation tests)
+    with_waiting = view_of([dict(status=R, num_tokens=9, last_token_time=9.0), dict()])
+    assert co.schedule(with_waiting).run == {0: 1, 1: 8}
+    assert off["RSA"].schedule(with_waiting).run == {1: 8}
