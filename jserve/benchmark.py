@@ -25,6 +25,7 @@ from jserve.engine_state import EngineState
 from jserve.hardware import get_hardware, kv_capacity_blocks
 from jserve.metrics import RequestRecord, Summary, assign_slos, summarize
 from jserve.policies import make_policy
+from jserve.preemption_cost import PreemptionCosts
 from jserve.replay import replay
 from jserve.scheduler_view import SchedulerLimits
 from jserve.workload import Trace, TraceRequest, build_trace, load_trace
@@ -54,6 +55,9 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9  # simulator KV sizing, as vLLM's setting
     swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (vLLM's default)
+    # What prediction-based policies (cacheopt, rlp, s3) see: draws from their trained
+    # predictor's noise model, the true lengths, or nothing.
+    predictions: Literal["noise", "oracle", "none"] = "noise"
     profile: str | None = None  # calibrated cost profile for the simulator (jserve profile)
     trace: str | None = None  # replay this JSONL trace instead of sampling one
 
@@ -120,6 +124,9 @@ def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
     num_blocks = cfg.num_blocks or kv_capacity_blocks(
         model, hw, cfg.block_size, utilization=cfg.gpu_memory_utilization)
     policy = make_policy(cfg.policy)
+    if hasattr(policy, "preemption_costs"):  # CacheOpt: swap-vs-recompute from this machine
+        costs = PreemptionCosts.from_cost_model(cost, model.kv_bytes_per_token, hw.pcie_bandwidth)
+        policy = dataclasses.replace(policy, preemption_costs=costs)
     block = block_bytes(model, cfg.block_size, dtype_bytes=2)
     state = EngineState(num_blocks=num_blocks, block_size=cfg.block_size, limits=_limits(cfg),
                         eos_token_id=None, vocab_size=model.vocab_size,
@@ -130,6 +137,22 @@ def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
     pad = Buckets.for_limits(state.limits, cfg.block_size).tokens if cfg.profile else None
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
     return Engine(state, policy, runner, clock.now), clock
+
+
+def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, int]] | None:
+    """Output-length predictions for a prediction-based policy, by request id: drawn from
+    its trained predictor's noise model (calibrated on held-out errors; serving benchmarks
+    run synthetic prompts the predictor cannot read), or the true lengths."""
+    kind = getattr(make_policy(cfg.policy), "predictor_kind", None)
+    if kind is None or cfg.predictions == "none":
+        return None
+    if cfg.predictions == "oracle":
+        return {r.request_id: (r.output_len, 0) for r in trace.requests}
+    from jserve.predictor import load_noise_model
+
+    draws = load_noise_model(kind).sample([r.output_len for r in trace.requests],
+                                          np.random.default_rng(cfg.seed))
+    return {r.request_id: p.columns for r, p in zip(trace.requests, draws)}
 
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
@@ -154,7 +177,8 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             prompt_ids = _dummy_prompt_ids
         else:
             engine, clock, prompt_ids = _real_engine(cfg)
-        records = replay(engine, trace, clock, prompt_ids, on_finish=on_finish)
+        records = replay(engine, trace, clock, prompt_ids, on_finish=on_finish,
+                         predictions=trace_predictions(cfg, trace))
         totals = EngineTotals(engine.stats.num_steps, engine.stats.num_preemptions,
                               engine.state.blocks.num_blocks)
     if bar is not None:

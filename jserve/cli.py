@@ -88,6 +88,12 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="KV blocks (default: from memory, or the simulated hardware)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256)")
+    p.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for K/V of requests preempted by swapping (default: 4)")
+    p.add_argument("--predictions", choices=["noise", "oracle", "none"], default="noise",
+                   help="output lengths that cacheopt/rlp/s3 see: draws from the trained "
+                        "predictor's error distribution, the true lengths, or none "
+                        "(default: noise)")
     p.add_argument("--profile", default=None,
                    help="simulate with a calibrated cost profile from `jserve profile`")
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of sampling")
@@ -105,6 +111,7 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
         slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
         max_total_len=args.max_total_len, num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, profile=args.profile, trace=args.trace,
+        swap_space=args.swap_space, predictions=args.predictions,
     )
 
 

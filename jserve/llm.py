@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,11 @@ from jserve.scheduler_view import SchedulerLimits
 from models.loading import LoadedModel, Weights, load_model
 from models.registry import DEFAULT_MODEL
 from models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jserve.predictor import LengthPredictor
+
+log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 
@@ -53,6 +60,11 @@ class LLM:
         warmup: compile the step's shape buckets now rather than on first use.
         swap_space: GiB of host memory for K/V of requests preempted by swapping (vLLM's
             option and default); 0 leaves policies recompute preemption only.
+        predictor: output-length predictor for policies that allocate by prediction
+            (cacheopt, rlp, s3): 'auto' loads the shipped one of the policy's kind when it
+            reads this model's tokens (it encodes prompts with SmolLM2), None gives the
+            policy no predictions (it then reserves each request's maximum length), or a
+            `LengthPredictor`.
     """
 
     def __init__(
@@ -70,6 +82,7 @@ class LLM:
         warmup: bool = True,
         seed: int = 0,
         swap_space: float = 4.0,
+        predictor: str | None | LengthPredictor = "auto",
     ) -> None:
         enable_compilation_cache()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -104,11 +117,27 @@ class LLM:
             max_model_len=max_model_len, attention=attention,
         )
         self.engine = Engine(state, self.policy, self.runner)
+        self.predictor = self._predictor(predictor)
         self._ids = itertools.count()
         if warmup:
             self.runner.warmup(progress=True)
 
     # ---------------------------------------------------------------- requests
+    def _predictor(self, choice: str | None | LengthPredictor) -> LengthPredictor | None:
+        kind = getattr(self.policy, "predictor_kind", None)
+        if choice is None or kind is None:
+            return None
+        if choice != "auto":
+            return choice
+        from jserve.predictor import LengthPredictor
+
+        if self.tokenizer is None or self.config.name != LengthPredictor.base_model():
+            log.warning("policy %s allocates by predicted length, but the shipped predictor "
+                        "reads %s's tokens, not %s's: requests get no prediction",
+                        self.policy.name, LengthPredictor.base_model(), self.config.name)
+            return None
+        return LengthPredictor.load(kind, base=self.model)
+
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(
@@ -140,11 +169,17 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(sampling_params)} sampling params for {len(texts)} prompts"
             )
+        if self.predictor is None:
+            predictions = [(0, 0)] * len(texts)
+        else:
+            predictions = [p.columns for p in self.predictor.predict_batch(prompt_token_ids)]
         ids: list[str] = []
         try:
-            for text, tokens, params in zip(texts, prompt_token_ids, sampling_params):
+            for text, tokens, params, (length, direction) in zip(
+                    texts, prompt_token_ids, sampling_params, predictions):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, tokens, params, prompt=text)
+                self.engine.add_request(request_id, tokens, params, prompt=text,
+                                        predicted_len=length, predicted_dir=direction)
                 ids.append(request_id)
         except InvalidRequestError:
             for request_id in ids:  # all or nothing: the engine keeps serving what it had

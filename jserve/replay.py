@@ -4,7 +4,7 @@ clock: it sleeps through idle gaps) and the simulator (virtual clock: it jumps t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jserve.clock import VirtualClock, WallClock
 from jserve.engine import Engine
@@ -37,8 +37,12 @@ def replay(
     clock: WallClock | VirtualClock,
     prompt_ids: Callable[[TraceRequest], list[int]],
     on_finish: Callable[[RequestRecord], None] | None = None,
+    predictions: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[RequestRecord]:
-    """Run the whole trace to completion; arrival times are offsets from the call."""
+    """Run the whole trace to completion; arrival times are offsets from the call.
+
+    `predictions`: request id -> (predicted output length, expected error direction), for
+    policies that allocate by prediction (none: the engine sees no predictions)."""
     start = clock.now()
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     specs = {r.request_id: r for r in pending}
@@ -48,9 +52,11 @@ def replay(
         now = clock.now()
         while i < len(pending) and start + pending[i].arrival_time <= now:
             spec = pending[i]
+            length, direction = (predictions or {}).get(spec.request_id, (0, 0))
             engine.add_request(spec.request_id, prompt_ids(spec), benchmark_params(spec),
                                prompt=spec.prompt, arrival_time=start + spec.arrival_time,
-                               ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo)
+                               ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
+                               predicted_len=length, predicted_dir=direction)
             i += 1
         if not engine.has_unfinished:
             clock.wait_until(start + pending[i].arrival_time)

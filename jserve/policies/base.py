@@ -13,6 +13,10 @@ class Policy(Protocol):
 
     Policies are plain objects holding only their configuration, so the same instance runs
     on the real engine, in the simulator, and under random-trace property tests.
+
+    A policy that allocates by predicted output length also names its predictor in a
+    `predictor_kind` attribute (`cacheopt`, `rlp`, `s3`); the engine's front ends then fill
+    each request's `predicted_len` / `predicted_dir` when it arrives.
     """
 
     name: str

@@ -185,6 +185,7 @@ class CacheOptPolicy:
     preemption_order: bool = True  # PP
     swap_selection: bool = True  # PSS
     reserves = True  # class attribute: plans keep held <= reserved
+    predictor_kind = "cacheopt"  # class attribute: whose output-length predictions it reads
 
     # ---- demand
     def padding_tokens(self, view: SchedulerView) -> float:

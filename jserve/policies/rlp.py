@@ -28,6 +28,7 @@ class RLPPolicy:
     chunked_prefill: bool = False
     margin_tokens: int = 100
     reserves = True  # class attribute: plans keep held <= reserved
+    predictor_kind = "rlp"  # class attribute: whose output-length predictions it reads
 
     def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
         """Predicted total length (prompt + output + margin); None without a prediction."""

@@ -36,6 +36,7 @@ class S3Policy:
     chunked_prefill: bool = False
     bucket_tokens: int = 50
     reserves = True  # class attribute: plans keep held <= reserved
+    predictor_kind = "s3"  # class attribute: whose output-length predictions it reads
 
     def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
         r = view.requests
