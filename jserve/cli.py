@@ -182,6 +182,67 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_predictor(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from jserve.predictor.checkpoint import METRICS_FILE
+    from jserve.predictor.encoder import EncoderConfig
+    from jserve.predictor.heads import KINDS
+    from jserve.predictor.metrics import format_metrics_table
+    from jserve.predictor.train import (
+        MEDIAN_BASELINE, TrainConfig, TrainOptions, train_predictors,
+    )
+
+    options = TrainOptions(
+        output=pathlib.Path(args.output), kinds=KINDS if args.kind == "all" else (args.kind,),
+        num_train=args.num_train, num_test=args.num_test,
+        encoder=EncoderConfig(max_prompt_len=args.max_prompt_len),
+        train=TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                          seed=args.seed),
+        resume=args.resume, finetune_base=args.finetune_base,
+    )
+    try:
+        result = train_predictors(options)
+    except (NotImplementedError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"held-out metrics ({result.num_test} prompts; trained on {result.num_train}; "
+          f"{MEDIAN_BASELINE}: the training median guessed for every prompt):")
+    print(format_metrics_table(result.metrics))
+    print(f"wrote {options.output} (metrics in {options.output / METRICS_FILE})", file=sys.stderr)
+    return 0
+
+
+def _add_train_predictor_parser(sub: argparse._SubParsersAction) -> None:
+    from jserve.predictor.heads import KINDS
+    from jserve.predictor.train import TrainConfig, TrainOptions
+
+    defaults, train = TrainOptions(), TrainConfig()
+    t = sub.add_parser("train-predictor",
+                       help="train the CacheOpt / S3 / RLP output-length predictors on ShareGPT")
+    t.add_argument("--kind", choices=[*KINDS, "all"], default="all",
+                   help="which predictor to train (default: all)")
+    t.add_argument("--num-train", type=int, default=defaults.num_train,
+                   help="training prompts (default: %(default)s)")
+    t.add_argument("--num-test", type=int, default=defaults.num_test,
+                   help="held-out prompts, the first of the seeded shuffle (default: %(default)s)")
+    t.add_argument("--max-prompt-len", type=int, default=defaults.encoder.max_prompt_len,
+                   help="prompt tokens the base reads; longer prompts keep head and tail "
+                        "(default: %(default)s)")
+    t.add_argument("--epochs", type=int, default=train.epochs, help="epochs per stage (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=train.batch_size, help="default: %(default)s")
+    t.add_argument("--lr", type=float, default=train.lr, help="AdamW learning rate (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=train.seed,
+                   help="seed of the data sample, split, initialisation and batch order")
+    t.add_argument("--output", default=str(defaults.output),
+                   help="directory for checkpoints, metrics.json and noise.json (default: %(default)s)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --output from its last epoch checkpoints")
+    t.add_argument("--finetune-base", action="store_true",
+                   help="also fine-tune the base model (not implemented; the base stays frozen)")
+    t.set_defaults(func=_train_predictor)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
@@ -249,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=2048, help="longest context profiled")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (median)")
     p.set_defaults(func=_profile)
+    _add_train_predictor_parser(sub)
     return parser
 
 

@@ -1,9 +1,11 @@
 """RLP: vLLM with prediction-based KV allocation (the CacheOpt paper's RLP baseline).
 
 - Admission FCFS with whole-prompt prefills, prefill-first (vLLM's step structure).
-- Each admitted request is reserved its prompt plus the predicted output plus a fixed
-  margin of `margin_tokens` (100, the baseline's "regression + 100 tokens" predictor), capped
-  at `max_len`; without a prediction (`predicted_len == 0`) it is reserved `max_len`.
+- Each admitted request is reserved its prompt plus the predicted output plus
+  `margin_tokens`, capped at `max_len`; without a prediction (`predicted_len == 0`) it is
+  reserved `max_len`. The baseline's "regression + 100 tokens" margin belongs to its
+  predictor: the shipped RLP predictor (`jserve.predictor`, kind `rlp`) reports the
+  regression estimate plus 100, so the policy adds nothing more by default.
 - A request that outgrows its reservation extends it block by block from blocks nobody
   has reserved; when there are none, the latest-arrived running request is preempted by
   recompute (vLLM's victim), the requester itself if it is the latest.
@@ -26,7 +28,7 @@ from jserve.scheduler_view import SchedulerView
 class RLPPolicy:
     name: str = "rlp"
     chunked_prefill: bool = False
-    margin_tokens: int = 100
+    margin_tokens: int = 0
     reserves = True  # class attribute: plans keep held <= reserved
     predictor_kind = "rlp"  # class attribute: whose output-length predictions it reads
 

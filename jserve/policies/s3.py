@@ -4,7 +4,7 @@ bucket, and double it for a request that outgrew it.
 
 - The predictor classifies the output length into 50-token buckets (`bucket_tokens`); a
   request is reserved its prompt plus the upper edge of its bucket (prediction p lies in
-  [50k, 50k + 50): reserved 50k + 50 output tokens), capped at `max_len`. Without a
+  (50k, 50k + 50]: reserved 50k + 50 output tokens), capped at `max_len`. Without a
   prediction (`predicted_len == 0`) it is reserved `max_len`.
 - A request that exhausts its reservation is preempted by recompute (S3 does not extend
   an allocation in place); on re-admission its output demand doubles for every preemption
@@ -26,8 +26,10 @@ from jserve.scheduler_view import SchedulerView
 
 
 def bucket_upper(predicted: int, bucket: int) -> int:
-    """The upper edge of the bucket a predicted output length falls into."""
-    return (predicted // bucket + 1) * bucket
+    """The upper edge of the bucket holding a predicted output length, bucket b holding
+    (b * bucket, (b + 1) * bucket] as the S3 predictor's classes do: an edge maps to itself,
+    so the shipped predictor's output (already an upper edge) is taken as it is."""
+    return max(1, -(-predicted // bucket)) * bucket
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""The simulator's stand-in for a trained predictor: noisy lengths calibrated on held-out errors.
+
+Simulated runs at scale (thousands of requests, synthetic workloads without text) cannot
+afford, or cannot run, the base model on every prompt. They draw each request's predicted
+length from the error distribution that the trained predictor showed on held-out prompts:
+
+    predicted = g_inv(g(true) + e),   e ~ held-out errors of predictors of that kind,
+                                          among prompts whose true length was similar
+
+- The error space `g` is where a predictor's errors are roughly additive: the log of the
+  length for regressors (CacheOpt, RLP: errors are multiplicative, a long reply is missed by
+  hundreds of tokens and a short one by tens), and the bucket index for S3 (its prediction
+  is a bucket, `g_inv` returns the bucket's upper edge as S3 allocates).
+- Errors depend on the true length (predictors regress towards typical lengths: short
+  replies are over-predicted, long ones under-predicted), so held-out prompts are split into
+  bins by true length (edges at quantiles of the held-out true lengths) and each bin keeps
+  its own error distribution.
+- A distribution is stored as its quantiles at fixed levels (0, 0.05, ..., 1) and sampled by
+  inverse transform with linear interpolation between levels, so draws reproduce the
+  stored quantiles and never leave the observed range.
+- For CacheOpt, the direction classifier's output is drawn too: from the held-out
+  distribution of its probability among over-predicted prompts when the drawn length
+  over-predicts, and among the others otherwise. This keeps the classifier's measured
+  accuracy and confidence without modelling its dependence on the prompt.
+
+Lengths are rounded and clipped to [1, max_length] like the real predictor's. The model
+is written next to the checkpoint as `noise.json` (see `NoiseModel.to_json`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from jserve.predictor.checkpoint import NOISE_FILE
+from jserve.predictor.heads import Kind, bucket_of
+from jserve.predictor.predictor import DEFAULT_DIR, Prediction, to_predictions
+
+__all__ = ["NoiseModel", "load_noise_model", "write_noise_models"]
+
+ErrorSpace = Literal["log", "bucket"]
+
+QUANTILE_LEVELS: tuple[float, ...] = tuple(np.round(np.linspace(0.0, 1.0, 21), 2).tolist())
+_OVER, _NOT_OVER = "over", "not_over"
+
+
+def _quantiles(values: np.ndarray) -> tuple[float, ...]:
+    # Six decimals: far below the spread of any error distribution, and a readable JSON.
+    return tuple(round(float(q), 6) for q in np.quantile(values, QUANTILE_LEVELS))
+
+
+def _to_space(lengths: np.ndarray, space: ErrorSpace, bucket_width: int) -> np.ndarray:
+    if space == "log":
+        return np.log(lengths.astype(np.float64))
+    return bucket_of(lengths.astype(np.int64), bucket_width).astype(np.float64)
+
+
+def _from_space(values: np.ndarray, space: ErrorSpace, bucket_width: int,
+                max_length: int) -> np.ndarray:
+    if space == "log":
+        lengths = np.exp(values)
+    else:
+        lengths = (np.maximum(np.round(values), 0) + 1) * bucket_width
+    return np.clip(np.round(lengths), 1, max_length).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """Draws predictions of one kind given true lengths; see the module docstring.
+
+    `bin_edges[i]` is the largest true length of bin `i` (the last bin is unbounded);
+    `error_quantiles[i]` are the error quantiles of bin `i` at `QUANTILE_LEVELS`;
+    `over_prob_quantiles` (CacheOpt only) maps "over" / "not_over" to the quantiles of the
+    direction classifier's probability among held-out prompts of that actual direction.
+    """
+
+    kind: Kind
+    space: ErrorSpace
+    max_length: int
+    bucket_width: int
+    bin_edges: tuple[float, ...]
+    error_quantiles: tuple[tuple[float, ...], ...]
+    over_prob_quantiles: dict[str, tuple[float, ...]] | None
+    num_calibration: int
+
+    @classmethod
+    def fit(cls, kind: Kind, true: np.ndarray, pred: np.ndarray, *, max_length: int,
+            bucket_width: int, over_prob: np.ndarray | None = None,
+            num_bins: int = 4) -> NoiseModel:
+        """Calibrate on held-out true and predicted lengths (and CacheOpt's probabilities)."""
+        true, pred = np.asarray(true), np.asarray(pred)
+        if true.shape != pred.shape or true.size < num_bins:
+            raise ValueError(f"need matching arrays of at least {num_bins} lengths")
+        space: ErrorSpace = "bucket" if kind == "s3" else "log"
+        errors = _to_space(pred, space, bucket_width) - _to_space(true, space, bucket_width)
+        # Interior edges at true-length quantiles; repeated edges (many equal lengths) merge.
+        edges = np.unique(np.quantile(true, np.arange(1, num_bins) / num_bins))
+        bins = np.searchsorted(edges, true, side="left")
+        over_quantiles = None
+        if over_prob is not None:
+            over = pred > true
+            if over.all() or not over.any():
+                raise ValueError("need held-out prompts of both directions to calibrate over_prob")
+            over_prob = np.asarray(over_prob)
+            over_quantiles = {_OVER: _quantiles(over_prob[over]),
+                              _NOT_OVER: _quantiles(over_prob[~over])}
+        return cls(kind, space, max_length, bucket_width, tuple(float(e) for e in edges),
+                   tuple(_quantiles(errors[bins == b]) for b in range(len(edges) + 1)),
+                   over_quantiles, int(true.size))
+
+    def sample(self, true_lengths: Sequence[int] | np.ndarray,
+               rng: np.random.Generator) -> list[Prediction]:
+        """One noisy prediction per true length."""
+        true = np.asarray(true_lengths)
+        if true.ndim != 1 or (true.size and true.min() < 1):
+            raise ValueError("true lengths must be a 1-d sequence of positive integers")
+        bins = np.searchsorted(np.asarray(self.bin_edges), true, side="left")
+        levels = rng.random(true.size)
+        errors = np.empty(true.size)
+        for b, quantiles in enumerate(self.error_quantiles):
+            errors[bins == b] = np.interp(levels[bins == b], QUANTILE_LEVELS, quantiles)
+        lengths = _from_space(_to_space(true, self.space, self.bucket_width) + errors, self.space,
+                              self.bucket_width, self.max_length)
+        if self.over_prob_quantiles is None:
+            return to_predictions(lengths)
+        levels = rng.random(true.size)
+        over_prob = np.where(lengths > true,
+                             np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_OVER]),
+                             np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_NOT_OVER]))
+        return to_predictions(lengths, over_prob)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "levels": list(QUANTILE_LEVELS)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NoiseModel:
+        data = dict(data)
+        if tuple(data.pop("levels")) != QUANTILE_LEVELS:
+            raise ValueError("noise model stored at other quantile levels than this version uses")
+        over = data["over_prob_quantiles"]
+        return cls(**{**data, "bin_edges": tuple(data["bin_edges"]),
+                      "error_quantiles": tuple(tuple(q) for q in data["error_quantiles"]),
+                      "over_prob_quantiles": None if over is None
+                      else {k: tuple(v) for k, v in over.items()}})
+
+
+def write_noise_models(directory: Path, models: dict[str, NoiseModel]) -> None:
+    (directory / NOISE_FILE).write_text(
+        json.dumps({kind: m.to_json() for kind, m in models.items()}, indent=1) + "\n")
+
+
+def load_noise_model(kind: Kind = "cacheopt", directory: Path | str | None = None) -> NoiseModel:
+    """The `kind` noise model stored with a trained predictor (default: the shipped one)."""
+    path = Path(directory or DEFAULT_DIR) / NOISE_FILE
+    models = json.loads(path.read_text())
+    if kind not in models:
+        raise ValueError(f"{path} has no {kind!r} noise model (it has {', '.join(models)})")
+    return NoiseModel.from_json(models[kind])

@@ -1,0 +1,252 @@
+"""Train the length predictors' heads on cached base features (optax, orbax, resumable).
+
+CacheOpt is trained in two steps, as in the paper:
+
+1. the length layer alone, on the true lengths;
+2. the deviation direction of that step-1 predictor is recorded for every training prompt
+   (over-predicted: predicted length > true length), and the whole stack (length layer and
+   direction classifier) is trained on the length loss plus the classifier's binary
+   cross-entropy against those recorded directions.
+
+S3's bucket classifier is trained with softmax cross-entropy on the true length's bucket,
+RLP's regressor exactly as CacheOpt's step 1 (the 100-token padding is added at prediction).
+Regressors use an L1 loss on log-length; `heads.py` says why.
+
+Each stage checkpoints its parameters and optimiser state with orbax at the end of every
+epoch, under `DIR/resume/<stage>`. Batch order is a function of (seed, epoch) alone, so a
+run resumed after epoch k continues exactly as the uninterrupted run would have, and a
+stage already finished is restored instead of retrained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from jserve.predictor.checkpoint import METRICS_FILE, PredictorSpec, resume_dir, save_head
+from jserve.predictor.data import build_dataset, cached_features
+from jserve.predictor.encoder import EncoderConfig, PromptEncoder
+from jserve.predictor.heads import (
+    CacheOptHead, Head, HeadConfig, Kind, LengthRegressor, RLPHead, S3Head, bucket_of, make_head,
+    predict_features,
+)
+from jserve.predictor.metrics import LengthMetrics, length_metrics
+from jserve.predictor.noise import NoiseModel, write_noise_models
+from models.loading import load_model
+
+__all__ = [
+    "TrainConfig", "TrainOptions", "TrainResult", "bucket_loss", "cacheopt_loss", "fit", "length_loss",
+    "train_head", "train_predictors",
+]
+
+MEDIAN_BASELINE = "median"  # the metrics row of the constant training-median guess
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[Any, Batch], jax.Array]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser settings of every stage (AdamW; weight decay regularises the small heads)."""
+
+    epochs: int = 20
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """One `jserve train-predictor` run."""
+
+    output: Path = Path("predictor")
+    kinds: tuple[Kind, ...] = ("cacheopt", "s3", "rlp")
+    num_train: int = 3000
+    num_test: int = 500
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    hidden: int = 128
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resume: bool = False
+    finetune_base: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    metrics: dict[str, LengthMetrics]  # held-out, per kind and for MEDIAN_BASELINE
+    num_train: int
+    num_test: int
+    encode_seconds: float
+    train_seconds: float
+
+
+# ------------------------------------------------------------------------------ losses
+
+
+def length_loss(regressor: LengthRegressor, batch: Batch) -> jax.Array:
+    log_len, _ = regressor(batch["x"])
+    return jnp.mean(jnp.abs(log_len - batch["log_len"]))
+
+
+def cacheopt_loss(head: CacheOptHead, batch: Batch) -> jax.Array:
+    log_len, logit = head(batch["x"])
+    bce = optax.sigmoid_binary_cross_entropy(logit, batch["over"])
+    return jnp.mean(jnp.abs(log_len - batch["log_len"])) + jnp.mean(bce)
+
+
+def bucket_loss(head: S3Head, batch: Batch) -> jax.Array:
+    logits = head.classifier(batch["x"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["bucket"]))
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def _train_state(module: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+    return {"model": nnx.to_pure_dict(nnx.state(module)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+
+
+def _restore_into(obj: nnx.Module | nnx.Optimizer, pure: dict[str, Any]) -> None:
+    state = nnx.state(obj)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(obj, state)
+
+
+def fit(module: nnx.Module, loss_fn: LossFn, data: dict[str, np.ndarray], cfg: TrainConfig,
+        ckpt_dir: Path, desc: str, progress: bool = True) -> None:
+    """Train `module`'s parameters in place on `data` (equal-length arrays).
+
+    Resumes from the latest checkpoint in `ckpt_dir` when there is one.
+    """
+    optimizer = nnx.Optimizer(module, optax.adamw(cfg.lr, weight_decay=cfg.weight_decay),
+                              wrt=nnx.Param)
+    manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=1))
+    start = manager.latest_step() or 0
+    if start:
+        restored = manager.restore(start, args=ocp.args.StandardRestore(_train_state(module, optimizer)))
+        _restore_into(module, restored["model"])
+        _restore_into(optimizer, restored["optimizer"])
+
+    @nnx.jit
+    def step(module: nnx.Module, optimizer: nnx.Optimizer, batch: Batch) -> jax.Array:
+        loss, grads = nnx.value_and_grad(loss_fn)(module, batch)
+        optimizer.update(module, grads)
+        return loss
+
+    n = len(next(iter(data.values())))
+    steps = math.ceil(n / cfg.batch_size)
+    bar = tqdm(total=cfg.epochs * steps, initial=min(start, cfg.epochs) * steps, desc=desc,
+               unit="step", disable=not progress)
+    with bar:
+        for epoch in range(start, cfg.epochs):
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(n)
+            losses = []
+            for i in range(0, n, cfg.batch_size):
+                idx = order[i:i + cfg.batch_size]
+                losses.append(step(module, optimizer, {k: v[idx] for k, v in data.items()}))
+                bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{float(np.mean(jax.device_get(losses))):.4f}")
+            manager.save(epoch + 1, args=ocp.args.StandardSave(_train_state(module, optimizer)))
+    manager.wait_until_finished()
+    manager.close()
+
+
+def train_head(head: Head, x: np.ndarray, lengths: np.ndarray, cfg: TrainConfig,
+               directory: Path, progress: bool = True) -> None:
+    """Train one head in place on training features `x` and true lengths (see module doc)."""
+    log_len = np.log(lengths).astype(np.float32)
+    if isinstance(head, S3Head):
+        head.classifier.norm.fit(x)
+        data = {"x": x, "bucket": bucket_of(lengths, head.cfg.bucket_width).astype(np.int32)}
+        fit(head, bucket_loss, data, cfg, resume_dir(directory, "s3"), "s3 buckets", progress)
+        return
+    head.length.fit_data(x, log_len)
+    stage = "rlp" if isinstance(head, RLPHead) else "cacheopt-length"
+    desc = "rlp length" if isinstance(head, RLPHead) else "cacheopt 1/2 length"
+    fit(head.length, length_loss, {"x": x, "log_len": log_len}, cfg,
+        resume_dir(directory, stage), desc, progress)
+    if isinstance(head, CacheOptHead):
+        over = (np.asarray(predict_features(head, x).lengths) > lengths).astype(np.float32)
+        fit(head, cacheopt_loss, {"x": x, "log_len": log_len, "over": over}, cfg,
+            resume_dir(directory, "cacheopt-joint"), "cacheopt 2/2 length+direction", progress)
+
+
+# ------------------------------------------------------------------------------ a whole run
+
+
+def _check_resume(options: TrainOptions, spec: PredictorSpec) -> None:
+    """Refuse to mix runs: resume only the same training, never overwrite one silently."""
+    out = options.output
+    if options.resume:
+        if (out / "config.json").exists() and PredictorSpec.read(out).to_json() != spec.to_json():
+            raise ValueError(f"{out} holds a run with other settings ({out / 'config.json'}); "
+                             "resume it with the same options or choose another --output")
+    elif (out / "resume").exists():
+        raise ValueError(f"{out} already has training checkpoints; pass --resume to continue "
+                         "them or choose another --output")
+
+
+def train_predictors(options: TrainOptions) -> TrainResult:
+    """Build the data, encode it (cached), train each kind, evaluate on held-out prompts,
+    fit the noise models, and write everything under `options.output` (see checkpoint.py)."""
+    if options.finetune_base:
+        raise NotImplementedError(
+            "--finetune-base is not implemented: heads train on cached features of the frozen "
+            "base, which is what makes training fit on a CPU; fine-tuning would need "
+            "gradients through the paged prefill on every step")
+    base = load_model(options.encoder.base_model)
+    dataset = build_dataset(base.tokenizer, options.num_train, options.num_test,
+                            seed=options.train.seed)
+    encoder = PromptEncoder(base, options.encoder)
+    head_cfg = HeadConfig(feature_dim=encoder.feature_dim, hidden=options.hidden)
+    spec = PredictorSpec(options.encoder, head_cfg, options.kinds, training={
+        **asdict(options.train), "num_train": len(dataset.train), "num_test": len(dataset.test)})
+    _check_resume(options, spec)  # before minutes of encoding, not after
+    spec.write(options.output)
+
+    t0 = time.perf_counter()
+    x_train = cached_features(encoder, dataset.train, progress=options.progress)
+    x_test = cached_features(encoder, dataset.test, progress=options.progress)
+    encode_seconds = time.perf_counter() - t0
+    y_train = np.array([ex.output_len for ex in dataset.train])
+    y_test = np.array([ex.output_len for ex in dataset.test])
+
+    t0 = time.perf_counter()
+    metrics, noise = {}, {}
+    for kind in options.kinds:
+        head = make_head(kind, head_cfg, seed=options.train.seed)
+        train_head(head, x_train, y_train, options.train, options.output, options.progress)
+        save_head(options.output, kind, head)
+        out = predict_features(head, x_test)
+        pred = np.asarray(out.lengths)
+        over_prob = None if out.over_prob is None else np.asarray(out.over_prob)
+        metrics[kind] = length_metrics(pred, y_test, over_prob=over_prob)
+        noise[kind] = NoiseModel.fit(kind, y_test, pred, max_length=head_cfg.max_length,
+                                     bucket_width=head_cfg.bucket_width, over_prob=over_prob)
+    # What the heads must beat: one constant guess, the training median, for every prompt.
+    metrics[MEDIAN_BASELINE] = length_metrics(np.full(y_test.shape, np.median(y_train)), y_test)
+    result = TrainResult(metrics, len(dataset.train), len(dataset.test), encode_seconds,
+                         time.perf_counter() - t0)
+    write_noise_models(options.output, noise)
+    (options.output / METRICS_FILE).write_text(json.dumps({
+        "held_out": {k: m.to_json() for k, m in metrics.items()},
+        "num_train": result.num_train, "num_test": result.num_test,
+        "encode_seconds": round(encode_seconds, 1), "train_seconds": round(result.train_seconds, 1),
+    }, indent=1) + "\n")
+    return result
+
