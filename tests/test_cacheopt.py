@@ -100,13 +100,14 @@ def test_rlp_and_s3_demands() -> None:
     rows = [dict(predicted_len=20), dict(), dict(predicted_len=20, num_preemptions=2),
             dict(predicted_len=50)]
     view = view_of([dict(row, prompt_len=10, max_len=1000) for row in rows])
-    assert RLPPolicy().demand_tokens(view, 0) == 10 + 20 + 100
+    assert RLPPolicy().demand_tokens(view, 0) == 10 + 20  # the predictor adds RLP's 100
+    assert RLPPolicy(margin_tokens=100).demand_tokens(view, 0) == 10 + 20 + 100
     assert RLPPolicy().demand_tokens(view, 1) is None  # no prediction: max_len
     assert bucket_upper(20, 50) == 50 and bucket_upper(50, 50) == 50 and bucket_upper(51, 50) == 100
     assert bucket_upper(0, 50) == 50
     assert S3Policy().demand_tokens(view, 0) == 10 + 50
     assert S3Policy().demand_tokens(view, 2) == 10 + 50 * 4  # doubled per preemption
-    assert S3Policy().demand_tokens(view, 3) == 10 + 100
+    assert S3Policy().demand_tokens(view, 3) == 10 + 50  # an upper edge is kept as it is
 
 
 # ------------------------------------------------------------------ RSA
