@@ -14,11 +14,15 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jserve.engine import Engine
 from jserve.request import Request, RequestMetrics
 from jserve.sampling_params import SamplingParams
 from jserve.server_metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from jserve.predictor import LengthPredictor
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +98,12 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
+                 predictor: LengthPredictor | None = None) -> None:
+        """`predictor`: output-length predictions for policies that allocate by them (the
+        `LLM`'s; None: requests carry none)."""
         self.engine = engine
+        self.predictor = predictor
         self.metrics = metrics or ServerMetrics()
         self._live: dict[str, _Live] = {}
         self._ops: list[Callable[[], None]] = []
@@ -136,13 +144,18 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = self.engine.clock()
+        length, direction = 0, 0
+        if self.predictor is not None:  # a jit call: keep it off the event loop
+            prediction = await asyncio.to_thread(self.predictor.predict, prompt_token_ids)
+            length, direction = prediction.columns
 
         def add() -> None:
             if admitted.cancelled():  # the handler is gone already
                 return
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                        arrival_time=arrival, ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+                                        arrival_time=arrival, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
+                                        predicted_len=length, predicted_dir=direction)
             except Exception as e:  # InvalidRequestError, or a bug the handler reports as 500
                 admitted.set_exception(e)
                 return

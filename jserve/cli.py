@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto",
                    choices=["auto", "reference", "pallas", "pallas-interpret"],
                    help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")
+    p.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for K/V of requests preempted by swapping (default: 4)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -33,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ...", file=sys.stderr)
     llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
               block_size=args.block_size, max_model_len=args.max_model_len,
-              attention=args.attention, warmup=False)
+              attention=args.attention, swap_space=args.swap_space, warmup=False)
     print(f"ready in {time.perf_counter() - t0:.1f}s (step shapes compile on first use)",
           file=sys.stderr)
     try:
@@ -177,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
               block_size=args.block_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              warmup=not args.no_warmup)
+              attention=args.attention, swap_space=args.swap_space, warmup=not args.no_warmup)
     serve(llm, args.host, args.port)
     return 0
 

@@ -81,7 +81,7 @@ class OpenAIServer:
         self.model = llm.config.name
         self.policy = llm.policy.name
         self.max_model_len = llm.engine.state.limits.max_model_len
-        self.engine = AsyncEngine(llm.engine)
+        self.engine = AsyncEngine(llm.engine, predictor=llm.predictor)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ endpoints

@@ -282,3 +282,14 @@ def test_bucket_noise_model_draws_bucket_edges() -> None:
     draws = np.array([p.length for p in model.sample(np.full(5000, 420), rng)])
     assert set(np.unique(draws)) <= {350, 400, 450, 500, 550}
     assert {400, 450, 500} <= set(np.unique(draws))
+
+
+def test_llm_uses_the_shipped_predictor_only_for_its_base_model(tiny_loaded, smollm2_loaded) -> None:
+    """`predictor="auto"`: SmolLM2 serving a prediction-based policy gets the shipped
+    predictor of that policy's kind; a model whose tokens it cannot read gets none."""
+    from jserve import LLM
+
+    assert LLM(tiny_loaded, policy="cacheopt", num_blocks=16, warmup=False).predictor is None
+    assert LLM(smollm2_loaded, policy="vllm", num_blocks=16, warmup=False).predictor is None
+    llm = LLM(smollm2_loaded, policy="s3", num_blocks=16, warmup=False)
+    assert llm.predictor is not None and llm.predictor.kind == "s3"

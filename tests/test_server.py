@@ -25,6 +25,7 @@ from jserve.http_client import wait_until_idle as server_idle
 from jserve.plan import Plan
 from jserve.policies.vllm import VLLMPolicy
 from jserve.scheduler_view import SchedulerView
+from jserve.predictor import Prediction
 from jserve.server import build_app, serve_in_background
 from models.loading import LoadedModel
 
@@ -36,18 +37,30 @@ ABORTED = 'jserve_requests_finished_total{finish_reason="abort"}'
 
 @dataclass
 class SloRecordingPolicy:
-    """vLLM's schedule, noting the SLO columns it is shown (test-only state)."""
+    """vLLM's schedule, noting the SLO and prediction columns it is shown (test-only state).
+    It names a predictor kind, so the server asks the `LLM`'s predictor for every request."""
 
     name: str = "vllm"
     chunked_prefill: bool = False
     inner: VLLMPolicy = field(default_factory=VLLMPolicy)
     seen: set[tuple[float, float]] = field(default_factory=set)
+    predictions: set[tuple[int, int, int]] = field(default_factory=set)  # (prompt, length, dir)
+    predictor_kind = "cacheopt"
 
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests
         self.seen |= {(a, b) for a, b in zip(r.ttft_slo.tolist(), r.tbt_slo.tolist())
                       if not math.isnan(a)}
+        self.predictions |= set(zip(r.prompt_len.tolist(), r.predicted_len.tolist(),
+                                    r.predicted_dir.tolist()))
         return self.inner.schedule(view)
+
+
+class PromptLengthPredictor:
+    """Predicts prompt length + 3 tokens, expecting an over-prediction: easy to recognise."""
+
+    def predict(self, prompt_token_ids: list[int]) -> Prediction:
+        return Prediction(len(prompt_token_ids) + 3, over_prob=0.9)
 
 
 @dataclass
@@ -68,7 +81,8 @@ def _serve(llm: LLM) -> Iterator[Served]:
 def tiny(tiny_loaded: LoadedModel) -> Iterator[Served]:
     """tiny-llama (random weights, no tokenizer): prompts are token ids."""
     llm = LLM(tiny_loaded, policy=SloRecordingPolicy(), num_blocks=128, max_model_len=TINY_CONTEXT,
-              max_num_seqs=8, max_num_batched_tokens=TINY_CONTEXT, warmup=False)
+              max_num_seqs=8, max_num_batched_tokens=TINY_CONTEXT, warmup=False,
+              predictor=PromptLengthPredictor())
     yield from _serve(llm)
 
 
@@ -182,6 +196,13 @@ def test_http_bench_replays_a_trace_and_slos_reach_the_policy(tiny: Served, tmp_
                for r in records)
     assert data["num_steps"] > 0 and data["num_blocks"] == 128
     assert {(r["ttft_slo"], r["tbt_slo"]) for r in records} <= tiny.llm.policy.seen
+    wait_until_idle(tiny)
+
+
+def test_predictions_reach_the_policy(tiny: Served) -> None:
+    tiny.client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9, 10, 11],
+                                   max_tokens=2, extra_body=NO_EOS)
+    assert (7, 10, 1) in tiny.llm.policy.predictions
     wait_until_idle(tiny)
 
 
