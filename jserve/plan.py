@@ -46,10 +46,6 @@ class Plan:
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
 
-    @property
-    def moves_blocks(self) -> bool:
-        """Whether the plan swaps anything (a step with work even if it runs nothing)."""
-        return bool(self.swap_in) or PreemptMode.SWAP in self.preempt.values()
 
     @property
     def num_batched_tokens(self) -> int:
