@@ -178,14 +178,11 @@ class JaxRunner:
     def _padding_inputs(self, t: int, s: int, decode_only: bool = False) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
-        meta = AttentionMetadata(
-            positions=z(t, np.int32),
-            slot_mapping=np.full(t, self.scratch_block * self.block_size, np.int32),
-            query_start=z(s + 1, np.int32),
-            context_lens=z(s, np.int32),
-            block_tables=np.full((s, self.buckets.max_blocks_per_seq), self.scratch_block, np.int32),
-            decode_only=decode_only,
-        )
+        none = z(0, np.int32)
+        meta = ragged_metadata(none, none, [], num_tokens=t, num_seqs=s,
+                               max_blocks=self.buckets.max_blocks_per_seq,
+                               block_size=self.block_size, scratch_block=self.scratch_block,
+                               decode_only=decode_only)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
 
