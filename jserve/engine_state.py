@@ -8,6 +8,7 @@ after any step.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -66,7 +67,9 @@ class EngineState:
         self._applied: Plan | None = None
         self._moves: tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]] = ((), ())
         self._host_dropped: list[int] = []  # ended while swapped: the runner drops their copy
-        self._arrivals: collections.deque[float] = collections.deque(maxlen=4096)
+        # Arrival times inside the rate window (older ones are dropped as time passes).
+        self._arrivals: collections.deque[float] = collections.deque()
+        self._first_arrival: float | None = None
         self._step_times: collections.deque[float] = collections.deque(maxlen=16)
         self._applied_at = 0.0
 
@@ -114,6 +117,8 @@ class EngineState:
             predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
         )
         self._arrivals.append(arrival_time)
+        if self._first_arrival is None:
+            self._first_arrival = arrival_time
         return req
 
     @property
@@ -159,10 +164,13 @@ class EngineState:
     def arrival_rate(self, now: float) -> float:
         """Requests per second that arrived in the last `ARRIVAL_WINDOW` seconds (or since
         the first arrival, if that is more recent)."""
-        if not self._arrivals:
+        if self._first_arrival is None:
             return 0.0
-        start = max(now - self.ARRIVAL_WINDOW, self._arrivals[0])
-        n = sum(1 for t in reversed(self._arrivals) if t > start)
+        window_start = now - self.ARRIVAL_WINDOW
+        while self._arrivals and self._arrivals[0] <= window_start:  # out of every later window
+            self._arrivals.popleft()
+        start = max(window_start, self._first_arrival)
+        n = len(self._arrivals) - sum(1 for _ in itertools.takewhile(lambda t: t <= start, self._arrivals))
         return n / max(now - start, 1e-9) if n else 0.0
 
     def snapshot(self, now: float) -> SchedulerView:
