@@ -85,6 +85,7 @@ class EngineState:
         tbt_slo: float | None = None,
         predicted_len: int = 0,
         predicted_dir: int = 0,
+        conversation_id: str | None = None,
     ) -> Request:
         """Admit a request to the waiting set, or raise `InvalidRequestError` saying why.
 
@@ -106,6 +107,7 @@ class EngineState:
         req = Request(
             request_id=request_id, seq_id=seq_id, prompt=prompt, prompt_token_ids=ids,
             params=params, max_len=cap, metrics=RequestMetrics(arrival_time), detokenizer=detok,
+            conversation_id=conversation_id,
         )
         self.requests[seq_id] = req
         self._by_request_id[request_id] = seq_id

@@ -60,6 +60,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # The chat this request is a turn of (None: its own): what the prefix cache tags its
+    # blocks with, and the key it isolates caches by when asked to.
+    conversation_id: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
