@@ -2,6 +2,10 @@
 
 Plain Python/numpy owned by one object; `check_invariants` states what must always hold
 and the property tests call it after every engine step.
+
+With a prefix cache, a block is in exactly one of three states: free (on the free list),
+used (referenced by at least one table), or evictable (cached, referenced by none; it
+returns to the free list only when an eviction rule picks it).
 """
 
 from __future__ import annotations
@@ -9,21 +13,26 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.errors import PlanError
+from jserve.prefix_cache import PrefixIndex
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix: PrefixIndex | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix = prefix
         # LIFO free list: recently freed blocks are reused first (warm in caches).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self._tables: dict[int, list[int]] = {}
+        self.num_evictable = 0
+        self.num_table_blocks = 0  # sum of table lengths: a shared block counts per holder
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free list (evictable cached blocks not included)."""
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -51,15 +60,60 @@ class BlockManager:
             block = self._free.pop()
             self.ref_counts[block] += 1
             table.append(block)
+        self.num_table_blocks += n
+
+    def attach(self, seq_id: int, blocks: list[int]) -> None:
+        """Start an empty table with cached blocks (a prefix-cache hit), sharing them."""
+        if self.num_held(seq_id):
+            raise PlanError(f"seq {seq_id}: cached blocks can only start a table")
+        for block in blocks:
+            if self.prefix is None or not self.prefix.cached[block]:
+                raise PlanError(f"seq {seq_id}: block {block} is not cached")
+            if self.ref_counts[block] == 0:
+                self.num_evictable -= 1
+            self.ref_counts[block] += 1
+        if blocks:
+            self._tables[seq_id] = list(blocks)
+            self.num_table_blocks += len(blocks)
 
     def free(self, seq_id: int) -> int:
-        """Release every block the sequence holds; returns how many were held."""
+        """Release every block the sequence holds; returns how many were held. Cached
+        blocks nobody references any more stay cached, evictable."""
         table = self._tables.pop(seq_id, [])
+        cached = self.prefix.cached if self.prefix is not None else None
         for block in reversed(table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self._free.append(block)
+                if cached is not None and cached[block]:
+                    self.num_evictable += 1
+                else:
+                    self._free.append(block)
+        self.num_table_blocks -= len(table)
         return len(table)
+
+    def released_by(self, seq_ids: list[int]) -> np.ndarray:
+        """Blocks no one would reference once these sequences free their tables."""
+        tables = [self._tables[s] for s in seq_ids if s in self._tables]
+        if not tables:
+            return np.zeros(0, np.int64)
+        held = np.concatenate([np.asarray(t, np.int64) for t in tables])
+        drop = np.zeros(self.num_blocks, np.int32)
+        np.add.at(drop, held, 1)
+        return np.flatnonzero((drop > 0) & (drop == self.ref_counts))
+
+    def evictable(self) -> np.ndarray:
+        if self.prefix is None:
+            return np.zeros(0, np.int64)
+        return np.flatnonzero(self.prefix.cached & (self.ref_counts == 0))
+
+    def evict(self, blocks: list[int]) -> None:
+        """Drop cached, unreferenced blocks from the prefix cache onto the free list."""
+        for block in blocks:
+            if self.prefix is None or not self.prefix.cached[block] or self.ref_counts[block]:
+                raise PlanError(f"block {block} is not an evictable cached block")
+            self.prefix.remove(block)
+            self.num_evictable -= 1
+            self._free.append(block)
 
     def check_invariants(self) -> None:
         free = np.zeros(self.num_blocks, dtype=bool)
@@ -71,4 +125,12 @@ class BlockManager:
         assert (self.ref_counts >= 0).all(), "negative reference count"
         assert np.array_equal(counts, self.ref_counts), "reference counts disagree with tables"
         assert not (free & (counts > 0)).any(), "a block is both free and used"
-        assert int(free.sum() + (counts > 0).sum()) == self.num_blocks, "used + free != total"
+        assert int(counts.sum()) == self.num_table_blocks
+        cached = self.prefix.cached if self.prefix is not None else np.zeros_like(free)
+        assert not (free & cached).any(), "a block is both free and cached"
+        evictable = int((cached & (counts == 0)).sum())
+        assert evictable == self.num_evictable, "evictable count is off"
+        total = int(free.sum() + (counts > 0).sum()) + evictable
+        assert total == self.num_blocks, "used + free + evictable != total"
+        if self.prefix is not None:
+            self.prefix.check_invariants()

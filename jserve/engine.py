@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -10,8 +11,9 @@ from typing import Protocol
 from jserve.batch import Batch, StepOutput
 from jserve.engine_state import EngineState
 from jserve.errors import PlanError
-from jserve.plan import PreemptMode
+from jserve.plan import Plan, PreemptMode
 from jserve.policies.base import Policy
+from jserve.prefix_cache import EvictionRule
 from jserve.request import Request
 from jserve.sampling_params import SamplingParams
 
@@ -29,19 +31,29 @@ class EngineStats:
     num_preemptions: int = 0
     num_swaps: int = 0  # preemptions that moved K/V to host memory
     num_batched_tokens: int = 0
+    num_evicted_blocks: int = 0  # prefix-cache blocks evicted
 
 
 class Engine:
-    """`snapshot -> schedule -> apply -> execute -> commit`, once per `step()`."""
+    """`snapshot -> schedule -> evict -> apply -> execute -> commit`, once per `step()`.
+
+    With a prefix cache, the eviction rule is a second pure function: once the policy has
+    planned, the state says how many cached blocks the plan needs freed and hands the rule
+    a snapshot of the candidates; its choice joins the plan, and `apply` checks it too.
+    """
 
     def __init__(
         self, state: EngineState, policy: Policy, runner: Runner,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter, eviction: EvictionRule | None = None,
     ) -> None:
+        if (state.prefix is None) != (eviction is None):
+            raise ValueError("an engine needs an eviction rule exactly when its state keeps a "
+                             "prefix cache")
         self.state = state
         self.policy = policy
         self.runner = runner
         self.clock = clock
+        self.eviction = eviction
         self.stats = EngineStats()
 
     def add_request(
@@ -69,6 +81,8 @@ class Engine:
         """Run one iteration; returns the requests that produced a token (or finished)."""
         view = self.state.snapshot(self.clock())
         plan = self.policy.schedule(view)
+        if self.eviction is not None:
+            plan = self._with_evictions(plan, view.now)
         self.state.apply(plan, view.now)
         self.stats.num_preemptions += len(plan.preempt)
         self.stats.num_swaps += sum(m is PreemptMode.SWAP for m in plan.preempt.values())
@@ -87,3 +101,12 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.num_tokens
         return self.state.commit(batch, out, self.clock())
+
+    def _with_evictions(self, plan: Plan, now: float) -> Plan:
+        need = self.state.eviction_request(plan, now)
+        if need is None:
+            return plan
+        n, snapshot = need
+        evict = self.eviction.evict(snapshot, n)
+        self.stats.num_evicted_blocks += len(evict)
+        return dataclasses.replace(plan, evict=frozenset(evict.tolist()))

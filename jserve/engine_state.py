@@ -18,6 +18,7 @@ from jserve.batch import Batch, BatchInputs, BlockMove, StepOutput
 from jserve.block_manager import BlockManager
 from jserve.errors import InvalidRequestError, PlanError
 from jserve.plan import Plan, PreemptMode
+from jserve.prefix_cache import CacheSnapshot, PrefixIndex
 from jserve.request import FinishReason, Request, RequestMetrics, RequestStatus
 from jserve.request_table import RequestTable
 from jserve.sampling_params import SamplingParams
@@ -37,10 +38,20 @@ class EngineState:
         tokenizer: Tokenizer | None = None,
         chunked_prefill: bool = False,
         num_host_blocks: int = 0,
+        prefix_cache: bool = False,
+        cache_isolation: bool = False,
+        cache_capacity_blocks: int | None = None,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
-        plans may only preempt by recompute)."""
-        self.blocks = BlockManager(num_blocks, block_size)
+        plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
+        blocks for later prompts that start the same way; `cache_isolation` keys them by
+        conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
+        cached (None: every block no request uses, as vLLM)."""
+        if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
+            raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
+        self.prefix = PrefixIndex(num_blocks, block_size, isolate=cache_isolation) if prefix_cache else None
+        self.cache_capacity_blocks = cache_capacity_blocks
+        self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
         self.limits = limits
         self.eos_token_id = eos_token_id
@@ -72,6 +83,11 @@ class EngineState:
         self._first_arrival: float | None = None
         self._step_times: collections.deque[float] = collections.deque(maxlen=16)
         self._applied_at = 0.0
+        # Prefix cache: each request's chain keys (computed once, extended as it grows) and
+        # the cached blocks its prompt starts with as of the last snapshot (waiting ones).
+        self._chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        self._hits: dict[int, tuple[int, list[int]]] = {}  # seq -> (index version, blocks)
+        self._prefill_steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
 
     # ----------------------------------------------------------------------- requests
     def add(
@@ -118,6 +134,8 @@ class EngineState:
             tbt_slo=math.nan if tbt_slo is None else tbt_slo,
             predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
         )
+        if self.prefix is not None:
+            self.prefix.record_arrival(self._conversation(req), len(ids))
         self._arrivals.append(arrival_time)
         if self._first_arrival is None:
             self._first_arrival = arrival_time
@@ -176,9 +194,16 @@ class EngineState:
         return n / max(now - start, 1e-9) if n else 0.0
 
     def snapshot(self, now: float) -> SchedulerView:
+        """With a prefix cache, a waiting request's `num_computed` is the cached prefix it
+        would start from, and `num_free_blocks` counts every block no table holds (free or
+        evictable) less what sharing saves, so that preempting a request frees, as far as
+        any policy can tell, exactly the blocks its table lists."""
+        if self.prefix is not None:
+            self._match_waiting()
         return SchedulerView(
             now=now, requests=self.table.snapshot(), block_size=self.blocks.block_size,
-            num_blocks=self.blocks.num_blocks, num_free_blocks=self.blocks.num_free,
+            num_blocks=self.blocks.num_blocks,
+            num_free_blocks=self.blocks.num_blocks - self.blocks.num_table_blocks,
             limits=self.limits,
             num_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_blocks,
             num_free_host_blocks=0 if self.host_blocks is None else self.host_blocks.num_free,
@@ -192,6 +217,7 @@ class EngineState:
         self._validate_plan(plan)
         cols = self.table.data
         swap_out, swap_in = [], []
+        hits = self._admitted_hits(plan)
         for seq_id, mode in plan.preempt.items():
             row = self._row[seq_id]
             held = np.asarray(self.blocks.table(seq_id), np.int32)
@@ -210,6 +236,7 @@ class EngineState:
             metrics = self.requests[seq_id].metrics
             metrics.num_preemptions += 1
             metrics.last_preempted_at = now
+        self.blocks.evict(sorted(plan.evict))
         for seq_id in sorted(plan.swap_in):
             row = self._row[seq_id]
             n = self.host_blocks.free(seq_id)
@@ -220,8 +247,14 @@ class EngineState:
             swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
         self._moves = (tuple(swap_out), tuple(swap_in))
         for seq_id, n in plan.allocate.items():
-            self.blocks.allocate(seq_id, n)
+            hit = hits.get(seq_id, [])
+            if hit:
+                self.blocks.attach(seq_id, hit)
+                self.requests[seq_id].metrics.num_cached_tokens = len(hit) * self.blocks.block_size
+            self.blocks.allocate(seq_id, n - len(hit))
             cols.num_blocks[self._row[seq_id]] += n
+        for seq_id in hits:
+            del self._hits[seq_id]
         for seq_id in plan.run:
             cols.status[self._row[seq_id]] = RequestStatus.RUNNING
             metrics = self.requests[seq_id].metrics
@@ -237,7 +270,7 @@ class EngineState:
 
     def _validate_plan(self, plan: Plan) -> None:
         cols, lim, bs = self.table.data, self.limits, self.blocks.block_size
-        freed, to_host = 0, 0
+        to_host = 0
         for seq_id, mode in plan.preempt.items():
             row = self._live_row(seq_id, "preempt")
             if cols.status[row] != RequestStatus.RUNNING:
@@ -247,7 +280,6 @@ class EngineState:
                     raise PlanError(f"seq {seq_id}: swap preemption needs a host KV tier "
                                     "(num_host_blocks > 0)")
                 to_host += int(cols.num_blocks[row])
-            freed += int(cols.num_blocks[row])
         from_host = 0
         for seq_id in plan.swap_in:
             row = self._live_row(seq_id, "swap in")
@@ -257,17 +289,23 @@ class EngineState:
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
                             "on the host")
-        wanted = sum(plan.allocate.values()) + from_host
-        if wanted > self.blocks.num_free + freed:
-            swapping = f" ({from_host} of them to swap in)" if from_host else ""
-            raise PlanError(f"plan allocates {wanted} blocks, {self.blocks.num_free + freed} free"
-                            + swapping)
+        released = self.blocks.released_by(list(plan.preempt))
+        self._validate_evictions(plan, released)
+        hits = self._admitted_hits(plan)
         for seq_id, n in plan.allocate.items():
             self._live_row(seq_id, "allocate to")
+            if n < len(hits.get(seq_id, ())):
+                raise PlanError(f"seq {seq_id}: allocates {n} blocks, fewer than the "
+                                f"{len(hits[seq_id])} cached ones its table starts with")
             if n < 0:
                 raise PlanError(f"seq {seq_id}: cannot allocate {n} blocks")
             if seq_id in plan.preempt:
                 raise PlanError(f"seq {seq_id}: allocated to and preempted in the same plan")
+        wanted = self._fresh_blocks(plan, hits, from_host)
+        available = self.blocks.num_free + self._uncached(released) + len(plan.evict)
+        if wanted > available:
+            swapping = f" ({from_host} of them to swap in)" if from_host else ""
+            raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
         if len(plan.run) > lim.max_num_seqs:
             raise PlanError(f"plan runs {len(plan.run)} sequences, max_num_seqs is {lim.max_num_seqs}")
         if plan.num_batched_tokens > lim.max_num_batched_tokens:
@@ -309,6 +347,100 @@ class EngineState:
                     f"for {end} tokens"
                 )
 
+    # ----------------------------------------------------------------------- prefix cache
+    def _conversation(self, req: Request) -> str:
+        return req.conversation_id if req.conversation_id is not None else req.request_id
+
+    def _chain(self, req: Request, num_blocks: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The request's first `num_blocks` chain keys, hashed once and extended as needed."""
+        known = self._chains.get(req.seq_id)
+        if known is None or len(known) < num_blocks:
+            salt = self.prefix.salt(req.conversation_id)
+            known = self.prefix.chain_keys(req.all_token_ids, salt, num_blocks, known)
+            self._chains[req.seq_id] = known
+        return known[:num_blocks]
+
+    def _match_waiting(self) -> None:
+        """Find each waiting request's cached prefix and show it as its `num_computed`.
+        At least the last token is left to compute: its logits give the next token."""
+        cols, bs, version = self.table.data, self.blocks.block_size, self.prefix.version
+        for row in np.flatnonzero(self.table.live_mask & (cols.status == RequestStatus.WAITING)):
+            seq_id = int(cols.seq_id[row])
+            memo = self._hits.get(seq_id)
+            if memo is None or memo[0] != version:
+                req = self.requests[seq_id]
+                keys = self._chain(req, (int(cols.num_tokens[row]) - 1) // bs)
+                memo = self._hits[seq_id] = (version, self.prefix.match(keys, self.prefix.salt(req.conversation_id)))
+            cols.num_computed[row] = len(memo[1]) * bs
+
+    def _admitted_hits(self, plan: Plan) -> dict[int, list[int]]:
+        """Cached blocks each waiting request the plan starts takes over."""
+        if self.prefix is None:
+            return {}
+        cols = self.table.data
+        hits = {}
+        for seq_id in plan.run:
+            row = self._row.get(seq_id)
+            if row is not None and cols.status[row] == RequestStatus.WAITING and cols.num_computed[row]:
+                hits[seq_id] = self._hits[seq_id][1]
+        return hits
+
+    def _fresh_blocks(self, plan: Plan, hits: dict[int, list[int]], from_host: int) -> int:
+        return sum(plan.allocate.values()) - sum(len(h) for h in hits.values()) + from_host
+
+    def _uncached(self, blocks: np.ndarray) -> int:
+        return len(blocks) if self.prefix is None else int((~self.prefix.cached[blocks]).sum())
+
+    def _validate_evictions(self, plan: Plan, released: np.ndarray) -> None:
+        if not plan.evict:
+            return
+        if self.prefix is None:
+            raise PlanError("plan evicts blocks but the engine has no prefix cache")
+        evict = np.fromiter(plan.evict, np.int64, len(plan.evict))
+        if evict.min() < 0 or evict.max() >= self.blocks.num_blocks:
+            raise PlanError(f"plan evicts block ids outside [0, {self.blocks.num_blocks})")
+        unreferenced = self.blocks.ref_counts == 0
+        unreferenced[released] = True
+        bad = evict[~(self.prefix.cached[evict] & unreferenced[evict])]
+        if len(bad):
+            raise PlanError(f"plan evicts blocks {sorted(bad.tolist())[:8]} that are not cached "
+                            "or that a request still uses")
+        pinned = {b for hit in self._admitted_hits(plan).values() for b in hit}
+        if pinned & plan.evict:
+            raise PlanError(f"plan evicts blocks {sorted(pinned & plan.evict)[:8]} that a request "
+                            "it starts takes from the cache")
+
+    def eviction_request(self, plan: Plan, now: float) -> tuple[int, CacheSnapshot] | None:
+        """How many cached blocks must go for `plan` to fit (and for the cache to stay
+        within its capacity), and the snapshot an eviction rule picks them from: every
+        block that will be unreferenced once the plan's preemptions are done, less those
+        the requests it starts take over. None when nothing needs evicting."""
+        if self.prefix is None:
+            return None
+        released = self.blocks.released_by(list(plan.preempt))
+        hits = self._admitted_hits(plan)
+        from_host = sum(int(self.table.data.num_host_blocks[self._row[s]]) for s in plan.swap_in
+                        if s in self._row)
+        shortfall = self._fresh_blocks(plan, hits, from_host) - self.blocks.num_free - self._uncached(released)
+        candidates = np.union1d(self.blocks.evictable(), released[self.prefix.cached[released]])
+        pinned = [b for hit in hits.values() for b in hit]
+        if pinned:
+            candidates = np.setdiff1d(candidates, pinned)
+        n = max(shortfall, 0)
+        if self.cache_capacity_blocks is not None:
+            n = max(n, len(candidates) - self.cache_capacity_blocks)
+        n = min(n, len(candidates))
+        if n <= 0:
+            return None
+        return n, self.prefix.snapshot(candidates, now, self.prefill_rate)
+
+    @property
+    def prefill_rate(self) -> float:
+        """Tokens per second over recent steps that ran a prefill (0 before any)."""
+        tokens = sum(t for t, _ in self._prefill_steps)
+        seconds = sum(dt for _, dt in self._prefill_steps)
+        return tokens / seconds if seconds > 0 else 0.0
+
     def batch(self, with_inputs: bool = True) -> Batch:
         """The applied plan's work, in plan order; `with_inputs` adds the token ids, block
         tables and sampling settings a real runner needs."""
@@ -349,6 +481,8 @@ class EngineState:
         self._moves = ((), ())
         if batch.num_seqs:
             self._step_times.append(now - self._applied_at)
+            if batch.num_tokens > batch.num_seqs:
+                self._prefill_steps.append((batch.num_tokens, now - self._applied_at))
         cols = self.table.data
         updated = []
         tokens, logprobs = out.next_tokens.tolist(), out.logprobs.tolist()
@@ -412,12 +546,24 @@ class EngineState:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.metrics.finished_time = now
+        if self.prefix is not None:
+            self._cache_turn(req, now)
         self.blocks.free(req.seq_id)
         if self.host_blocks is not None and self.host_blocks.free(req.seq_id):
             self._host_dropped.append(req.seq_id)
         self.table.remove(self._row.pop(req.seq_id))
         del self.requests[req.seq_id]
         del self._by_request_id[req.request_id]
+
+    def _cache_turn(self, req: Request, now: float) -> None:
+        """Keep an ending request's full computed blocks cached, for its next turn."""
+        table = self.blocks.table(req.seq_id)
+        computed = int(self.table.data.num_computed[self._row[req.seq_id]]) if table else 0
+        n = min(computed // self.blocks.block_size, len(table))
+        self.prefix.release(table, self._chain(req, n), self.prefix.salt(req.conversation_id),
+                            self._conversation(req), req.num_tokens, now)
+        self._chains.pop(req.seq_id, None)
+        self._hits.pop(req.seq_id, None)
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
@@ -437,7 +583,10 @@ class EngineState:
             host = 0 if self.host_blocks is None else self.host_blocks.num_held(seq_id)
             assert cols.num_host_blocks[row] == host, f"seq {seq_id} host blocks"
             if cols.status[row] == RequestStatus.WAITING:
-                assert cols.num_blocks[row] == 0 and cols.num_computed[row] == 0 and host == 0
+                # num_computed: the cached prefix it starts from (0 without a prefix cache)
+                assert cols.num_blocks[row] == 0 and host == 0
+                assert cols.num_computed[row] % self.blocks.block_size == 0
+                assert self.prefix is not None or cols.num_computed[row] == 0
             elif cols.status[row] == RequestStatus.SWAPPED:
                 assert cols.num_blocks[row] == 0, f"swapped seq {seq_id} holds device blocks"
                 assert cols.num_computed[row] <= host * self.blocks.block_size

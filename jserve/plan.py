@@ -22,12 +22,18 @@ class Plan:
     """One iteration's decisions, keyed by `seq_id`, carried out in this order:
 
     1. `preempt`: release the device KV of running requests (dropped, or swapped to host);
-    2. `swap_in`: bring swapped requests' KV back into fresh device blocks (they become
+       blocks that also hold a prefix-cache entry stay cached;
+    2. `evict`: drop these unreferenced blocks from the prefix cache (the engine fills this
+       in from its eviction rule, after the policy: see `Engine.step`);
+    3. `swap_in`: bring swapped requests' KV back into fresh device blocks (they become
        running, with all their computed tokens);
-    3. `allocate`: append that many fresh blocks to a request's table;
-    4. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
+    4. `allocate`: grow a request's table by that many blocks. A waiting request whose
+       prompt starts with cached blocks (the view shows them as its `num_computed`) takes
+       those over as the first blocks of its table: they count in `allocate` but are
+       shared, not copied, so the count is never less than the memory it costs;
+    5. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
        a whole prompt, or 1 for a decode). Insertion order is batch order.
-    5. `reserve`: set a request's reservation (blocks promised to it, materialised by later
+    6. `reserve`: set a request's reservation (blocks promised to it, materialised by later
        `allocate`s) to that many blocks; reservations are bookkeeping for policies that
        allocate a predicted demand (CacheOpt, RLP, S3), and their sum never exceeds the cache.
 
@@ -40,12 +46,13 @@ class Plan:
     preempt: Mapping[int, PreemptMode] = field(default_factory=dict)
     swap_in: frozenset[int] = frozenset()
     reserve: Mapping[int, int] = field(default_factory=dict)
+    evict: frozenset[int] = frozenset()  # physical block ids
 
     def __post_init__(self) -> None:
         for name in ("run", "allocate", "preempt", "reserve"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
-
+        object.__setattr__(self, "evict", frozenset(int(b) for b in self.evict))
 
     @property
     def num_batched_tokens(self) -> int:

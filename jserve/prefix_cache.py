@@ -47,9 +47,9 @@ class Conversations:
 
 @dataclass(frozen=True)
 class CacheSnapshot:
-    """What an eviction rule may read. Evicting a block makes every block after it in its
-    chain unreachable, so a rule must pick blocks deepest-first within a chain: the
-    engine refuses a choice that leaves a cached block whose parent it evicts."""
+    """What an eviction rule may read. Evicting a block makes the blocks after it in its
+    chain unreachable (they stay cached, holding memory for nothing, until evicted in
+    turn), so rules pick deepest-first within a chain."""
 
     now: float
     block_size: int
@@ -83,3 +83,170 @@ class EvictionRule(Protocol):
     name: str
 
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray: ...
+
+
+ORPHAN = -2  # parent of a cached block whose chain was cut above it: never matched again
+
+
+@dataclass
+class _ConversationStats:
+    history_len: int = 0
+    num_turns: int = 0
+    last_access: float = 0.0
+
+
+class PrefixIndex:
+    """The hash chains of cached blocks, and per-conversation history for T-LRU.
+
+    Lookups are exact: an entry matches only if its tokens, salt and parent block are
+    equal, so a hash collision costs a miss, never a wrong KV block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, isolate: bool = False) -> None:
+        """`isolate`: key blocks by conversation too, so no conversation reuses another's
+        KV (the paper's setting; also what a multi-tenant server wants)."""
+        self.block_size = block_size
+        self.isolate = isolate
+        self.cached = np.zeros(num_blocks, dtype=bool)
+        self.depth = np.zeros(num_blocks, dtype=np.int32)
+        # The block before it in its chain; -1 at depth 0, ORPHAN once that one is evicted.
+        self.parent = np.full(num_blocks, -1, dtype=np.int32)
+        self._children: dict[int, set[int]] = {}
+        self.last_access = np.zeros(num_blocks, dtype=np.float64)
+        self.conversation = np.zeros(num_blocks, dtype=np.int32)
+        self._key: list[int] = [0] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._salt: list[str | None] = [None] * num_blocks
+        self._entries: dict[int, int] = {}  # chain key -> block
+        self._conversation_ids: list[str] = []
+        self._conversation_row: dict[str, int] = {}
+        self._stats: list[_ConversationStats] = []
+        self._new_tokens_sum = 0
+        self._new_tokens_count = 0
+        self.version = 0  # bumped whenever an entry comes or goes
+
+    # ------------------------------------------------------------------ keys and lookup
+    def chain_keys(self, token_ids: Sequence[int], salt: str | None, num_blocks: int,
+                   known: list[tuple[int, tuple[int, ...]]] | None = None
+                   ) -> list[tuple[int, tuple[int, ...]]]:
+        """(key, tokens) of the first `num_blocks` full blocks of `token_ids`, extending
+        `known` (the keys of a shorter prefix of the same ids) instead of rehashing it."""
+        keys = list(known or ())
+        bs = self.block_size
+        parent = keys[-1][0] if keys else 0
+        for d in range(len(keys), num_blocks):
+            tokens = tuple(token_ids[d * bs:(d + 1) * bs])
+            parent = hash((parent, salt, tokens))
+            keys.append((parent, tokens))
+        return keys
+
+    def salt(self, conversation_id: str | None) -> str | None:
+        return conversation_id if self.isolate else None
+
+    def match(self, keys: Sequence[tuple[int, tuple[int, ...]]], salt: str | None) -> list[int]:
+        """The cached blocks holding the longest prefix of `keys`, in chain order."""
+        blocks: list[int] = []
+        parent = -1
+        for key, tokens in keys:
+            block = self._entries.get(key)
+            if (block is None or self._tokens[block] != tokens or self._salt[block] != salt
+                    or self.parent[block] != parent):
+                break
+            blocks.append(block)
+            parent = block
+        return blocks
+
+    # ------------------------------------------------------------------ updates
+    def record_arrival(self, conversation_id: str, prompt_len: int) -> None:
+        """Count the new part of an arriving prompt toward T-LRU's mean estimate Q_hat."""
+        row = self._conversation_row.get(conversation_id)
+        history = self._stats[row].history_len if row is not None else 0
+        self._new_tokens_sum += max(prompt_len - history, 0)
+        self._new_tokens_count += 1
+
+    @property
+    def mean_new_prompt_len(self) -> float:
+        return self._new_tokens_sum / self._new_tokens_count if self._new_tokens_count else 0.0
+
+    def release(self, table: Sequence[int], keys: Sequence[tuple[int, tuple[int, ...]]],
+                salt: str | None, conversation_id: str, history_len: int, now: float) -> None:
+        """A turn ended: make its full computed blocks (`keys` covers them) cached entries,
+        tagged with its conversation and stamped `now`. Where another block already holds
+        the same prefix, that one stays the entry and this turn's copy is not cached."""
+        row = self._conversation(conversation_id)
+        stats = self._stats[row]
+        stats.history_len, stats.last_access = history_len, now
+        stats.num_turns += 1
+        parent = -1
+        for depth, (key, tokens) in enumerate(keys):
+            block = table[depth]
+            existing = self._entries.get(key)
+            if existing is not None and (self._tokens[existing] != tokens
+                                         or self._salt[existing] != salt
+                                         or self.parent[existing] != parent):
+                break  # a colliding key: leave the rest of this chain uncached
+            if existing is None:
+                self._entries[key] = block
+                self.cached[block] = True
+                self._key[block], self._tokens[block], self._salt[block] = key, tokens, salt
+                self.depth[block], self.parent[block] = depth, parent
+                if parent >= 0:
+                    self._children.setdefault(parent, set()).add(block)
+                self.version += 1
+            else:
+                block = existing
+            self.last_access[block] = now
+            self.conversation[block] = row
+            parent = block
+
+    def remove(self, block: int) -> None:
+        """Forget an evicted block's entry; the blocks after it can no longer be matched."""
+        del self._entries[self._key[block]]
+        for child in self._children.pop(block, ()):
+            self.parent[child] = ORPHAN
+        parent = int(self.parent[block])
+        if parent >= 0:
+            self._children[parent].discard(block)
+        self.cached[block] = False
+        self._tokens[block] = self._salt[block] = None
+        self.parent[block] = -1
+        self.version += 1
+
+    def _conversation(self, conversation_id: str) -> int:
+        row = self._conversation_row.get(conversation_id)
+        if row is None:
+            row = self._conversation_row[conversation_id] = len(self._conversation_ids)
+            self._conversation_ids.append(conversation_id)
+            self._stats.append(_ConversationStats())
+        return row
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, evictable: np.ndarray, now: float, prefill_rate: float) -> CacheSnapshot:
+        """`evictable`: the candidate block ids (cached, unreferenced, not pinned)."""
+        rows, inverse = np.unique(self.conversation[evictable], return_inverse=True)
+        stats = [self._stats[r] for r in rows.tolist()]
+        return CacheSnapshot(
+            now=now, block_size=self.block_size,
+            blocks=CachedBlocks(
+                block=evictable.astype(np.int32), depth=self.depth[evictable],
+                last_access=self.last_access[evictable],
+                conversation=inverse.astype(np.int32).reshape(-1),
+            ),
+            conversations=Conversations(
+                conversation_id=tuple(self._conversation_ids[r] for r in rows.tolist()),
+                history_len=np.array([s.history_len for s in stats], np.int64),
+                num_turns=np.array([s.num_turns for s in stats], np.int32),
+                last_access=np.array([s.last_access for s in stats], np.float64),
+            ),
+            prefill_rate=prefill_rate, mean_new_prompt_len=self.mean_new_prompt_len,
+        )
+
+    def check_invariants(self) -> None:
+        assert int(self.cached.sum()) == len(self._entries), "entries disagree with cached blocks"
+        for key, block in self._entries.items():
+            assert self.cached[block] and self._key[block] == key
+            parent = int(self.parent[block])
+            assert parent in (-1, ORPHAN) or self.cached[parent], f"block {block}: stale parent"
+            if parent >= 0:
+                assert self.depth[block] == self.depth[parent] + 1
+                assert block in self._children[parent]

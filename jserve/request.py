@@ -38,6 +38,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     preempted_time: float = 0.0  # seconds spent waiting to be readmitted after preemptions
     last_preempted_at: float | None = None  # set while preempted
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when admitted
 
     @property
     def ttft(self) -> float | None:

@@ -81,6 +81,10 @@ class RequestTable:
         self._live[row] = False
         self._free_rows.append(row)
 
+    @property
+    def live_mask(self) -> np.ndarray:
+        return self._live
+
     def snapshot(self) -> RequestArrays:
         return self.data.take(np.flatnonzero(self._live))
 
