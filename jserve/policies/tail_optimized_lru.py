@@ -1,0 +1,271 @@
+"""Prefix-cache eviction rules aimed at the tail of time-to-first-token, after the paper
+"Tail-Optimized Caching for LLM Inference" (Zhang, Li, Moallemi, Peng, NeurIPS 2025,
+arXiv 2510.15152). Each rule is a pure function of a `CacheSnapshot` (and its own
+configuration) to the evictable blocks it gives up, looked up by name in `EVICTION_RULES`.
+
+The paper's objective is the tail excess latency (TEL): how far each turn's prefill time
+goes past a threshold xi, summed. A turn of a conversation prefills its history plus its
+new message minus what the cache still holds, so once enough of a conversation is cached
+for that to fit within xi, caching more of it no longer helps the tail. The rules:
+
+- `lru`: least recently released block first. The baseline most engines ship.
+- `threshold-lru`: LRU, except that conversations whose history is at most
+  `history_threshold` tokens are not worth caching (recomputing them is cheap) and go first.
+- `tlru` (T-LRU, the paper's online rule): each conversation keeps a *TEL-safe budget*
+  `b_c = max(0, history_c + Q_hat - xi)` tokens, with Q_hat an estimate of the next
+  message's length. Blocks past the budget cannot lower the next turn's excess latency,
+  so they go first; the rest are evicted in LRU order.
+- `end-aware-tlru` (oracle): T-LRU that knows which conversations have ended; all blocks of
+  an ended conversation are past its budget.
+- `length-aware-tlru` (oracle): T-LRU with the true next message length in place of Q_hat
+  where there is a next turn (Q_hat otherwise: it is not told that a conversation ended).
+- `tbelady` (offline, hindsight): Tail-Optimized Belady. The budget with the true next
+  length (ended conversations keep nothing), then the conversation whose next turn comes
+  furthest in the future goes first, as Belady's rule does for hit rate.
+
+Our choices, not the paper's:
+
+- xi is configured in seconds (`tel_threshold`) and turned into tokens through the
+  engine's measured prefill rate (`snapshot.prefill_rate` tokens per second); before any
+  prefill has been measured the rate is 0 and so is xi, which makes every history block
+  worth keeping (T-LRU degrades to LRU).
+- Q_hat defaults to the measured mean length of the new part of arriving prompts.
+- `threshold-lru` marks short conversations infinitely old rather than refusing to cache
+  them, so memory that nobody else wants still serves their next turn.
+- "Goes first" is a lexicographic order: blocks past their budget (or of short
+  conversations) before all others, then each rule's age key, then deepest first. Within
+  the first group the same age key orders them, so among useless blocks the coldest go.
+- `tbelady` orders blocks past their budget by next arrival too (ended conversations
+  first), with last access and then depth as tie-breaks.
+
+Evicting a block makes the deeper blocks of its chain unreachable, and the engine refuses a
+choice that keeps a cached block whose parent it evicts. Every key here is either constant
+over a conversation (its budget group, its next arrival) or never puts a shallower block of
+a conversation before a deeper one (blocks past a budget are a suffix of the chain; a
+parent's last access is never earlier than its child's), and depth, deepest first, breaks
+the remaining ties; so each rule's order evicts chains from their ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from jserve.prefix_cache import CacheSnapshot, ConversationFutures, EvictionRule
+
+
+def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:
+    """The first `n` block ids in lexicographic order of `keys` (most significant first),
+    deepest first on ties; `np.lexsort` is stable, so the snapshot's order breaks the rest."""
+    b = snapshot.blocks
+    if n <= 0 or len(b) == 0:
+        return np.zeros(0, dtype=np.int32)
+    order = np.lexsort((-b.depth.astype(np.int64), *reversed(keys)))
+    return b.block[order[:n]].astype(np.int32)
+
+
+def _xi_tokens(snapshot: CacheSnapshot, tel_threshold: float) -> float:
+    """The tokens a turn can prefill within `tel_threshold` seconds at the measured rate."""
+    return tel_threshold * max(snapshot.prefill_rate, 0.0)
+
+
+def _next_turns(snapshot: CacheSnapshot, futures: ConversationFutures) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per conversation row: whether it has a next turn, that turn's new tokens and its
+    think time (0 where it has none)."""
+    conv = snapshot.conversations
+    has_next = np.zeros(len(conv), dtype=bool)
+    new_tokens = np.zeros(len(conv), dtype=np.float64)
+    think = np.zeros(len(conv), dtype=np.float64)
+    for i, cid in enumerate(conv.conversation_id):
+        turns = futures.get(cid, ())
+        t = int(conv.num_turns[i])
+        if 0 <= t < len(turns):
+            has_next[i] = True
+            new_tokens[i] = turns[t].new_tokens
+            think[i] = turns[t].think_time
+    return has_next, new_tokens, think
+
+
+def _surplus(snapshot: CacheSnapshot, xi_tokens: float, next_len: np.ndarray | float,
+             ended: np.ndarray | None = None) -> np.ndarray:
+    """Per block: past its conversation's TEL-safe budget `b_c = max(0, history + next_len
+    - xi)`, i.e. `depth * block_size >= b_c` (keeping depths below ceil(b_c / bs) already
+    brings the next turn's prefill within xi), or of an ended conversation."""
+    conv = snapshot.conversations
+    budget = np.maximum(0.0, conv.history_len.astype(np.float64) + next_len - xi_tokens)
+    if ended is not None:
+        budget = np.where(ended, 0.0, budget)
+    b = snapshot.blocks
+    return b.depth.astype(np.float64) * snapshot.block_size >= budget[b.conversation]
+
+
+def _surplus_first(surplus: np.ndarray) -> np.ndarray:
+    """Sort key that puts surplus blocks before the rest."""
+    return np.where(surplus, 0, 1).astype(np.int8)
+
+
+def _check_tel_threshold(tel_threshold: float) -> None:
+    if not (tel_threshold >= 0 and math.isfinite(tel_threshold)):
+        raise ValueError(f"tel_threshold must be a finite number of seconds >= 0, got {tel_threshold!r}")
+
+
+def _check_q_hat(q_hat: float | None) -> None:
+    if q_hat is not None and not (q_hat >= 0 and math.isfinite(q_hat)):
+        raise ValueError(f"q_hat must be a finite number of tokens >= 0 or None, got {q_hat!r}")
+
+
+def _check_futures(name: str, futures: ConversationFutures | None) -> None:
+    if futures is None:
+        raise ValueError(f"eviction rule {name!r} is an oracle: it needs the conversations' futures "
+                         "(conversation id -> FutureTurn per turn)")
+
+
+@dataclass(frozen=True)
+class LRUEviction:
+    """Least recently used first; deepest first on ties (a chain's blocks are released
+    together, so this evicts a conversation from its end)."""
+
+    name: str = "lru"
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        return _first(snapshot, n, snapshot.blocks.last_access)
+
+
+@dataclass(frozen=True)
+class ThresholdLRUEviction:
+    """LRU after the blocks of conversations with at most `history_threshold` tokens of
+    history, which are cheap to recompute and so treated as infinitely old."""
+
+    name: str = "threshold-lru"
+    history_threshold: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.history_threshold < 0:
+            raise ValueError(f"history_threshold must be >= 0 tokens, got {self.history_threshold}")
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        b = snapshot.blocks
+        short = snapshot.conversations.history_len <= self.history_threshold
+        return _first(snapshot, n, _surplus_first(short[b.conversation]), b.last_access)
+
+
+@dataclass(frozen=True)
+class TLRUEviction:
+    """T-LRU: blocks past their conversation's TEL-safe budget (with the next message
+    estimated as `q_hat` tokens, by default the measured mean) first, then LRU."""
+
+    name: str = "tlru"
+    tel_threshold: float = 0.2  # xi, seconds of prefill a turn may take at no cost
+    q_hat: float | None = None  # next message length in tokens; None: snapshot.mean_new_prompt_len
+
+    def __post_init__(self) -> None:
+        _check_tel_threshold(self.tel_threshold)
+        _check_q_hat(self.q_hat)
+
+    def _q_hat(self, snapshot: CacheSnapshot) -> float:
+        return snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), self._q_hat(snapshot))
+        return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
+
+
+@dataclass(frozen=True)
+class EndAwareTLRUEviction:
+    """T-LRU told which conversations have no next turn (an oracle): those keep nothing."""
+
+    name: str = "end-aware-tlru"
+    tel_threshold: float = 0.2
+    q_hat: float | None = None
+    futures: ConversationFutures | None = None
+
+    def __post_init__(self) -> None:
+        _check_tel_threshold(self.tel_threshold)
+        _check_q_hat(self.q_hat)
+        _check_futures(self.name, self.futures)
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        assert self.futures is not None
+        has_next, _, _ = _next_turns(snapshot, self.futures)
+        q_hat = snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
+        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), q_hat, ended=~has_next)
+        return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
+
+
+@dataclass(frozen=True)
+class LengthAwareTLRUEviction:
+    """T-LRU told each next message's true length (an oracle); a conversation with no next
+    turn falls back to `q_hat`, since this rule is not told that it ended."""
+
+    name: str = "length-aware-tlru"
+    tel_threshold: float = 0.2
+    q_hat: float | None = None
+    futures: ConversationFutures | None = None
+
+    def __post_init__(self) -> None:
+        _check_tel_threshold(self.tel_threshold)
+        _check_q_hat(self.q_hat)
+        _check_futures(self.name, self.futures)
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        assert self.futures is not None
+        has_next, new_tokens, _ = _next_turns(snapshot, self.futures)
+        q_hat = snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
+        next_len = np.where(has_next, new_tokens, q_hat)
+        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), next_len)
+        return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
+
+
+@dataclass(frozen=True)
+class TBeladyEviction:
+    """Tail-Optimized Belady (offline, hindsight): blocks past the TEL-safe budget computed
+    with the true next length (everything of an ended conversation) first, then the
+    conversation whose next turn arrives furthest in the future; within each group by next
+    arrival (ended conversations at infinity), last access, then deepest first."""
+
+    name: str = "tbelady"
+    tel_threshold: float = 0.2
+    futures: ConversationFutures | None = None
+
+    def __post_init__(self) -> None:
+        _check_tel_threshold(self.tel_threshold)
+        _check_futures(self.name, self.futures)
+
+    def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
+        assert self.futures is not None
+        b = snapshot.blocks
+        has_next, new_tokens, think = _next_turns(snapshot, self.futures)
+        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), new_tokens, ended=~has_next)
+        arrival = np.where(has_next, snapshot.conversations.last_access + think, np.inf)
+        return _first(snapshot, n, _surplus_first(surplus), -arrival[b.conversation], b.last_access)
+
+
+EVICTION_RULES: dict[str, type[EvictionRule]] = {
+    "lru": LRUEviction,
+    "threshold-lru": ThresholdLRUEviction,
+    "tlru": TLRUEviction,
+    "end-aware-tlru": EndAwareTLRUEviction,
+    "length-aware-tlru": LengthAwareTLRUEviction,
+    "tbelady": TBeladyEviction,
+}
+ORACLE_RULES = frozenset({"end-aware-tlru", "length-aware-tlru", "tbelady"})
+
+
+def make_eviction_rule(name: str, *, tel_threshold: float = 0.2, q_hat: float | None = None,
+                       history_threshold: int = 1024,
+                       futures: ConversationFutures | None = None) -> EvictionRule:
+    """The rule registered as `name`, given those of the options it takes (the others are
+    ignored, so one set of flags configures any rule)."""
+    try:
+        cls = EVICTION_RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction rule {name!r}; known rules: {', '.join(sorted(EVICTION_RULES))}") from None
+    if name in ORACLE_RULES:
+        _check_futures(name, futures)
+    options = {"tel_threshold": tel_threshold, "q_hat": q_hat, "history_threshold": history_threshold,
+               "futures": futures}
+    accepted = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in options.items() if k in accepted})
