@@ -1,0 +1,372 @@
+"""Multi-turn chat arrivals, closed loop: the workload of the prefix-cache experiments.
+
+A chat's turn k sends the whole history (every earlier message and reply) plus a new user
+message, so a prefix cache that still holds the history only prefills the new part. And a
+user types turn k only after reading the reply to turn k-1: turns arrive a *think time*
+after the previous reply finished, not at times fixed in advance. That feedback is why this
+is its own driver rather than a `Trace` for `jserve.replay.replay` (open loop): the gap
+between two turns of one conversation, which is what decides whether its history is still
+cached, depends on how fast the engine answered.
+
+Two arrival processes (`ConversationArrivals`); in both, conversations start as a Poisson
+process of rate ``conversation_rate`` (lambda):
+
+- ``"birth-death"``: the stochastic model of the Tail-Optimized LRU paper. Conversation i
+  draws its own turn rate r_i ~ Exp(mean ``turn_rate``). After each reply it ends at rate
+  ``end_rate`` (mu) racing its next turn at rate r_i: it continues with probability
+  r_i / (r_i + mu), and the next turn then comes after an Exp(r_i) think time (drawn from
+  r_i alone, as the model states it; a literal race of the two clocks would make the
+  winner's wait Exp(r_i + mu)). It also ends when its ShareGPT conversation runs out of
+  turns. Without that cut, a conversation makes
+  1 + r_i/mu turns on average, i.e. ``1 + turn_rate/end_rate`` over conversations (3 at
+  the defaults), and the think times average ``1/turn_rate`` over turns (10 s at the
+  default 0.1/s): a conversation with a slow r_i has long gaps but few of them. The
+  paper fixes the model, not these rates; 0.1/s and 0.05/s are our choice (a reply takes
+  seconds to read, a chat a few turns).
+- ``"think-time"``: every conversation runs all its ShareGPT turns, each a fixed
+  ``think_time`` after the previous reply: a deterministic baseline.
+
+`schedule_conversations` draws everything random up front (seeded), so every eviction rule
+of an experiment sees the same conversations, turns and think times; only the engine's
+answers, and so the arrival times, differ. `conversation_futures` hands that schedule to
+the oracle rules (Tail-Optimized Belady) that are allowed to read the future.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from jserve.clock import VirtualClock, WallClock
+from jserve.engine import Engine
+from jserve.metrics import RequestRecord, summarize, tail_excess_latency, ttft
+from jserve.prefix_cache import ConversationFutures, FutureTurn
+from jserve.replay import benchmark_params, record_of
+from jserve.request import FinishReason
+from jserve.workload import ConversationTrace, TraceRequest, arrival_times
+
+__all__ = [
+    "ConversationArrivals",
+    "ConversationRecord",
+    "ScheduledConversation",
+    "ScheduledTurn",
+    "conversation_futures",
+    "multiturn_summary",
+    "run_conversations",
+    "schedule_conversations",
+    "synthetic_message_ids",
+]
+
+ArrivalProcess = Literal["birth-death", "think-time"]
+PROCESSES: tuple[str, ...] = ("birth-death", "think-time")
+
+# Sub-stream of a seed for the per-conversation draws (turn rate, continuations, think
+# times), so they are independent of the start times and of each other: conversation i
+# draws the same whatever the other conversations drew.
+_STREAM_TURNS = 1
+
+# Synthetic ids start above the usual special ids (pad/bos/eos), as the benchmark's do.
+_FIRST_SYNTHETIC_ID = 3
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _is_count(x: Any, least: int) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= least
+
+
+@dataclass(frozen=True)
+class ConversationArrivals:
+    """How conversations start and how their turns follow each other (module docstring).
+
+    Rates are per second. ``turn_rate`` and ``end_rate`` are read by ``"birth-death"``
+    only, ``think_time`` by ``"think-time"`` only; all are validated either way.
+    ``conversation_rate=inf`` starts every conversation at t=0.
+    """
+
+    process: ArrivalProcess
+    conversation_rate: float  # lambda: new conversations per second (Poisson)
+    turn_rate: float = 0.1  # mean of the per-conversation turn rates r_i ~ Exp
+    end_rate: float = 0.05  # mu: rate at which a conversation ends after a reply
+    think_time: float = 5.0  # seconds between a reply and the next turn (think-time)
+
+    def __post_init__(self) -> None:
+        if self.process not in PROCESSES:
+            raise ValueError(f"process must be one of {PROCESSES}, got {self.process!r}")
+        if not _is_real(self.conversation_rate) or self.conversation_rate <= 0:
+            raise ValueError(
+                "conversation_rate must be > 0 conversations/s (inf for all at t=0), "
+                f"got {self.conversation_rate!r}"
+            )
+        if not _is_real(self.turn_rate) or not math.isfinite(self.turn_rate) or self.turn_rate <= 0:
+            raise ValueError(f"turn_rate must be a finite number > 0 per second, got {self.turn_rate!r}")
+        # mu = 0 is allowed: conversations then end only when their turns run out.
+        if not _is_real(self.end_rate) or not math.isfinite(self.end_rate) or self.end_rate < 0:
+            raise ValueError(f"end_rate must be a finite number >= 0 per second, got {self.end_rate!r}")
+        if not _is_real(self.think_time) or not math.isfinite(self.think_time) or self.think_time < 0:
+            raise ValueError(f"think_time must be a finite number >= 0 seconds, got {self.think_time!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledTurn:
+    """One turn as scheduled: its new message (``new_tokens`` long, text ``prompt`` when
+    there is some), the reply length to generate, and the think time between the previous
+    reply finishing and this turn arriving (0 for a conversation's first turn)."""
+
+    new_tokens: int
+    response_len: int
+    think_time: float
+    prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_count(self.new_tokens, 1):
+            raise ValueError(f"new_tokens must be an int >= 1, got {self.new_tokens!r}")
+        if not _is_count(self.response_len, 1):
+            raise ValueError(f"response_len must be an int >= 1, got {self.response_len!r}")
+        if not _is_real(self.think_time) or not math.isfinite(self.think_time) or self.think_time < 0:
+            raise ValueError(f"think_time must be a finite number >= 0, got {self.think_time!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledConversation:
+    """A conversation's start (seconds from the run's start) and the turns it will make."""
+
+    conversation_id: str
+    start_time: float
+    turns: tuple[ScheduledTurn, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conversation_id, str) or not self.conversation_id:
+            raise ValueError(f"conversation_id must be a non-empty string, got {self.conversation_id!r}")
+        if not _is_real(self.start_time) or not math.isfinite(self.start_time) or self.start_time < 0:
+            raise ValueError(
+                f"conversation {self.conversation_id!r}: start_time must be finite and >= 0, "
+                f"got {self.start_time!r}"
+            )
+        if not isinstance(self.turns, tuple):
+            object.__setattr__(self, "turns", tuple(self.turns))
+        if not self.turns:
+            raise ValueError(f"conversation {self.conversation_id!r} has no turns")
+
+
+@dataclass(frozen=True)
+class ConversationRecord:
+    """One finished (or aborted) turn: its request's record and where it sits in its chat.
+
+    ``new_tokens`` is the length of the new message the driver appended (what
+    ``message_ids`` returned), the part of the prompt no earlier turn could have cached.
+    """
+
+    record: RequestRecord
+    conversation_id: str
+    turn: int
+    new_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        return ttft(self.record)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def schedule_conversations(
+    conversations: Sequence[ConversationTrace], arrivals: ConversationArrivals, seed: int
+) -> list[ScheduledConversation]:
+    """Draw start times and turns for `conversations`, in their order.
+
+    Start times are a Poisson process (`jserve.workload.arrival_times`: the first at t=0,
+    non-decreasing). Each conversation's own draws come from a stream of (seed, its index),
+    so the same seed with other rates keeps every conversation's randomness aligned.
+    """
+    if not isinstance(arrivals, ConversationArrivals):
+        raise TypeError(f"arrivals must be a ConversationArrivals, got {type(arrivals).__name__}")
+    if not _is_count(seed, 0):
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    seen: set[str] = set()
+    for conv in conversations:
+        if conv.conversation_id in seen:
+            raise ValueError(f"duplicate conversation_id {conv.conversation_id!r}")
+        if not conv.turns:
+            raise ValueError(f"conversation {conv.conversation_id!r} has no turns")
+        seen.add(conv.conversation_id)
+    starts = arrival_times(len(conversations), arrivals.conversation_rate, 1.0, int(seed))
+    schedule = []
+    for i, (conv, start) in enumerate(zip(conversations, starts)):
+        if arrivals.process == "birth-death":
+            rng = np.random.default_rng([int(seed), _STREAM_TURNS, i])
+            thinks = _birth_death_think_times(rng, len(conv.turns), arrivals.turn_rate, arrivals.end_rate)
+        else:
+            thinks = [arrivals.think_time] * (len(conv.turns) - 1)
+        turns = tuple(
+            ScheduledTurn(t.prompt_len, t.response_len, float(think), t.prompt)
+            for t, think in zip(conv.turns, [0.0, *thinks])
+        )
+        schedule.append(ScheduledConversation(conv.conversation_id, float(start), turns))
+    return schedule
+
+
+def _birth_death_think_times(
+    rng: np.random.Generator, max_turns: int, turn_rate: float, end_rate: float
+) -> list[float]:
+    """Think times before turns 1, 2, ... of one conversation, stopping where it ends."""
+    rate = float(rng.exponential(turn_rate))
+    thinks: list[float] = []
+    # rate == 0 (a zero draw) can never make a next turn; it also keeps 0/0 out when mu = 0.
+    while rate > 0 and len(thinks) + 1 < max_turns:
+        if rng.random() >= rate / (rate + end_rate):
+            break
+        thinks.append(float(rng.exponential(1.0 / rate)))
+    return thinks
+
+
+def conversation_futures(schedule: Sequence[ScheduledConversation]) -> ConversationFutures:
+    """What an oracle eviction rule may know: every scheduled turn of every conversation
+    (new message length and think time), by conversation id."""
+    return {
+        c.conversation_id: tuple(FutureTurn(t.new_tokens, t.think_time) for t in c.turns)
+        for c in schedule
+    }
+
+
+def synthetic_message_ids(conversation_id: str, turn: int, length: int, vocab_size: int) -> list[int]:
+    """Deterministic token ids of one simulated message.
+
+    Seeded from a stable 128-bit hash of the conversation id (not Python's per-process
+    `hash`, and wider than crc32, whose 32 bits collide among ~10^5 conversations), so runs
+    repeat exactly and two conversations never share a cached prefix by accident: their
+    first blocks differ, and with them every chained block after.
+    """
+    if not _is_count(turn, 0):
+        raise ValueError(f"turn must be an int >= 0, got {turn!r}")
+    if not _is_count(length, 0):
+        raise ValueError(f"length must be an int >= 0, got {length!r}")
+    if not _is_count(vocab_size, _FIRST_SYNTHETIC_ID + 1):
+        raise ValueError(f"vocab_size must be an int > {_FIRST_SYNTHETIC_ID}, got {vocab_size!r}")
+    digest = hashlib.blake2b(conversation_id.encode("utf-8"), digest_size=16).digest()
+    rng = np.random.default_rng([int.from_bytes(digest, "little"), int(turn)])
+    return rng.integers(_FIRST_SYNTHETIC_ID, vocab_size, int(length)).tolist()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+MessageIds = Callable[[str, int, ScheduledTurn], list[int]]
+
+
+def run_conversations(
+    engine: Engine,
+    schedule: Sequence[ScheduledConversation],
+    clock: WallClock | VirtualClock,
+    message_ids: MessageIds,
+    on_finish: Callable[[ConversationRecord], None] | None = None,
+    progress: bool = False,
+) -> list[ConversationRecord]:
+    """Run every scheduled conversation to its end; returns one record per turn, in
+    finishing order. Start times are offsets from the call, as in `replay`.
+
+    Turn k's prompt is turn k-1's prompt and generated ids, then
+    ``message_ids(conversation_id, k, turn)``; it arrives ``turn.think_time`` after turn
+    k-1 finished (its request's finish time, on the engine's clock) and is request
+    ``f"{conversation_id}#{k}"``, greedy, exactly ``response_len`` tokens (EOS ignored).
+    A reply cut short (context cap) is the history as generated. An aborted turn ends its
+    conversation: the user has left. A history that outgrows the engine's context makes
+    `add_request` raise; fit conversations to it beforehand
+    (`jserve.workload.multiturn_conversations` takes ``max_total_len``).
+    """
+    ids = [c.conversation_id for c in schedule]
+    if len(set(ids)) != len(ids):
+        raise ValueError("conversation ids in the schedule must be unique")
+    start = clock.now()
+    # (arrival time, conversation index, turn index): conversation indices break ties, so
+    # the heap never compares further and simultaneous arrivals enter in schedule order.
+    arrivals = [(start + c.start_time, i, 0) for i, c in enumerate(schedule)]
+    heapq.heapify(arrivals)
+    history: dict[int, list[int]] = {}  # conversation index -> prompt + output of its last turn
+    inflight: dict[str, tuple[int, int, int, TraceRequest]] = {}
+    records: list[ConversationRecord] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(c.turns) for c in schedule), desc="conversations", unit="turn")
+    try:
+        while arrivals or engine.has_unfinished:
+            now = clock.now()
+            while arrivals and arrivals[0][0] <= now:
+                at, i, k = heapq.heappop(arrivals)
+                conv = schedule[i]
+                turn = conv.turns[k]
+                message = [int(t) for t in message_ids(conv.conversation_id, k, turn)]
+                prompt = history.pop(i, []) + message
+                # The turn as a trace request: what `benchmark_params` and `record_of` read.
+                spec = TraceRequest(f"{conv.conversation_id}#{k}", max(at - start, 0.0),
+                                    max(len(prompt), 1), turn.response_len,
+                                    conversation_id=conv.conversation_id, turn=k)
+                engine.add_request(spec.request_id, prompt, benchmark_params(spec), arrival_time=at,
+                                   conversation_id=conv.conversation_id)
+                inflight[spec.request_id] = (i, k, len(message), spec)
+            if not engine.has_unfinished:
+                clock.wait_until(arrivals[0][0])
+                continue
+            for req in engine.step():
+                if not req.finished:
+                    continue
+                i, k, new_tokens, spec = inflight.pop(req.request_id)
+                conv = schedule[i]
+                record = ConversationRecord(record_of(req, spec), conv.conversation_id, k, new_tokens)
+                records.append(record)
+                if bar is not None:
+                    bar.update(1)
+                if on_finish is not None:
+                    on_finish(record)
+                if k + 1 < len(conv.turns) and req.finish_reason is not FinishReason.ABORT:
+                    history[i] = req.prompt_token_ids + req.output_token_ids
+                    finished = req.metrics.finished_time
+                    assert finished is not None  # a finished request has its finish time
+                    heapq.heappush(arrivals, (finished + conv.turns[k + 1].think_time, i, k + 1))
+    finally:
+        if bar is not None:
+            bar.close()
+    return records
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def multiturn_summary(
+    records: Sequence[ConversationRecord], tel_threshold: float, slo: float = 0.2
+) -> dict[str, float | int | None]:
+    """The prefix-cache experiments' numbers, over every turn: TTFT mean and P50/P90/P95/
+    P99 (seconds), Tail Excess Latency above ``tel_threshold`` seconds, and the fraction of
+    turns whose TTFT exceeds ``slo`` (aborted turns count as violations, as in
+    `jserve.metrics.summarize`). Statistics of no turns are None; TEL is then 0."""
+    if not _is_real(tel_threshold) or not math.isfinite(tel_threshold) or tel_threshold < 0:
+        raise ValueError(f"tel_threshold must be a finite number >= 0 seconds, got {tel_threshold!r}")
+    if not _is_real(slo) or not math.isfinite(slo) or slo <= 0:
+        raise ValueError(f"slo must be a finite number > 0 seconds, got {slo!r}")
+    plain = [r.record for r in records]
+    s = summarize(plain, ttft_slo=slo)
+    ttfts = [t for t in (ttft(r) for r in plain if r.finished) if t is not None]
+    return {
+        "num_turns": len(plain),
+        "num_conversations": len({r.conversation_id for r in records}),
+        "ttft_mean": s.ttft_mean,
+        "ttft_p50": s.ttft_p50,
+        "ttft_p90": s.ttft_p90,
+        "ttft_p95": s.ttft_p95,
+        "ttft_p99": s.ttft_p99,
+        "tel": tail_excess_latency(ttfts, tel_threshold),
+        "tel_threshold": float(tel_threshold),
+        "slo": float(slo),
+        "slo_violation": None if s.ttft_slo_attainment is None else 1.0 - s.ttft_slo_attainment,
+    }
