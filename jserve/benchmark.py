@@ -19,16 +19,28 @@ import numpy as np
 
 from jserve.cache_sizing import block_bytes
 from jserve.clock import VirtualClock, WallClock
+from jserve.conversations import (
+    ConversationArrivals,
+    ScheduledConversation,
+    ScheduledTurn,
+    conversation_futures,
+    multiturn_summary,
+    run_conversations,
+    schedule_conversations,
+    synthetic_message_ids,
+)
 from jserve.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
 from jserve.engine import Engine
 from jserve.engine_state import EngineState
 from jserve.hardware import get_hardware, kv_capacity_blocks
 from jserve.metrics import RequestRecord, Summary, assign_slos, summarize
 from jserve.policies import make_policy
+from jserve.policies.tail_optimized_lru import make_eviction_rule
 from jserve.preemption_cost import PreemptionCosts
+from jserve.prefix_cache import ConversationFutures, EvictionRule, PrefixCacheConfig
 from jserve.replay import replay
 from jserve.scheduler_view import SchedulerLimits
-from jserve.workload import Trace, TraceRequest, build_trace, load_trace
+from jserve.workload import Trace, TraceRequest, build_trace, load_trace, multiturn_conversations
 from models.registry import DEFAULT_MODEL, get_config
 
 
@@ -60,6 +72,20 @@ class BenchConfig:
     predictions: Literal["noise", "oracle", "none"] = "noise"
     profile: str | None = None  # calibrated cost profile for the simulator (jserve profile)
     trace: str | None = None  # replay this JSONL trace instead of sampling one
+    # Prefix cache: an eviction rule's name (`jserve.policies.tail_optimized_lru`) or
+    # "none"; its capacity in tokens of unreferenced KV (None: all free memory), whether
+    # conversations are isolated, and T-LRU's TTFT threshold xi in seconds.
+    prefix_cache: str = "none"
+    cache_capacity: int | None = None
+    cache_isolation: bool = False
+    tel_threshold: float = 0.2
+    # sharegpt-multiturn runs closed-loop conversations (`jserve.conversations`): `rate`
+    # new conversations per second, `num_requests` conversations, turns spaced by this
+    # process's think times.
+    conversation_process: Literal["birth-death", "think-time"] = "birth-death"
+    turn_rate: float = 0.1  # birth-death: mean of each conversation's turn rate, 1/s
+    end_rate: float = 0.05  # birth-death: rate at which a conversation ends, 1/s
+    think_time: float = 5.0  # think-time: seconds between a reply and the next turn
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "sim"):
@@ -68,6 +94,21 @@ class BenchConfig:
             raise ValueError(f"backend must be 'inprocess' or 'http', not {self.backend!r}")
         if self.backend == "http" and (self.engine != "real" or not self.url):
             raise ValueError("the http backend benchmarks a real server: engine='real' and a url")
+        if self.multiturn and self.backend == "http":
+            raise ValueError("multi-turn conversations run in process only (the next turn is "
+                             "built from the engine's reply)")
+
+    @property
+    def multiturn(self) -> bool:
+        """Closed-loop conversations rather than a replayed trace."""
+        return self.workload == "sharegpt-multiturn" and self.trace is None
+
+    @property
+    def prefix_cache_config(self) -> PrefixCacheConfig | None:
+        if self.prefix_cache == "none":
+            return None
+        return PrefixCacheConfig(self.prefix_cache, self.cache_capacity, self.cache_isolation,
+                                 self.tel_threshold)
 
 
 @dataclass
@@ -79,6 +120,9 @@ class BenchResult:
     num_steps: int
     num_preemptions: int
     num_blocks: int
+    # Closed-loop conversations: TTFT percentiles, TEL and SLO violations over every turn
+    # (`jserve.conversations.multiturn_summary`), and the prompt tokens the cache served.
+    multiturn: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         cfg = dataclasses.asdict(self.config)
@@ -89,6 +133,7 @@ class BenchResult:
             "wall_time_s": self.wall_time,
             "num_steps": self.num_steps,
             "num_blocks": self.num_blocks,
+            "multiturn": self.multiturn,
             "requests": [dataclasses.asdict(r) for r in self.records],
         }
 
@@ -112,8 +157,9 @@ def _limits(cfg: BenchConfig) -> SchedulerLimits:
                                                cfg.max_total_len)
 
 
-def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
-    """The simulator: the real engine state and policy, a cost-model runner, virtual time."""
+def sim_engine(cfg: BenchConfig, futures: ConversationFutures | None = None) -> tuple[Engine, VirtualClock]:
+    """The simulator: the real engine state and policy, a cost-model runner, virtual time.
+    `futures`: the conversations' future turns, for the oracle eviction rules."""
     from jserve.jax_runner import Buckets
     from jserve.sim_runner import SimRunner
 
@@ -131,12 +177,25 @@ def sim_engine(cfg: BenchConfig) -> tuple[Engine, VirtualClock]:
     state = EngineState(num_blocks=num_blocks, block_size=cfg.block_size, limits=_limits(cfg),
                         eos_token_id=None, vocab_size=model.vocab_size,
                         chunked_prefill=policy.chunked_prefill,
-                        num_host_blocks=int(cfg.swap_space * 2**30 // block))
+                        num_host_blocks=int(cfg.swap_space * 2**30 // block),
+                        **_prefix_state_options(cfg))
     clock = VirtualClock()
     # A profile was measured on the bucketed JAX runner: model its padding too.
     pad = Buckets.for_limits(state.limits, cfg.block_size).tokens if cfg.profile else None
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    return Engine(state, policy, runner, clock.now), clock
+    return Engine(state, policy, runner, clock.now, eviction=_eviction_rule(cfg, futures)), clock
+
+
+def _prefix_state_options(cfg: BenchConfig) -> dict[str, object]:
+    cache = cfg.prefix_cache_config
+    return cache.state_options(cfg.block_size) if cache else {}
+
+
+def _eviction_rule(cfg: BenchConfig, futures: ConversationFutures | None) -> EvictionRule | None:
+    cache = cfg.prefix_cache_config
+    if cache is None:
+        return None
+    return make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold, futures=futures)
 
 
 def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, int]] | None:
@@ -156,6 +215,8 @@ def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, in
 
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
+    if cfg.multiturn:
+        return run_conversation_benchmark(cfg, progress)
     trace = make_trace(cfg)
     bar = None
     if progress:
@@ -174,7 +235,7 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     else:
         if cfg.engine == "sim":
             engine, clock = sim_engine(cfg)
-            prompt_ids = _dummy_prompt_ids
+            prompt_ids = _dummy_prompt_ids if cfg.prefix_cache == "none" else _distinct_prompt_ids(cfg)
         else:
             engine, clock, prompt_ids = _real_engine(cfg)
         records = replay(engine, trace, clock, prompt_ids, on_finish=on_finish,
@@ -188,6 +249,44 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                         None if cfg.slo_scale else cfg.tbt_slo)
     return BenchResult(cfg, summary, records, wall, totals.num_steps, totals.num_preemptions,
                        totals.num_blocks)
+
+
+def conversation_schedule(cfg: BenchConfig) -> list[ScheduledConversation]:
+    """`num_requests` ShareGPT conversations (fitted to `max_total_len`), starting at
+    `rate` per second, with the config's think-time process."""
+    arrivals = ConversationArrivals(cfg.conversation_process, cfg.rate, turn_rate=cfg.turn_rate,
+                                    end_rate=cfg.end_rate, think_time=cfg.think_time)
+    chats = multiturn_conversations(cfg.num_requests, cfg.seed, cfg.max_total_len)
+    return schedule_conversations(chats, arrivals, cfg.seed)
+
+
+def run_conversation_benchmark(cfg: BenchConfig, progress: bool = True,
+                               schedule: list[ScheduledConversation] | None = None) -> BenchResult:
+    """Closed-loop multi-turn chat: each turn's prompt is its history plus a new message,
+    arriving a think time after the previous reply (`jserve.conversations`)."""
+    schedule = conversation_schedule(cfg) if schedule is None else schedule
+    t0 = time.perf_counter()
+    if cfg.engine == "sim":
+        engine, clock = sim_engine(cfg, conversation_futures(schedule))
+        vocab = get_config(cfg.model).vocab_size
+
+        def message_ids(cid: str, k: int, turn: ScheduledTurn) -> list[int]:
+            return synthetic_message_ids(cid, k, turn.new_tokens, vocab)
+    else:
+        engine, clock, encode = _real_engine(cfg, conversation_futures(schedule))
+
+        def message_ids(cid: str, k: int, turn: ScheduledTurn) -> list[int]:
+            return encode(turn.prompt, turn.new_tokens, cid, k)
+    records = run_conversations(engine, schedule, clock, message_ids, progress=progress)
+    wall = time.perf_counter() - t0
+    plain = [r.record for r in records]
+    multiturn = multiturn_summary(records, cfg.tel_threshold)
+    multiturn["cached_prompt_fraction"] = (
+        sum(r.num_cached_tokens for r in plain) / max(sum(r.prompt_len for r in plain), 1))
+    multiturn["num_evicted_blocks"] = engine.stats.num_evicted_blocks
+    return BenchResult(cfg, summarize(plain, cfg.ttft_slo, cfg.tbt_slo), plain, wall,
+                       engine.stats.num_steps, engine.stats.num_preemptions,
+                       engine.state.blocks.num_blocks, multiturn)
 
 
 @dataclass(frozen=True)
@@ -210,15 +309,35 @@ def _dummy_prompt_ids(req: TraceRequest) -> list[int]:
     return [0] * req.prompt_len
 
 
-def _real_engine(cfg: BenchConfig) -> tuple[Engine, WallClock, Callable[[TraceRequest], list[int]]]:
+def _distinct_prompt_ids(cfg: BenchConfig) -> Callable[[TraceRequest], list[int]]:
+    """Simulated prompts that share no prefix by accident (with a prefix cache on, all-zero
+    prompts would all hit one another)."""
+    vocab = get_config(cfg.model).vocab_size
+    return lambda req: synthetic_message_ids(req.request_id, 0, req.prompt_len, vocab)
+
+
+def _real_engine(cfg: BenchConfig, futures: ConversationFutures | None = None
+                 ) -> tuple[Engine, WallClock, Callable[..., list[int]]]:
+    """The real engine, and how its prompts are made: a trace request's ids, or with
+    `futures` (conversations) a turn's new message's ids from (text, length, id, turn)."""
     from jserve.llm import LLM
 
     llm = LLM(cfg.model, policy=cfg.policy, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
               max_model_len=cfg.max_total_len, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, swap_space=cfg.swap_space,
-              warmup=True)
+              prefix_cache=cfg.prefix_cache_config, warmup=True)
+    # The oracle rules read the conversations' future, which only the benchmark knows.
+    llm.engine.eviction = _eviction_rule(cfg, futures)
     tokenizer = llm.tokenizer
-    random_ids = random_prompt_ids(llm.config.vocab_size, cfg.seed)
+    vocab = llm.config.vocab_size
+    if futures is not None:
+        def message_ids(text: str | None, n: int, cid: str, k: int) -> list[int]:
+            if text and tokenizer is not None:
+                return tokenizer.encode(text)
+            return synthetic_message_ids(cid, k, n, vocab)
+
+        return llm.engine, WallClock(), message_ids
+    random_ids = random_prompt_ids(vocab, cfg.seed)
 
     def prompt_ids(req: TraceRequest) -> list[int]:
         # Text is tokenized as the trace measured it; synthetic prompts get random ids.

@@ -26,6 +26,36 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")
     p.add_argument("--swap-space", type=float, default=4.0,
                    help="GiB of host memory for K/V of requests preempted by swapping (default: 4)")
+    _add_prefix_cache_args(p, offline=False)
+
+
+def _add_prefix_cache_args(p: argparse.ArgumentParser, offline: bool) -> None:
+    """Prefix-cache flags; `offline` adds the rules that need the workload's future."""
+    from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
+
+    rules = sorted(r for r in EVICTION_RULES if offline or r not in ORACLE_RULES)
+    p.add_argument("--prefix-cache", default="none", choices=["none", *rules],
+                   help="keep finished requests' KV blocks for prompts that start the same way, "
+                        "evicting by this rule (default: none)"
+                        + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
+                           "conversations' future (sharegpt-multiturn only)" if offline else ""))
+    p.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
+                   help="most tokens of KV the prefix cache keeps unreferenced (default: every "
+                        "block no request uses)")
+    p.add_argument("--cache-isolation", action="store_true",
+                   help="no prefix reuse across conversations (default: shared)")
+    p.add_argument("--tel-threshold", type=float, default=0.2, metavar="SECONDS",
+                   help="T-LRU's xi: the TTFT a turn may take before it counts as tail excess "
+                        "latency (default: 0.2)")
+
+
+def _prefix_cache(args: argparse.Namespace):
+    from jserve.prefix_cache import PrefixCacheConfig
+
+    if args.prefix_cache == "none":
+        return None
+    return PrefixCacheConfig(args.prefix_cache, args.cache_capacity, args.cache_isolation,
+                             args.tel_threshold)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -35,7 +65,8 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ...", file=sys.stderr)
     llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
               block_size=args.block_size, max_model_len=args.max_model_len,
-              attention=args.attention, swap_space=args.swap_space, warmup=False)
+              attention=args.attention, swap_space=args.swap_space,
+              prefix_cache=_prefix_cache(args), warmup=False)
     print(f"ready in {time.perf_counter() - t0:.1f}s (step shapes compile on first use)",
           file=sys.stderr)
     try:
@@ -98,6 +129,19 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                         "(default: noise)")
     p.add_argument("--profile", default=None,
                    help="simulate with a calibrated cost profile from `jserve profile`")
+    _add_prefix_cache_args(p, offline=True)
+    p.add_argument("--conversation-process", choices=["birth-death", "think-time"],
+                   default="birth-death",
+                   help="sharegpt-multiturn: turns come after Exp(own rate) think times and "
+                        "chats end at --end-rate (birth-death), or after --think-time "
+                        "(default: birth-death). --rate is then new conversations/s and "
+                        "--num-requests the number of conversations")
+    p.add_argument("--turn-rate", type=float, default=0.1,
+                   help="birth-death: mean of each conversation's turn rate, 1/s (default: 0.1)")
+    p.add_argument("--end-rate", type=float, default=0.05,
+                   help="birth-death: rate at which a conversation ends, 1/s (default: 0.05)")
+    p.add_argument("--think-time", type=float, default=5.0,
+                   help="think-time: seconds between a reply and the next turn (default: 5)")
     p.add_argument("--trace", default=None, help="replay this JSONL trace instead of sampling")
 
 
@@ -114,6 +158,10 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
         max_total_len=args.max_total_len, num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, profile=args.profile, trace=args.trace,
         swap_space=args.swap_space, predictions=args.predictions,
+        prefix_cache=args.prefix_cache, cache_capacity=args.cache_capacity,
+        cache_isolation=args.cache_isolation, tel_threshold=args.tel_threshold,
+        conversation_process=args.conversation_process, turn_rate=args.turn_rate,
+        end_rate=args.end_rate, think_time=args.think_time,
     )
 
 
@@ -136,6 +184,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
     print(format_table(result.summary))
+    if result.multiturn is not None:
+        m = result.multiturn
+        print(f"turns {m['num_turns']} in {m['num_conversations']} conversations; "
+              f"prompt tokens from the prefix cache {m['cached_prompt_fraction']:.1%}; "
+              f"TEL (xi={m['tel_threshold']}s) {m['tel']:.2f}s; "
+              f"TTFT > {m['slo']}s: {m['slo_violation']:.1%}")
     print(f"steps {result.num_steps}, KV blocks {result.num_blocks}, "
           f"wall {result.wall_time:.1f}s", file=sys.stderr)
     if args.output:
@@ -179,7 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
               block_size=args.block_size, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention=args.attention, swap_space=args.swap_space, warmup=not args.no_warmup)
+              attention=args.attention, swap_space=args.swap_space,
+              prefix_cache=_prefix_cache(args), warmup=not args.no_warmup)
     serve(llm, args.host, args.port)
     return 0
 

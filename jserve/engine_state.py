@@ -577,7 +577,8 @@ class EngineState:
             assert cols.seq_id[row] == seq_id
             assert cols.num_blocks[row] == self.blocks.num_held(seq_id), f"seq {seq_id} blocks"
             assert 0 <= cols.num_computed[row] <= cols.num_tokens[row] <= cols.max_len[row]
-            assert cols.num_computed[row] <= (cols.num_blocks[row] + cols.num_host_blocks[row]) * self.blocks.block_size
+            held = cols.num_blocks[row] + cols.num_host_blocks[row]
+            assert cols.status[row] == RequestStatus.WAITING or cols.num_computed[row] <= held * self.blocks.block_size
             req = self.requests[seq_id]
             assert cols.num_tokens[row] == req.num_tokens
             host = 0 if self.host_blocks is None else self.host_blocks.num_held(seq_id)

@@ -17,6 +17,8 @@ from jserve.engine_state import EngineState
 from jserve.errors import InvalidRequestError
 from jserve.jax_runner import JaxRunner
 from jserve.policies import Policy, make_policy
+from jserve.policies.tail_optimized_lru import make_eviction_rule
+from jserve.prefix_cache import PrefixCacheConfig
 from jserve.request import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.scheduler_view import SchedulerLimits
@@ -65,6 +67,11 @@ class LLM:
             reads this model's tokens (it encodes prompts with SmolLM2), None gives the
             policy no predictions (it then reserves each request's maximum length), or a
             `LengthPredictor`.
+        prefix_cache: keep finished requests' full KV blocks and reuse them for prompts
+            that start the same way: an eviction rule's name ('lru', 'threshold-lru',
+            'tlru'; see `jserve.policies.tail_optimized_lru`) or a `PrefixCacheConfig`
+            (capacity, per-conversation isolation, T-LRU's threshold). None: off. Outputs
+            are the same with it on or off; only the prefill work shrinks.
     """
 
     def __init__(
@@ -83,9 +90,11 @@ class LLM:
         seed: int = 0,
         swap_space: float = 4.0,
         predictor: str | None | LengthPredictor = "auto",
+        prefix_cache: str | PrefixCacheConfig | None = None,
     ) -> None:
         enable_compilation_cache()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        cache = PrefixCacheConfig(prefix_cache) if isinstance(prefix_cache, str) else prefix_cache
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         if isinstance(model, LoadedModel):
@@ -110,13 +119,16 @@ class LLM:
             tokenizer=self.tokenizer, chunked_prefill=self.policy.chunked_prefill,
             num_host_blocks=num_blocks_for_budget(self.config, block_size, dtype_bytes(dtype),
                                                   swap_space * 2**30),
+            **(cache.state_options(block_size) if cache else {}),
         )
         self.runner = JaxRunner(
             loaded.model, num_blocks=num_blocks, block_size=block_size,
             max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, attention=attention,
         )
-        self.engine = Engine(state, self.policy, self.runner)
+        self.engine = Engine(state, self.policy, self.runner,
+                             eviction=make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold)
+                             if cache else None)
         self.predictor = self._predictor(predictor)
         self._ids = itertools.count()
         if warmup:

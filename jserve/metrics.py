@@ -81,6 +81,7 @@ class RequestRecord:
     ttft_slo: float | None = None  # overrides the global TTFT SLO of `summarize`
     tbt_slo: float | None = None  # overrides the global TBT SLO; judged on P99 TBT
     finished: bool = True  # completed normally; False for aborted or unfinished
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_times, tuple):

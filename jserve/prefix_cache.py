@@ -76,6 +76,27 @@ class FutureTurn:
 ConversationFutures = Mapping[str, Sequence[FutureTurn]]
 
 
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """A prefix cache as a user asks for one: which eviction rule, how much KV it may keep
+    unreferenced, whether conversations are isolated, and T-LRU's threshold."""
+
+    eviction: str = "lru"  # a name in `jserve.policies.tail_optimized_lru.EVICTION_RULES`
+    capacity_tokens: int | None = None  # None: every block no request uses (vLLM)
+    isolation: bool = False  # no reuse across conversations (the paper's assumption)
+    tel_threshold: float = 0.2  # xi, seconds: the TTFT a turn may take without excess
+
+    def __post_init__(self) -> None:
+        if self.capacity_tokens is not None and self.capacity_tokens < 0:
+            raise ValueError(f"cache capacity must be >= 0 tokens, got {self.capacity_tokens}")
+
+    def state_options(self, block_size: int) -> dict[str, object]:
+        """`EngineState` keyword arguments for this cache."""
+        capacity = None if self.capacity_tokens is None else self.capacity_tokens // block_size
+        return {"prefix_cache": True, "cache_isolation": self.isolation,
+                "cache_capacity_blocks": capacity}
+
+
 class EvictionRule(Protocol):
     """A pure function from a snapshot to the blocks to evict (exactly `n`, or all of
     them if fewer are evictable). Rules hold only their configuration."""

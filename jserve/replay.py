@@ -28,6 +28,7 @@ def record_of(req: Request, spec: TraceRequest) -> RequestRecord:
         output_len=len(req.output_token_ids), num_preemptions=m.num_preemptions,
         preempted_time=m.preempted_time, ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
         finished=req.finish_reason is not FinishReason.ABORT,
+        num_cached_tokens=m.num_cached_tokens,
     )
 
 

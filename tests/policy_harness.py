@@ -18,6 +18,7 @@ and `state_checks` (called with the harness after every step).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
@@ -32,7 +33,9 @@ from jserve.engine_state import EngineState
 from jserve.errors import InvalidRequestError
 from jserve.plan import Plan, PreemptMode
 from jserve.policies.base import Policy
+from jserve.policies.tail_optimized_lru import make_eviction_rule
 from jserve.policies.vllm import VLLMPolicy
+from jserve.prefix_cache import PrefixCacheConfig
 from jserve.request import RequestOutput, RequestStatus
 from jserve.request_table import RequestArrays
 from jserve.sampling_params import SamplingParams
@@ -58,7 +61,15 @@ class FakeClock:
 class FakeRunner:
     """Checks each batch against the limits and writes/reads a fake paged KV cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, vocab_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, vocab_size: int,
+                 context_of: Callable[[int], list[int]] | None = None,
+                 kept: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """`context_of(seq)`: the sequence's true tokens, given when a prefix cache lets it
+        read blocks another sequence wrote: then the KV it reads must hold its own tokens
+        at the right positions, whoever wrote them. `kept(blocks)`: which of a swapped-out
+        request's blocks stay valid on the device (shared or cached) rather than free."""
+        self.context_of = context_of
+        self.kept = kept
         self.block_size = block_size
         self.limits = limits
         self.vocab_size = vocab_size
@@ -79,7 +90,8 @@ class FakeRunner:
             assert move.seq_id not in self.host, f"seq {move.seq_id} swapped out twice"
             b = move.device_blocks
             self.host[move.seq_id] = (self.tok[b].copy(), self.owner[b].copy(), self.pos[b].copy())
-            self.owner[b], self.pos[b] = -2, -2
+            freed = b if self.kept is None else b[~self.kept(b)]
+            self.owner[freed], self.pos[freed] = -2, -2
             self.num_swaps += 1
         for move in batch.swap_in:
             tok, owner, pos = self.host.pop(move.seq_id)
@@ -101,7 +113,12 @@ class FakeRunner:
         assert batch.num_tokens == int(batch.query_lens.sum()) <= self.limits.max_num_batched_tokens
         assert len(batch.inputs.block_tables) == s and len(set(batch.seq_ids.tolist())) == s
         held = [b for t in batch.inputs.block_tables for b in t.tolist()]
-        assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
+        if self.context_of is None:
+            assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
+        written = [set(t[int(s0) // self.block_size:].tolist())
+                   for t, s0 in zip(batch.inputs.block_tables, batch.start)]
+        shared = [b for b, n in zip(*np.unique(held, return_counts=True)) if n > 1]
+        assert not set(shared) & set().union(*written), "a step writes into a shared KV block"
         next_tokens = np.zeros(s, np.int32)
         offset = 0
         for i in range(s):
@@ -116,7 +133,11 @@ class FakeRunner:
                 self.tok[b, o], self.owner[b, o], self.pos[b, o] = chunk[j], seq, p
             ps = np.arange(end)
             blocks, offs = table[ps // self.block_size], ps % self.block_size
-            assert (self.owner[blocks, offs] == seq).all(), f"seq {seq} reads another sequence's KV"
+            if self.context_of is None:
+                assert (self.owner[blocks, offs] == seq).all(), f"seq {seq} reads another sequence's KV"
+            else:
+                truth = np.asarray(self.context_of(seq)[:end], np.int64)
+                assert (self.tok[blocks, offs] == truth).all(), f"seq {seq} reads KV of other tokens"
             assert (self.pos[blocks, offs] == ps).all(), f"seq {seq} reads KV of the wrong position"
             if batch.sample[i]:
                 next_tokens[i] = next_token(seq, self.tok[blocks, offs], self.vocab_size)
@@ -237,23 +258,40 @@ class Harness:
     plan_checks: Sequence[PlanCheck] = ()
     state_checks: Sequence[Callable[[Harness], None]] = ()
     num_host_blocks: int = 0
+    prefix_cache: PrefixCacheConfig | None = None
 
     def __post_init__(self) -> None:
+        cache = self.prefix_cache
         self.state = EngineState(
             num_blocks=self.num_blocks, block_size=self.block_size, limits=self.limits,
             eos_token_id=self.eos, vocab_size=self.vocab_size, tokenizer=None,
             chunked_prefill=self.policy.chunked_prefill, num_host_blocks=self.num_host_blocks,
+            **(cache.state_options(self.block_size) if cache else {}),
         )
         self.clock = FakeClock()
-        self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size)
+        self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size,
+                                 context_of=self._context if cache else None,
+                                 kept=self._kept if cache else None)
         self.policy = CheckedPolicy(self.policy, self.plan_checks)
-        self.engine = Engine(self.state, self.policy, self.runner, clock=self.clock)
+        eviction = make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold,
+                                      futures={}) if cache else None
+        self.engine = Engine(self.state, self.policy, self.runner, clock=self.clock, eviction=eviction)
         self.seq_of: dict[str, int] = {}
         self.specs: dict[str, Spec] = {}
         self.final: dict[str, RequestOutput] = {}
         self.streamed: dict[str, list[int]] = {}
         self.aborted: set[str] = set()
         self.num_steps = 0
+
+    def _context(self, seq: int) -> list[int]:
+        return self.state.requests[seq].all_token_ids
+
+    def _kept(self, blocks: np.ndarray) -> np.ndarray:
+        return (self.state.blocks.ref_counts[blocks] > 0) | self.state.prefix.cached[blocks]
+
+    def _num_unheld(self) -> int:
+        """Blocks no request holds: free, or cached and evictable."""
+        return self.state.blocks.num_free + self.state.blocks.num_evictable
 
     # ---- requests
     def capacity(self) -> int:
@@ -294,12 +332,13 @@ class Harness:
     def abort(self, rid: str) -> None:
         seq = self.seq_of[rid]
         held = self.state.blocks.num_held(seq)
-        free_before = self.state.blocks.num_free
+        unheld_before = self._num_unheld()
+        shared = int((self.state.blocks.ref_counts[self.state.blocks.table(seq)] > 1).sum())
         req = self.engine.abort(rid)
         assert req is not None
         out = RequestOutput.of(req)
         assert out.finished and out.finish_reason == "abort"
-        assert self.state.blocks.num_free == free_before + held, "abort did not free the blocks at once"
+        assert self._num_unheld() == unheld_before + held - shared, "abort did not free the blocks at once"
         assert self.state.blocks.num_held(seq) == 0 and seq not in self.state.blocks.seq_ids()
         assert seq not in self.state.snapshot(self.clock.t).requests.seq_id
         assert self.engine.abort(rid) is None  # a second abort is a no-op
@@ -326,12 +365,20 @@ class Harness:
         # Independent of check_invariants: the same facts, recomputed from the public surface.
         used = [b for s in bm.seq_ids() for b in bm.table(s)]
         free = list(bm._free)
-        assert len(used) == len(set(used)), "a block is held twice"
+        cached = set(np.flatnonzero(st_.prefix.cached).tolist()) if st_.prefix is not None else set()
+        evictable = cached - set(used)
+        if st_.prefix is None:
+            assert len(used) == len(set(used)), "a block is held twice"
+        else:  # only cached blocks are shared, and never evicted while a request holds them
+            counts = collections.Counter(used)
+            assert {b for b, n in counts.items() if n > 1} <= cached, "an uncached block is shared"
+            assert (bm.ref_counts[list(counts)] == list(counts.values())).all()
         assert not set(used) & set(free), "a block is both free and used"
-        assert len(used) + len(free) == bm.num_blocks == len(set(used) | set(free)), "used + free != total"
+        assert not cached & set(free), "a block is both free and cached"
+        assert len(set(used)) + len(free) + len(evictable) == bm.num_blocks, "used + free + cached != total"
         view = st_.snapshot(self.clock.t)
         r = view.requests
-        assert view.num_free_blocks == len(free)
+        assert view.num_free_blocks == bm.num_blocks - len(used)
         assert set(r.seq_id.tolist()) == set(st_.requests)
         assert {s for s in bm.seq_ids() if bm.num_held(s)} <= set(st_.requests), "blocks held by an ended request"
         assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING,
@@ -345,7 +392,8 @@ class Harness:
             assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING
             assert r.num_blocks[i] <= bm.blocks_for(int(r.max_len[i])), "holds blocks it can never fill"
             if r.status[i] == RequestStatus.WAITING:
-                assert r.num_computed[i] == 0
+                # its cached prefix (none without a prefix cache), at least one token short
+                assert r.num_computed[i] == 0 or (st_.prefix is not None and r.num_computed[i] < r.num_tokens[i])
         for rid in self.aborted:
             assert self.seq_of[rid] not in st_.requests
         for check in self.state_checks:
@@ -367,7 +415,7 @@ class Harness:
     def check_done(self) -> None:
         assert not self.engine.has_unfinished
         assert len(self.state.requests) == 0 and len(self.state.table) == 0
-        assert self.state.blocks.num_free == self.num_blocks and not self.state.blocks.seq_ids()
+        assert self._num_unheld() == self.num_blocks and not self.state.blocks.seq_ids()
         assert (self.state.blocks.ref_counts == 0).all()
         host = self.state.host_blocks
         assert host is None or (host.num_free == self.num_host_blocks and not host.seq_ids())

@@ -38,8 +38,8 @@ Our choices, not the paper's:
 - `tbelady` orders blocks past their budget by next arrival too (ended conversations
   first), with last access and then depth as tie-breaks.
 
-Evicting a block makes the deeper blocks of its chain unreachable, and the engine refuses a
-choice that keeps a cached block whose parent it evicts. Every key here is either constant
+Evicting a block makes the deeper blocks of its chain unreachable: they would stay cached,
+holding memory for nothing, until evicted in turn. Every key here is either constant
 over a conversation (its budget group, its next arrival) or never puts a shallower block of
 a conversation before a deeper one (blocks past a budget are a suffix of the chain; a
 parent's last access is never earlier than its child's), and depth, deepest first, breaks
@@ -269,3 +269,4 @@ def make_eviction_rule(name: str, *, tel_threshold: float = 0.2, q_hat: float | 
                "futures": futures}
     accepted = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in options.items() if k in accepted})
+

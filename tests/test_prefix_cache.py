@@ -1,0 +1,262 @@
+"""The prefix cache in the engine: reuse of cached blocks, sharing by reference count,
+eviction through the plan, and random traces whose prompts share prefixes.
+
+The eviction rules themselves (which blocks go) are tested on hand-made snapshots in
+`test_eviction_rules`; here the question is whether the engine's bookkeeping holds and
+outputs stay exactly those of an engine without a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from policy_harness import FakeClock, FakeRunner, Harness, Spec, configs
+
+from jserve.engine import Engine
+from jserve.engine_state import EngineState
+from jserve.errors import PlanError
+from jserve.plan import Plan
+from jserve.policies import POLICIES, make_policy
+from jserve.policies.tail_optimized_lru import EVICTION_RULES, LRUEviction
+from jserve.policies.vllm import VLLMPolicy
+from jserve.prefix_cache import PrefixCacheConfig
+from jserve.request import RequestStatus
+from jserve.sampling_params import SamplingParams
+from jserve.scheduler_view import SchedulerLimits
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def _engine(num_blocks: int = 16, block_size: int = 4, capacity: int | None = None,
+            isolation: bool = False) -> Engine:
+    limits = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    state = EngineState(num_blocks=num_blocks, block_size=block_size, limits=limits, eos_token_id=None,
+                        vocab_size=100, **PrefixCacheConfig(capacity_tokens=capacity,
+                                                            isolation=isolation).state_options(block_size))
+    clock = FakeClock()
+    runner = FakeRunner(num_blocks, block_size, limits, 100,
+                        context_of=lambda seq: state.requests[seq].all_token_ids)
+    return Engine(state, VLLMPolicy(), runner, clock=clock, eviction=LRUEviction())
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_unfinished:
+        engine.step()
+        engine.state.check_invariants()
+
+
+def test_a_later_prompt_reuses_the_full_blocks_of_a_finished_one() -> None:
+    engine = _engine()
+    state = engine.state
+    engine.add_request("a", list(range(1, 11)), GREEDY)  # 10 tokens: blocks [1-4] [5-8] + 2
+    _drain(engine)
+    # "a" computed 11 tokens (10 + its first output): two full blocks stay cached.
+    assert state.blocks.num_evictable == 2
+    engine.add_request("b", list(range(1, 9)) + [50, 51, 52], GREEDY)
+    view = state.snapshot(0.0)
+    assert view.requests.num_computed.tolist() == [8]  # both blocks hit
+    _drain(engine)
+    assert state.blocks.num_evictable >= 2
+
+
+def test_a_prompt_wholly_cached_still_computes_its_last_token() -> None:
+    engine = _engine()
+    engine.add_request("a", list(range(1, 9)), GREEDY)
+    _drain(engine)
+    engine.add_request("b", list(range(1, 9)), GREEDY)  # 8 tokens = the two cached blocks
+    assert engine.state.snapshot(0.0).requests.num_computed.tolist() == [4]
+
+
+def test_isolation_keeps_conversations_apart() -> None:
+    engine = _engine(isolation=True)
+    engine.add_request("a", list(range(1, 11)), GREEDY, conversation_id="x")
+    _drain(engine)
+    engine.add_request("b", list(range(1, 11)), GREEDY, conversation_id="y")
+    assert engine.state.snapshot(0.0).requests.num_computed.tolist() == [0]
+    engine.add_request("c", list(range(1, 11)), GREEDY, conversation_id="x")
+    assert sorted(engine.state.snapshot(0.0).requests.num_computed.tolist()) == [0, 8]
+
+
+def test_running_requests_share_cached_blocks_and_keep_them_from_eviction() -> None:
+    engine = _engine(num_blocks=8)
+    state = engine.state
+    engine.add_request("a", list(range(1, 9)) + [9], GREEDY)
+    _drain(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("b", list(range(1, 9)) + [20], params)
+    engine.add_request("c", list(range(1, 9)) + [30], params)
+    engine.step()  # both admitted on the two cached blocks
+    shared = [b for b in state.blocks.table(1)[:2]]
+    assert state.blocks.table(2)[:2] == shared
+    assert state.blocks.ref_counts[shared].tolist() == [2, 2]
+    with pytest.raises(PlanError, match="still uses"):
+        state.apply(Plan(evict=frozenset(shared)), 0.0)
+    _drain(engine)
+
+
+def test_eviction_frees_what_an_allocation_needs_and_capacity_bounds_the_cache() -> None:
+    engine = _engine(num_blocks=6, capacity=8)  # at most two unreferenced blocks cached
+    state = engine.state
+    for i, first in enumerate((1, 30, 60)):
+        engine.add_request(f"r{i}", list(range(first, first + 10)), GREEDY)
+        _drain(engine)
+        assert state.blocks.num_evictable <= 2 + 2  # two more until the next step trims them
+    engine.add_request("big", list(range(70, 90)), GREEDY)  # 20 tokens: 6 blocks, all of them
+    _drain(engine)
+    assert engine.stats.num_evicted_blocks > 0
+
+
+def test_a_plan_may_not_evict_blocks_a_request_it_starts_takes_over() -> None:
+    engine = _engine()
+    state = engine.state
+    engine.add_request("a", list(range(1, 10)), GREEDY)
+    _drain(engine)
+    engine.add_request("b", list(range(1, 10)), GREEDY)
+    view = state.snapshot(0.0)
+    plan = engine.policy.schedule(view)
+    hit = state.blocks.evictable().tolist()
+    with pytest.raises(PlanError, match="takes from the cache"):
+        state.apply(dataclasses.replace(plan, evict=frozenset(hit)), 0.0)
+
+
+def test_evicting_a_chain_head_orphans_the_rest() -> None:
+    engine = _engine()
+    state = engine.state
+    engine.add_request("a", list(range(1, 14)), GREEDY)  # three full blocks cached
+    _drain(engine)
+    head = int(state.blocks.evictable()[np.argmin(state.prefix.depth[state.blocks.evictable()])])
+    state.apply(Plan(evict=frozenset([head])), 0.0)
+    state.check_invariants()
+    engine.add_request("b", list(range(1, 14)), GREEDY)
+    assert state.snapshot(0.0).requests.num_computed.tolist() == [0]  # nothing reachable
+
+
+# --------------------------------------------------------------------------- random traces
+@st.composite
+def shared_prefix_specs(draw: st.DrawFn, cfg: dict, max_requests: int = 10) -> list[Spec]:
+    """Prompts that often start with (part of) an earlier prompt, as chat turns and shared
+    system prompts do, arriving over the first steps."""
+    lim: SchedulerLimits = cfg["limits"]
+    limit = min(lim.max_model_len, cfg["num_blocks"] * cfg["block_size"]) - 1
+    vocab = cfg["vocab_size"]
+    prompts: list[list[int]] = []
+    out = []
+    for _ in range(draw(st.integers(1, max_requests))):
+        head: list[int] = []
+        if prompts and draw(st.integers(0, 3)):
+            base = draw(st.sampled_from(prompts))
+            head = base[: draw(st.integers(len(base) // 2, len(base)))]
+        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=0 if head else 1,
+                             max_size=max(1, limit - len(head))))
+        prompt = (head + tail)[: max(1, limit)]
+        prompts.append(prompt)
+        out.append(Spec(prompt=prompt, max_tokens=draw(st.integers(1, 20)),
+                        ignore_eos=draw(st.booleans()), arrive_step=draw(st.integers(0, 40))))
+    return out
+
+
+def _policies() -> list[str]:
+    return sorted(POLICIES)
+
+
+@pytest.mark.parametrize("policy", _policies())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_shared_prefix_traces_keep_invariants_and_outputs(policy: str, data: st.DataObject) -> None:
+    """Every policy with a prefix cache (any eviction rule, capacity and isolation): the
+    harness checks after every step that no block leaks or is freed twice, that a shared
+    block is cached and referenced once per holder (so never evicted while held), that
+    nothing writes into a shared block, that every KV read holds the reader's own tokens,
+    and at the end that each output equals the request's output alone."""
+    pol = make_policy(policy)
+    cfg = data.draw(configs(chunked=pol.chunked_prefill, block_sizes=st.integers(1, 8)), label="config")
+    specs = data.draw(shared_prefix_specs(cfg), label="requests")
+    cache = PrefixCacheConfig(
+        eviction=data.draw(st.sampled_from(sorted(EVICTION_RULES)), label="eviction"),
+        capacity_tokens=data.draw(st.one_of(st.none(), st.integers(0, 64)), label="capacity"),
+        isolation=data.draw(st.booleans(), label="isolation"),
+    )
+    h = Harness(**cfg, policy=pol, prefix_cache=cache)
+    h.run(specs)
+    hits = sum(out.metrics.num_cached_tokens > 0 for out in h.final.values())
+    event(f"hits: {hits > 0}")
+    event(f"evicted: {h.engine.stats.num_evicted_blocks > 0}")
+    event(f"preempted: {h.engine.stats.num_preemptions > 0}")
+
+
+def test_waiting_request_with_a_cached_prefix_is_shown_as_partly_computed() -> None:
+    engine = _engine()
+    engine.add_request("a", list(range(1, 10)), GREEDY)
+    _drain(engine)
+    engine.add_request("b", list(range(1, 10)), GREEDY)
+    r = engine.state.snapshot(0.0).requests
+    assert r.status.tolist() == [RequestStatus.WAITING] and r.num_computed.tolist() == [8]
+    assert r.num_blocks.tolist() == [0]
+
+
+# --------------------------------------------------------------------------- real model
+def _conversations(vocab: int) -> tuple[list, object]:
+    """Three chats of three turns, all arriving at once, each turn right after its reply:
+    every turn after the first starts with its whole history."""
+    from jserve.conversations import ConversationArrivals, schedule_conversations, synthetic_message_ids
+    from jserve.workload import ConversationTrace, ConversationTurn
+
+    chats = [ConversationTrace(f"c{i}", tuple(ConversationTurn(p, r, "", "") for p, r in turns))
+             for i, turns in enumerate([[(9, 6), (5, 7), (6, 4)], [(13, 5), (7, 6), (3, 5)],
+                                        [(6, 8), (9, 4), (5, 6)]])]
+    arrivals = ConversationArrivals("think-time", conversation_rate=float("inf"), think_time=0.0)
+    schedule = schedule_conversations(chats, arrivals, seed=0)
+    return schedule, lambda cid, k, turn: synthetic_message_ids(cid, k, turn.new_tokens, vocab)
+
+
+def _chat_outputs(llm, schedule, message_ids) -> tuple[dict[str, list[int]], int]:
+    """Each turn's output ids, and how many prompt tokens came from the prefix cache."""
+    from jserve.clock import WallClock
+    from jserve.conversations import run_conversations
+
+    outputs: dict[str, list[int]] = {}
+    cached_tokens = 0
+    step = llm.engine.step
+
+    def recording_step():
+        nonlocal cached_tokens
+        for r in (done := step()):
+            if r.finished:
+                outputs[r.request_id] = list(r.output_token_ids)
+                cached_tokens += r.metrics.num_cached_tokens
+        return done
+
+    llm.engine.step = recording_step
+    run_conversations(llm.engine, schedule, WallClock(), message_ids)
+    return outputs, cached_tokens
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_RULES))
+def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, eviction: str) -> None:
+    """Multi-turn chats on the tiny model: with a cache of a few blocks every rule must
+    evict, and each turn reuses what its rule kept; the greedy ids equal those of an
+    engine without a prefix cache."""
+    from jserve import LLM
+    from jserve.conversations import conversation_futures
+    from jserve.policies.tail_optimized_lru import make_eviction_rule
+
+    schedule, message_ids = _conversations(tiny_loaded.config.vocab_size)
+    plain = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=64, warmup=False)
+    expected, _ = _chat_outputs(plain, schedule, message_ids)
+    cached = LLM(tiny_loaded, num_blocks=24, block_size=4, max_model_len=64, warmup=False,
+                 prefix_cache=PrefixCacheConfig(capacity_tokens=24))
+    # The oracles read the schedule's future, which only a benchmark knows.
+    cached.engine.eviction = make_eviction_rule(eviction, tel_threshold=0.05,
+                                                futures=conversation_futures(schedule))
+    outputs, cached_tokens = _chat_outputs(cached, schedule, message_ids)
+    assert outputs == expected
+    stats, state = cached.engine.stats, cached.engine.state
+    print(f"{eviction}: {cached_tokens} prompt tokens from the cache, "
+          f"{stats.num_evicted_blocks} blocks evicted")
+    assert cached_tokens > 0 and stats.num_evicted_blocks > 0
+    state.check_invariants()
+    assert state.blocks.num_free + state.blocks.num_evictable == 24
