@@ -3,6 +3,7 @@ CLI's JSON, sweeps and calibration profiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -99,3 +100,52 @@ def test_unknown_engine_is_refused() -> None:
 def test_sim_engine_sizes_the_cache_from_hardware() -> None:
     engine, _ = sim_engine(_sim())
     assert 3000 < engine.state.blocks.num_blocks < 5000  # ~62k tokens of opt-13b KV on 80 GB
+
+
+def test_cli_multiturn_bench_reports_the_prefix_cache(tmp_path, capsys) -> None:
+    """Closed-loop ShareGPT chats with T-LRU: turns reuse their history, and the report
+    carries TEL, SLO violations and the cached fraction."""
+    out = tmp_path / "m.json"
+    assert main(["bench", "--engine", "sim", "--workload", "sharegpt-multiturn",
+                 "--num-requests", "12", "--rate", "2", "--model", "opt-13b",
+                 "--prefix-cache", "tlru", "--cache-capacity", "4000", "--cache-isolation",
+                 "--tel-threshold", "0.1", "--conversation-process", "think-time",
+                 "--think-time", "1", "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    m = data["multiturn"]
+    assert m["num_conversations"] == 12 and m["num_turns"] > 12
+    assert 0 < m["cached_prompt_fraction"] < 1 and m["tel_threshold"] == 0.1
+    assert "prompt tokens from the prefix cache" in capsys.readouterr().out
+
+
+def test_prefix_cache_hits_shrink_simulated_prefills() -> None:
+    on = run_benchmark(BenchConfig(engine="sim", workload="sharegpt-multiturn", num_requests=10,
+                                   rate=1.0, model="opt-13b", prefix_cache="tbelady"),
+                       progress=False)
+    off = run_benchmark(dataclasses.replace(on.config, prefix_cache="none"), progress=False)
+    assert off.multiturn["cached_prompt_fraction"] == 0 < on.multiturn["cached_prompt_fraction"]
+    assert on.summary.ttft_mean < off.summary.ttft_mean
+
+
+def test_oracle_eviction_needs_the_conversations_future() -> None:
+    with pytest.raises(ValueError, match="futures"):
+        run_benchmark(_sim(prefix_cache="tbelady"), progress=False)
+
+
+def test_reproduce_tlru_quick_run(tmp_path) -> None:
+    """The reproduction script's smoke run: every rule at two capacities, tables written."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "t.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "reproduce_tlru.py"), "--quick", "--jobs", "1",
+         "--conversations", "16", "--output", str(out)],
+        cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert len(data["runs"]) == 2 * (2 + 4) and "Table 1 shape" in out.with_suffix(".txt").read_text()
