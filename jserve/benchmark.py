@@ -79,6 +79,7 @@ class BenchConfig:
     cache_capacity: int | None = None
     cache_isolation: bool = False
     tel_threshold: float = 0.2
+    host_cache_capacity: int = 0  # tokens of host memory evicted blocks are demoted to
     # sharegpt-multiturn runs closed-loop conversations (`jserve.conversations`): `rate`
     # new conversations per second, `num_requests` conversations, turns spaced by this
     # process's think times.
@@ -108,7 +109,7 @@ class BenchConfig:
         if self.prefix_cache == "none":
             return None
         return PrefixCacheConfig(self.prefix_cache, self.cache_capacity, self.cache_isolation,
-                                 self.tel_threshold)
+                                 self.tel_threshold, self.host_cache_capacity)
 
 
 @dataclass

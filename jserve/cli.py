@@ -44,6 +44,9 @@ def _add_prefix_cache_args(p: argparse.ArgumentParser, offline: bool) -> None:
                         "block no request uses)")
     p.add_argument("--cache-isolation", action="store_true",
                    help="no prefix reuse across conversations (default: shared)")
+    p.add_argument("--host-cache-capacity", type=int, default=0, metavar="TOKENS",
+                   help="demote evicted prefix blocks to this much host memory and copy them "
+                        "back on reuse (default: 0, off)")
     p.add_argument("--tel-threshold", type=float, default=0.2, metavar="SECONDS",
                    help="T-LRU's xi: the TTFT a turn may take before it counts as tail excess "
                         "latency (default: 0.2)")
@@ -55,7 +58,7 @@ def _prefix_cache(args: argparse.Namespace):
     if args.prefix_cache == "none":
         return None
     return PrefixCacheConfig(args.prefix_cache, args.cache_capacity, args.cache_isolation,
-                             args.tel_threshold)
+                             args.tel_threshold, args.host_cache_capacity)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -160,6 +163,7 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
         swap_space=args.swap_space, predictions=args.predictions,
         prefix_cache=args.prefix_cache, cache_capacity=args.cache_capacity,
         cache_isolation=args.cache_isolation, tel_threshold=args.tel_threshold,
+        host_cache_capacity=args.host_cache_capacity,
         conversation_process=args.conversation_process, turn_rate=args.turn_rate,
         end_rate=args.end_rate, think_time=args.think_time,
     )

@@ -18,7 +18,7 @@ from jserve.batch import Batch, BatchInputs, BlockMove, StepOutput
 from jserve.block_manager import BlockManager
 from jserve.errors import InvalidRequestError, PlanError
 from jserve.plan import Plan, PreemptMode
-from jserve.prefix_cache import CacheSnapshot, PrefixIndex
+from jserve.prefix_cache import CacheSnapshot, PrefixHit, PrefixIndex, host_move_key
 from jserve.request import FinishReason, Request, RequestMetrics, RequestStatus
 from jserve.request_table import RequestTable
 from jserve.sampling_params import SamplingParams
@@ -41,15 +41,18 @@ class EngineState:
         prefix_cache: bool = False,
         cache_isolation: bool = False,
         cache_capacity_blocks: int | None = None,
+        host_cache_blocks: int = 0,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
         blocks for later prompts that start the same way; `cache_isolation` keys them by
         conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
-        cached (None: every block no request uses, as vLLM)."""
+        cached (None: every block no request uses, as vLLM); `host_cache_blocks` adds a host
+        tier that evicted blocks are demoted to and promoted back from (0: none)."""
         if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
             raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
-        self.prefix = PrefixIndex(num_blocks, block_size, isolate=cache_isolation) if prefix_cache else None
+        self.prefix = PrefixIndex(num_blocks, block_size, isolate=cache_isolation,
+                                  host_capacity_blocks=host_cache_blocks) if prefix_cache else None
         self.cache_capacity_blocks = cache_capacity_blocks
         self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
@@ -86,7 +89,8 @@ class EngineState:
         # Prefix cache: each request's chain keys (computed once, extended as it grows) and
         # the cached blocks its prompt starts with as of the last snapshot (waiting ones).
         self._chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-        self._hits: dict[int, tuple[int, list[int]]] = {}  # seq -> (index version, blocks)
+        self._hits: dict[int, tuple[int, PrefixHit]] = {}  # seq -> (index version, hit)
+        self._offered: dict[int, PrefixHit] = {}  # what the last snapshot showed each one
         self._prefill_steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
 
     # ----------------------------------------------------------------------- requests
@@ -236,6 +240,11 @@ class EngineState:
             metrics = self.requests[seq_id].metrics
             metrics.num_preemptions += 1
             metrics.last_preempted_at = now
+        loading = frozenset(k for hit in hits.values() for k in hit.host)
+        for block in sorted(plan.evict):
+            move_id = self.prefix.demote(block, loading)
+            if move_id is not None:
+                swap_out.append(BlockMove(host_move_key(move_id), np.array([block], np.int32)))
         self.blocks.evict(sorted(plan.evict))
         for seq_id in sorted(plan.swap_in):
             row = self._row[seq_id]
@@ -245,14 +254,16 @@ class EngineState:
             cols.num_blocks[row] = n
             cols.status[row] = RequestStatus.RUNNING
             swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
-        self._moves = (tuple(swap_out), tuple(swap_in))
         for seq_id, n in plan.allocate.items():
-            hit = hits.get(seq_id, [])
-            if hit:
-                self.blocks.attach(seq_id, hit)
-                self.requests[seq_id].metrics.num_cached_tokens = len(hit) * self.blocks.block_size
-            self.blocks.allocate(seq_id, n - len(hit))
+            hit = hits.get(seq_id, PrefixHit())
+            if hit.device:
+                self.blocks.attach(seq_id, list(hit.device))
+            self.blocks.allocate(seq_id, n - len(hit.device))
+            if hit.num_blocks:
+                swap_in.extend(self._promote(seq_id, hit))
+                self.requests[seq_id].metrics.num_cached_tokens = hit.num_blocks * self.blocks.block_size
             cols.num_blocks[self._row[seq_id]] += n
+        self._moves = (tuple(swap_out), tuple(swap_in))
         for seq_id in hits:
             del self._hits[seq_id]
         for seq_id in plan.run:
@@ -294,9 +305,9 @@ class EngineState:
         hits = self._admitted_hits(plan)
         for seq_id, n in plan.allocate.items():
             self._live_row(seq_id, "allocate to")
-            if n < len(hits.get(seq_id, ())):
+            if seq_id in hits and n < hits[seq_id].num_blocks:
                 raise PlanError(f"seq {seq_id}: allocates {n} blocks, fewer than the "
-                                f"{len(hits[seq_id])} cached ones its table starts with")
+                                f"{hits[seq_id].num_blocks} cached ones its table starts with")
             if n < 0:
                 raise PlanError(f"seq {seq_id}: cannot allocate {n} blocks")
             if seq_id in plan.preempt:
@@ -362,18 +373,38 @@ class EngineState:
 
     def _match_waiting(self) -> None:
         """Find each waiting request's cached prefix and show it as its `num_computed`.
-        At least the last token is left to compute: its logits give the next token."""
+        At least the last token is left to compute: its logits give the next token. A
+        host-tier block is offered to the earliest waiting request that reaches it only:
+        one copy can be loaded once, and the next request finds it on the device."""
         cols, bs, version = self.table.data, self.blocks.block_size, self.prefix.version
-        for row in np.flatnonzero(self.table.live_mask & (cols.status == RequestStatus.WAITING)):
+        waiting = np.flatnonzero(self.table.live_mask & (cols.status == RequestStatus.WAITING))
+        claimed: set[int] = set()
+        self._offered = {}
+        for row in waiting[np.argsort(cols.arrival_time[waiting], kind="stable")]:
             seq_id = int(cols.seq_id[row])
             memo = self._hits.get(seq_id)
             if memo is None or memo[0] != version:
                 req = self.requests[seq_id]
                 keys = self._chain(req, (int(cols.num_tokens[row]) - 1) // bs)
                 memo = self._hits[seq_id] = (version, self.prefix.match(keys, self.prefix.salt(req.conversation_id)))
-            cols.num_computed[row] = len(memo[1]) * bs
+            hit = memo[1]
+            if hit.host:
+                free = list(itertools.takewhile(lambda k: k not in claimed, hit.host))
+                claimed.update(free)
+                hit = PrefixHit(hit.device, tuple(free))
+            self._offered[seq_id] = hit
+            cols.num_computed[row] = hit.num_blocks * bs
 
-    def _admitted_hits(self, plan: Plan) -> dict[int, list[int]]:
+    def _promote(self, seq_id: int, hit: PrefixHit) -> list[BlockMove]:
+        """Load a hit's host-tier blocks into the fresh blocks after its device ones."""
+        table = self.blocks.table(seq_id)
+        moves = []
+        for i, key in enumerate(hit.host, start=len(hit.device)):
+            move_id = self.prefix.promote(key, table[i], table[i - 1] if i else -1, i)
+            moves.append(BlockMove(host_move_key(move_id), np.array([table[i]], np.int32)))
+        return moves
+
+    def _admitted_hits(self, plan: Plan) -> dict[int, PrefixHit]:
         """Cached blocks each waiting request the plan starts takes over."""
         if self.prefix is None:
             return {}
@@ -382,11 +413,11 @@ class EngineState:
         for seq_id in plan.run:
             row = self._row.get(seq_id)
             if row is not None and cols.status[row] == RequestStatus.WAITING and cols.num_computed[row]:
-                hits[seq_id] = self._hits[seq_id][1]
+                hits[seq_id] = self._offered[seq_id]
         return hits
 
-    def _fresh_blocks(self, plan: Plan, hits: dict[int, list[int]], from_host: int) -> int:
-        return sum(plan.allocate.values()) - sum(len(h) for h in hits.values()) + from_host
+    def _fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit], from_host: int) -> int:
+        return sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values()) + from_host
 
     def _uncached(self, blocks: np.ndarray) -> int:
         return len(blocks) if self.prefix is None else int((~self.prefix.cached[blocks]).sum())
@@ -405,7 +436,7 @@ class EngineState:
         if len(bad):
             raise PlanError(f"plan evicts blocks {sorted(bad.tolist())[:8]} that are not cached "
                             "or that a request still uses")
-        pinned = {b for hit in self._admitted_hits(plan).values() for b in hit}
+        pinned = {b for hit in self._admitted_hits(plan).values() for b in hit.device}
         if pinned & plan.evict:
             raise PlanError(f"plan evicts blocks {sorted(pinned & plan.evict)[:8]} that a request "
                             "it starts takes from the cache")
@@ -423,7 +454,7 @@ class EngineState:
                         if s in self._row)
         shortfall = self._fresh_blocks(plan, hits, from_host) - self.blocks.num_free - self._uncached(released)
         candidates = np.union1d(self.blocks.evictable(), released[self.prefix.cached[released]])
-        pinned = [b for hit in hits.values() for b in hit]
+        pinned = [b for hit in hits.values() for b in hit.device]
         if pinned:
             candidates = np.setdiff1d(candidates, pinned)
         n = max(shortfall, 0)
@@ -455,6 +486,9 @@ class EngineState:
         sample = (start + query_lens) == cols.num_tokens[rows]
         inputs = self._inputs(seq_ids, start, query_lens) if with_inputs else None
         swap_out, swap_in = self._moves
+        if self.prefix is not None and self.prefix.dropped_moves:
+            self._host_dropped += [host_move_key(m) for m in self.prefix.dropped_moves]
+            self.prefix.dropped_moves.clear()
         dropped, self._host_dropped = tuple(self._host_dropped), []
         return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
                      inputs=inputs, swap_out=swap_out, swap_in=swap_in, host_dropped=dropped)

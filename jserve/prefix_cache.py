@@ -12,6 +12,7 @@ eviction rules never see this object, only a `CacheSnapshot` of the evictable bl
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,16 +86,22 @@ class PrefixCacheConfig:
     capacity_tokens: int | None = None  # None: every block no request uses (vLLM)
     isolation: bool = False  # no reuse across conversations (the paper's assumption)
     tel_threshold: float = 0.2  # xi, seconds: the TTFT a turn may take without excess
+    # Two-tier (beyond the paper, its stated future work): evicted blocks are demoted to
+    # this many tokens of host memory and copied back when a prompt reuses them. 0: off.
+    host_capacity_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < 0:
             raise ValueError(f"cache capacity must be >= 0 tokens, got {self.capacity_tokens}")
+        if self.host_capacity_tokens < 0:
+            raise ValueError(f"host cache capacity must be >= 0 tokens, got {self.host_capacity_tokens}")
 
     def state_options(self, block_size: int) -> dict[str, object]:
         """`EngineState` keyword arguments for this cache."""
         capacity = None if self.capacity_tokens is None else self.capacity_tokens // block_size
         return {"prefix_cache": True, "cache_isolation": self.isolation,
-                "cache_capacity_blocks": capacity}
+                "cache_capacity_blocks": capacity,
+                "host_cache_blocks": self.host_capacity_tokens // block_size}
 
 
 class EvictionRule(Protocol):
@@ -107,6 +114,32 @@ class EvictionRule(Protocol):
 
 
 ORPHAN = -2  # parent of a cached block whose chain was cut above it: never matched again
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached blocks a prompt starts with: on the device, then (with a host tier) the
+    chain keys of blocks demoted to host memory, which must be copied back to be used."""
+
+    device: tuple[int, ...] = ()
+    host: tuple[int, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
+@dataclass(frozen=True)
+class _HostEntry:
+    move_id: int  # what the runner keeps the copy under (as BlockMove seq_id -(id + 1))
+    tokens: tuple[int, ...]
+    salt: str | None
+    parent_key: int  # 0 at depth 0
+
+
+def host_move_key(move_id: int) -> int:
+    """The runner's key for a host-tier copy: negative, so it never meets a request's."""
+    return -(move_id + 1)
 
 
 @dataclass
@@ -123,9 +156,18 @@ class PrefixIndex:
     equal, so a hash collision costs a miss, never a wrong KV block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, isolate: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, isolate: bool = False,
+                 host_capacity_blocks: int = 0) -> None:
         """`isolate`: key blocks by conversation too, so no conversation reuses another's
-        KV (the paper's setting; also what a multi-tenant server wants)."""
+        KV (the paper's setting; also what a multi-tenant server wants).
+        `host_capacity_blocks`: a second tier in host memory that evicted blocks are
+        demoted to and promoted back from on reuse, least recently demoted dropped first
+        (0: evicted blocks are dropped)."""
+        self.host_capacity_blocks = host_capacity_blocks
+        self._host: OrderedDict[int, _HostEntry] = OrderedDict()  # key -> entry, oldest first
+        self._next_move_id = 0
+        # Host copies the runner should forget (replaced or dropped), drained each step.
+        self.dropped_moves: list[int] = []
         self.block_size = block_size
         self.isolate = isolate
         self.cached = np.zeros(num_blocks, dtype=bool)
@@ -164,8 +206,9 @@ class PrefixIndex:
     def salt(self, conversation_id: str | None) -> str | None:
         return conversation_id if self.isolate else None
 
-    def match(self, keys: Sequence[tuple[int, tuple[int, ...]]], salt: str | None) -> list[int]:
-        """The cached blocks holding the longest prefix of `keys`, in chain order."""
+    def match(self, keys: Sequence[tuple[int, tuple[int, ...]]], salt: str | None) -> PrefixHit:
+        """The cached blocks holding the longest prefix of `keys`: device blocks, then the
+        host tier's continuation of the chain."""
         blocks: list[int] = []
         parent = -1
         for key, tokens in keys:
@@ -175,7 +218,15 @@ class PrefixIndex:
                 break
             blocks.append(block)
             parent = block
-        return blocks
+        host: list[int] = []
+        parent_key = keys[len(blocks) - 1][0] if blocks else 0
+        for key, tokens in keys[len(blocks):]:
+            entry = self._host.get(key)
+            if entry is None or entry.tokens != tokens or entry.salt != salt or entry.parent_key != parent_key:
+                break
+            host.append(key)
+            parent_key = key
+        return PrefixHit(tuple(blocks), tuple(host))
 
     # ------------------------------------------------------------------ updates
     def record_arrival(self, conversation_id: str, prompt_len: int) -> None:
@@ -207,18 +258,59 @@ class PrefixIndex:
                                          or self.parent[existing] != parent):
                 break  # a colliding key: leave the rest of this chain uncached
             if existing is None:
-                self._entries[key] = block
-                self.cached[block] = True
-                self._key[block], self._tokens[block], self._salt[block] = key, tokens, salt
-                self.depth[block], self.parent[block] = depth, parent
-                if parent >= 0:
-                    self._children.setdefault(parent, set()).add(block)
-                self.version += 1
+                self._register(block, key, tokens, salt, depth, parent)
             else:
                 block = existing
             self.last_access[block] = now
             self.conversation[block] = row
             parent = block
+
+    def _register(self, block: int, key: int, tokens: tuple[int, ...], salt: str | None,
+                  depth: int, parent: int) -> None:
+        self._entries[key] = block
+        self.cached[block] = True
+        self._key[block], self._tokens[block], self._salt[block] = key, tokens, salt
+        self.depth[block], self.parent[block] = depth, parent
+        if parent >= 0:
+            self._children.setdefault(parent, set()).add(block)
+        stale = self._host.pop(key, None)  # the device copy supersedes a host one
+        if stale is not None:
+            self.dropped_moves.append(stale.move_id)
+        self.version += 1
+
+    def demote(self, block: int, keep: frozenset[int] = frozenset()) -> int | None:
+        """Copy an evicted block's entry to the host tier (making room by dropping the
+        least recently demoted entry not in `keep`, the keys a request is about to load);
+        returns the copy's move id, or None when the block is just dropped: no host tier,
+        no room, or unreachable anyway."""
+        parent = int(self.parent[block])
+        key = self._key[block]
+        if not self.host_capacity_blocks or parent == ORPHAN or key in keep:
+            return None
+        if key in self._host:
+            self.dropped_moves.append(self._host.pop(key).move_id)
+        if len(self._host) >= self.host_capacity_blocks:
+            victim = next((k for k in self._host if k not in keep), None)
+            if victim is None:
+                return None
+            self.dropped_moves.append(self._host.pop(victim).move_id)
+        move_id = self._next_move_id
+        self._next_move_id += 1
+        self._host[key] = _HostEntry(move_id, self._tokens[block], self._salt[block],
+                                     self._key[parent] if parent >= 0 else 0)
+        self.version += 1
+        return move_id
+
+    def promote(self, key: int, block: int, parent: int, depth: int) -> int:
+        """Bring a host entry back into `block` (fresh, held by the request that reuses
+        it, after `parent` in its chain); returns the move id of the copy to load."""
+        entry = self._host.pop(key)
+        self._register(block, key, entry.tokens, entry.salt, depth, parent)
+        return entry.move_id
+
+    @property
+    def num_host_entries(self) -> int:
+        return len(self._host)
 
     def remove(self, block: int) -> None:
         """Forget an evicted block's entry; the blocks after it can no longer be matched."""

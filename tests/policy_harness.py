@@ -78,7 +78,8 @@ class FakeRunner:
         self.pos = np.full((num_blocks, block_size), -1, np.int64)
         self.host: dict[int, tuple[np.ndarray, ...]] = {}  # swapped seq -> its blocks' (tok, owner, pos)
         self.num_calls = 0
-        self.num_swaps = 0
+        self.num_swaps = 0  # requests swapped out
+        self.num_promotions = 0  # prefix-cache blocks copied back from the host tier
 
     needs_inputs = True
 
@@ -92,9 +93,10 @@ class FakeRunner:
             self.host[move.seq_id] = (self.tok[b].copy(), self.owner[b].copy(), self.pos[b].copy())
             freed = b if self.kept is None else b[~self.kept(b)]
             self.owner[freed], self.pos[freed] = -2, -2
-            self.num_swaps += 1
+            self.num_swaps += move.seq_id >= 0
         for move in batch.swap_in:
             tok, owner, pos = self.host.pop(move.seq_id)
+            self.num_promotions += move.seq_id < 0
             b = move.device_blocks
             assert len(b) == len(tok), f"seq {move.seq_id}: swapped {len(tok)} blocks in as {len(b)}"
             self.tok[b], self.owner[b], self.pos[b] = tok, owner, pos
@@ -386,7 +388,10 @@ class Harness:
         swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
         # The runner hears of a request that ended while swapped at the next step.
         ended = {self.seq_of[rid] for rid in self.final}
-        assert swapped <= set(self.runner.host) <= swapped | ended, "host copies != swapped set"
+        requests_on_host = {k for k in self.runner.host if k >= 0}  # < 0: prefix-cache copies
+        assert swapped <= requests_on_host <= swapped | ended, "host copies != swapped set"
+        if st_.prefix is not None:  # the runner drops replaced prefix copies at the next step
+            assert st_.prefix.num_host_entries <= len(self.runner.host) - len(requests_on_host)
         for i, seq in enumerate(r.seq_id.tolist()):
             assert r.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
             assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING

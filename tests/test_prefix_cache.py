@@ -135,6 +135,37 @@ def test_evicting_a_chain_head_orphans_the_rest() -> None:
     assert state.snapshot(0.0).requests.num_computed.tolist() == [0]  # nothing reachable
 
 
+def test_evicted_blocks_are_demoted_to_the_host_tier_and_promoted_on_reuse() -> None:
+    engine = _engine(capacity=0)  # every unreferenced block is evicted at the next step
+    state = engine.state
+    state.prefix.host_capacity_blocks = 2
+    engine.add_request("a", list(range(1, 11)), GREEDY)  # two full blocks
+    _drain(engine)
+    engine.add_request("x", list(range(50, 55)), GREEDY)  # one step in, "a"'s blocks go
+    _drain(engine)
+    assert state.prefix.num_host_entries == 2 and "a" not in engine.runner.host
+    engine.add_request("b", list(range(1, 11)), GREEDY)
+    assert state.snapshot(0.0).requests.num_computed.tolist() == [8]  # both, from the host
+    _drain(engine)
+    assert engine.runner.num_promotions == 2  # copied back; the fake runner checked the KV
+    # The host tier keeps the most recently demoted blocks when it overflows.
+    assert state.prefix.num_host_entries <= 2
+
+
+def test_one_host_copy_goes_to_the_earliest_of_two_waiting_requests() -> None:
+    engine = _engine(capacity=0)
+    state = engine.state
+    state.prefix.host_capacity_blocks = 4
+    engine.add_request("a", list(range(1, 6)), GREEDY)
+    _drain(engine)
+    engine.add_request("x", list(range(50, 55)), GREEDY)
+    _drain(engine)
+    engine.add_request("b", list(range(1, 6)), GREEDY, arrival_time=1.0)
+    engine.add_request("c", list(range(1, 6)), GREEDY, arrival_time=2.0)
+    assert sorted(state.snapshot(0.0).requests.num_computed.tolist()) == [0, 4]
+    _drain(engine)
+
+
 # --------------------------------------------------------------------------- random traces
 @st.composite
 def shared_prefix_specs(draw: st.DrawFn, cfg: dict, max_requests: int = 10) -> list[Spec]:
@@ -177,15 +208,34 @@ def test_random_shared_prefix_traces_keep_invariants_and_outputs(policy: str, da
     specs = data.draw(shared_prefix_specs(cfg), label="requests")
     cache = PrefixCacheConfig(
         eviction=data.draw(st.sampled_from(sorted(EVICTION_RULES)), label="eviction"),
-        capacity_tokens=data.draw(st.one_of(st.none(), st.integers(0, 64)), label="capacity"),
+        capacity_tokens=data.draw(st.sampled_from([None, 0, 4, 16, 64]), label="capacity"),
         isolation=data.draw(st.booleans(), label="isolation"),
+        host_capacity_tokens=data.draw(st.sampled_from([0, 8, 64]), label="host tier"),
     )
     h = Harness(**cfg, policy=pol, prefix_cache=cache)
     h.run(specs)
     hits = sum(out.metrics.num_cached_tokens > 0 for out in h.final.values())
     event(f"hits: {hits > 0}")
     event(f"evicted: {h.engine.stats.num_evicted_blocks > 0}")
+    event(f"promoted from host: {h.runner.num_promotions > 0}")
     event(f"preempted: {h.engine.stats.num_preemptions > 0}")
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sarathi", "vllm-swap"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_traces_through_a_host_tier(policy: str, data: st.DataObject) -> None:
+    """A device cache that keeps nothing unreferenced and a host tier: every finished
+    block is demoted, and a later prompt's hit is copied back (the fake runner poisons
+    freed blocks, so a promotion that loaded the wrong copy changes the outputs)."""
+    pol = make_policy(policy)
+    cfg = data.draw(configs(chunked=pol.chunked_prefill, block_sizes=st.integers(1, 4)), label="config")
+    specs = data.draw(shared_prefix_specs(cfg), label="requests")
+    cache = PrefixCacheConfig(eviction=data.draw(st.sampled_from(["lru", "tlru"]), label="eviction"),
+                              capacity_tokens=0, host_capacity_tokens=data.draw(st.sampled_from([4, 64])))
+    h = Harness(**cfg, policy=pol, prefix_cache=cache)
+    h.run(specs)
+    event(f"promoted from host: {h.runner.num_promotions > 0}")
 
 
 def test_waiting_request_with_a_cached_prefix_is_shown_as_partly_computed() -> None:
@@ -235,11 +285,14 @@ def _chat_outputs(llm, schedule, message_ids) -> tuple[dict[str, list[int]], int
     return outputs, cached_tokens
 
 
-@pytest.mark.parametrize("eviction", sorted(EVICTION_RULES))
-def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, eviction: str) -> None:
+@pytest.mark.parametrize(("eviction", "host"), [(rule, 0) for rule in sorted(EVICTION_RULES)]
+                         + [("lru", 64), ("tlru", 64)])
+def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, eviction: str,
+                                                                   host: int) -> None:
     """Multi-turn chats on the tiny model: with a cache of a few blocks every rule must
-    evict, and each turn reuses what its rule kept; the greedy ids equal those of an
-    engine without a prefix cache."""
+    evict, and each turn reuses what its rule kept (with `host`, evicted blocks go to host
+    memory through the runner's swap path and come back on reuse); the greedy ids equal
+    those of an engine without a prefix cache."""
     from jserve import LLM
     from jserve.conversations import conversation_futures
     from jserve.policies.tail_optimized_lru import make_eviction_rule
@@ -248,7 +301,7 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
     plain = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=64, warmup=False)
     expected, _ = _chat_outputs(plain, schedule, message_ids)
     cached = LLM(tiny_loaded, num_blocks=24, block_size=4, max_model_len=64, warmup=False,
-                 prefix_cache=PrefixCacheConfig(capacity_tokens=24))
+                 prefix_cache=PrefixCacheConfig(capacity_tokens=24, host_capacity_tokens=host))
     # The oracles read the schedule's future, which only a benchmark knows.
     cached.engine.eviction = make_eviction_rule(eviction, tel_threshold=0.05,
                                                 futures=conversation_futures(schedule))
@@ -258,5 +311,7 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
     print(f"{eviction}: {cached_tokens} prompt tokens from the cache, "
           f"{stats.num_evicted_blocks} blocks evicted")
     assert cached_tokens > 0 and stats.num_evicted_blocks > 0
+    if host:
+        assert state.prefix.num_host_entries > 0
     state.check_invariants()
     assert state.blocks.num_free + state.blocks.num_evictable == 24
