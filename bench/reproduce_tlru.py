@@ -57,6 +57,7 @@ class Run:
     rule: str
     capacity: int
     xi: float  # the TEL threshold the rule plans with (and TEL is measured at)
+    host: int = 0  # host-tier tokens (the two-tier extension; 0: off)
 
 
 def _config(args: argparse.Namespace, run: Run) -> BenchConfig:
@@ -64,7 +65,8 @@ def _config(args: argparse.Namespace, run: Run) -> BenchConfig:
         engine="sim", workload="sharegpt-multiturn", num_requests=args.conversations,
         rate=args.rate, model=args.model, hardware=args.hardware, seed=args.seed,
         max_total_len=args.max_total_len, prefix_cache=run.rule, cache_capacity=run.capacity,
-        cache_isolation=True, tel_threshold=run.xi, conversation_process="birth-death",
+        cache_isolation=True, tel_threshold=run.xi, host_cache_capacity=run.host,
+        conversation_process="birth-death",
         turn_rate=args.turn_rate, end_rate=args.end_rate,
     )
 
@@ -89,7 +91,14 @@ def _schedule(args: argparse.Namespace) -> list:
 def runs(args: argparse.Namespace) -> list[Run]:
     out = [Run(rule, cap, args.xis[0]) for cap in args.capacities for rule in THRESHOLD_FREE]
     out += [Run(rule, cap, xi) for cap in args.capacities for xi in args.xis for rule in XI_RULES]
+    if args.host_capacity:
+        out += [Run(rule, cap, _middle(args.xis), args.host_capacity)
+                for cap in args.capacities for rule in ("lru", "tlru")]
     return out
+
+
+def _middle(xis: list[float]) -> float:
+    return xis[len(xis) // 2]
 
 
 def measure_all(args: argparse.Namespace) -> dict[Run, dict[str, float]]:
@@ -109,7 +118,7 @@ def _pct(new: float, old: float) -> str:
 
 
 def _baseline(results: dict[Run, dict[str, float]], rule: str, cap: int) -> dict[str, float]:
-    return next(v for r, v in results.items() if r.rule == rule and r.capacity == cap)
+    return next(v for r, v in results.items() if r.rule == rule and r.capacity == cap and not r.host)
 
 
 def reduction_table(results: dict[Run, dict[str, float]], args: argparse.Namespace, versus: str) -> str:
@@ -135,11 +144,30 @@ def absolute_table(results: dict[Run, dict[str, float]], args: argparse.Namespac
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for cap in args.capacities:
         for rule in (*THRESHOLD_FREE, *XI_RULES):
-            m = next(v for r, v in results.items()
-                     if r.rule == rule and r.capacity == cap and (rule in THRESHOLD_FREE or r.xi == xi))
+            m = next(v for r, v in results.items() if r.rule == rule and r.capacity == cap
+                     and not r.host and (rule in THRESHOLD_FREE or r.xi == xi))
             lines.append(" | ".join([
                 f"{cap:,}", rule, *(f"{1000 * m[k]:.0f}" for k in METRICS[:4]),
                 f"{100 * m['slo_violation']:.1f}%", f"{m['tel']:.2f}", f"{100 * m['cached_prompt_fraction']:.0f}%"]))
+    return "\n".join(lines)
+
+
+def two_tier_table(results: dict[Run, dict[str, float]], args: argparse.Namespace) -> str:
+    """The two-tier extension: the same rules with evicted blocks demoted to host memory
+    (promotions charged over PCIe by the simulator) beside the one-tier runs."""
+    head = ["capacity", "rule", "host tokens", "P90 ms", "P95 ms", "P99 ms",
+            f"TTFT>{int(SLO * 1000)}ms", "TEL", "from cache"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    xi = _middle(args.xis)
+    for cap in args.capacities:
+        for rule in ("lru", "tlru"):
+            for host in (0, args.host_capacity):
+                m = next(v for r, v in results.items() if r.rule == rule and r.capacity == cap
+                         and r.host == host and (rule == "lru" or r.xi == xi))
+                lines.append(" | ".join([
+                    f"{cap:,}", rule, f"{host:,}", *(f"{1000 * m[k]:.0f}" for k in METRICS[1:4]),
+                    f"{100 * m['slo_violation']:.1f}%", f"{m['tel']:.2f}",
+                    f"{100 * m['cached_prompt_fraction']:.0f}%"]))
     return "\n".join(lines)
 
 
@@ -163,6 +191,12 @@ def headline(results: dict[Run, dict[str, float]], args: argparse.Namespace) -> 
     for key, paper in PAPER.items():
         best = f"{min(ours[key]):+.1f}%" if ours[key] else "n/a"
         lines.append(f"{key} | {paper:+.1f}% | {best} | {at_largest[key]}")
+    tel = [100 * (results[Run("tlru", c, x)]["tel"] - _baseline(results, "lru", c)["tel"])
+           / _baseline(results, "lru", c)["tel"]
+           for c in args.capacities for x in args.xis if _baseline(results, "lru", c)["tel"]]
+    tel_best = f"{min(tel):+.1f}%" if tel else "n/a"
+    lines.append(f"TEL at xi vs LRU | (the objective; no headline) | {tel_best} | "
+                 f"{_pct(t['tel'], base['tel'])}")
     return "\n".join(lines)
 
 
@@ -180,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=[2500, 5000, 10000, 20000], help="prefix-cache capacities in tokens")
     p.add_argument("--xis", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.2, 0.3],
                    help="TEL thresholds xi in seconds")
+    p.add_argument("--host-capacity", type=int, default=40000,
+                   help="host-tier tokens for the two-tier runs (0: skip them; default: 40000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default: 2)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 40 conversations, 2 capacities, 1 xi")
@@ -187,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.capacities, args.xis = 40, [1000, 4000], [0.2]
+        args.host_capacity = 0
     t0 = time.perf_counter()
     results = measure_all(args)
     setting = (f"{args.model} on {args.hardware} (simulated), {args.conversations} ShareGPT "
@@ -199,9 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         reduction_table(results, args, "lru"),
         "## T-LRU vs Threshold-LRU (history > 1024 tokens) (Table 2 shape)",
         reduction_table(results, args, "threshold-lru"),
-        f"## Every rule, xi = {args.xis[len(args.xis) // 2]} s (Table 3 shape, with the oracles "
+        f"## Every rule, xi = {_middle(args.xis)} s (Table 3 shape, with the oracles "
         "and Tail-Optimized Belady)",
-        absolute_table(results, args, args.xis[len(args.xis) // 2]),
+        absolute_table(results, args, _middle(args.xis)),
+        *([f"## Two tiers (beyond the paper): evicted blocks demoted to {args.host_capacity:,} "
+           f"tokens of host memory, promoted over PCIe on reuse; xi = {_middle(args.xis)} s",
+           two_tier_table(results, args)] if args.host_capacity else []),
         "## The paper's headline beside ours",
         headline(results, args),
     ])

@@ -27,6 +27,8 @@ class ServerMetrics:
                              "preempted)", registry=r)
         self.free_blocks = Gauge("jserve_kv_blocks_free", "Free KV cache blocks", registry=r)
         self.total_blocks = Gauge("jserve_kv_blocks_total", "KV cache blocks", registry=r)
+        self.cached_blocks = Gauge("jserve_kv_blocks_cached", "KV blocks the prefix cache keeps "
+                                   "unreferenced (evictable)", registry=r)
         self.preemptions = Counter("jserve_preemptions", "Requests preempted", registry=r)
         self.steps = Counter("jserve_engine_steps", "Engine iterations run", registry=r)
         self.finished = Counter("jserve_requests_finished", "Requests ended, by finish reason",
@@ -52,6 +54,7 @@ class ServerMetrics:
         self.running.set(int((status == RequestStatus.RUNNING).sum()))
         self.waiting.set(int((status == RequestStatus.WAITING).sum()))
         self.free_blocks.set(state.blocks.num_free)
+        self.cached_blocks.set(state.blocks.num_evictable)
         self.total_blocks.set(state.blocks.num_blocks)
         for counter, name in ((self.preemptions, "num_preemptions"), (self.steps, "num_steps")):
             total = getattr(engine.stats, name)

@@ -174,47 +174,41 @@ class TLRUEviction:
 
 
 @dataclass(frozen=True)
-class EndAwareTLRUEviction:
-    """T-LRU told which conversations have no next turn (an oracle): those keep nothing."""
+class _OracleTLRU(TLRUEviction):
+    """T-LRU that also reads the conversations' future turns."""
 
-    name: str = "end-aware-tlru"
-    tel_threshold: float = 0.2
-    q_hat: float | None = None
     futures: ConversationFutures | None = None
 
     def __post_init__(self) -> None:
-        _check_tel_threshold(self.tel_threshold)
-        _check_q_hat(self.q_hat)
+        super().__post_init__()
         _check_futures(self.name, self.futures)
+
+
+@dataclass(frozen=True)
+class EndAwareTLRUEviction(_OracleTLRU):
+    """T-LRU told which conversations have no next turn (an oracle): those keep nothing."""
+
+    name: str = "end-aware-tlru"
 
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
         assert self.futures is not None
         has_next, _, _ = _next_turns(snapshot, self.futures)
-        q_hat = snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
-        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), q_hat, ended=~has_next)
+        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), self._q_hat(snapshot),
+                           ended=~has_next)
         return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
 
 
 @dataclass(frozen=True)
-class LengthAwareTLRUEviction:
+class LengthAwareTLRUEviction(_OracleTLRU):
     """T-LRU told each next message's true length (an oracle); a conversation with no next
     turn falls back to `q_hat`, since this rule is not told that it ended."""
 
     name: str = "length-aware-tlru"
-    tel_threshold: float = 0.2
-    q_hat: float | None = None
-    futures: ConversationFutures | None = None
-
-    def __post_init__(self) -> None:
-        _check_tel_threshold(self.tel_threshold)
-        _check_q_hat(self.q_hat)
-        _check_futures(self.name, self.futures)
 
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
         assert self.futures is not None
         has_next, new_tokens, _ = _next_turns(snapshot, self.futures)
-        q_hat = snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
-        next_len = np.where(has_next, new_tokens, q_hat)
+        next_len = np.where(has_next, new_tokens, self._q_hat(snapshot))
         surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), next_len)
         return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
 
