@@ -136,6 +136,7 @@ class AsyncEngine:
     async def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
         prompt: str | None = None, ttft_slo: float | None = None, tbt_slo: float | None = None,
+        conversation_id: str | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine has admitted it; raises the engine's
         `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
@@ -155,7 +156,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
                                         arrival_time=arrival, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                                        predicted_len=length, predicted_dir=direction)
+                                        predicted_len=length, predicted_dir=direction,
+                                        conversation_id=conversation_id)
             except Exception as e:  # InvalidRequestError, or a bug the handler reports as 500
                 admitted.set_exception(e)
                 return

@@ -77,6 +77,9 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool = False
     ttft_slo: float | None = None
     tbt_slo: float | None = None
+    # extension: the chat this request is a turn of, for the prefix cache (its tag for
+    # T-LRU, and its isolation key under --cache-isolation)
+    conversation_id: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -190,9 +193,12 @@ class ResponseHeader:
                 "choices": choices, **extra}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt
+    tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def preemption_info(metrics: RequestMetrics) -> dict[str, float]:

@@ -116,7 +116,8 @@ class OpenAIServer:
         header = ResponseHeader.new(fmt, self.model)
         try:
             stream = await self.engine.add_request(header.id, prompt_ids, params, prompt=prompt,
-                                                   ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo)
+                                                   ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
+                                                   conversation_id=body.conversation_id)
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e) from None
         if body.stream:
@@ -131,20 +132,24 @@ class OpenAIServer:
         token_ids: list[int] = []
         text: list[str] = []
         finish = None
+        cached = 0
         async for delta in stream:
             token_ids += delta.token_ids
             text.append(delta.text)
             finish = delta.finish_reason
+            cached = delta.metrics.num_cached_tokens if delta.metrics is not None else cached
         choice = fmt.choice("".join(text), finish, token_ids if body.return_token_ids else None,
                             stream=False)
-        return header.body(fmt.object, [choice], usage=usage(num_prompt, len(token_ids)))
+        return header.body(fmt.object, [choice], usage=usage(num_prompt, len(token_ids), cached))
 
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
                       stream: RequestStream, num_prompt: int) -> AsyncIterator[str]:
         """One event per batch of tokens, the usage chunk if asked for, then `[DONE]`."""
         num_out = 0
+        cached = 0
         try:
             async for delta in stream:
+                cached = delta.metrics.num_cached_tokens if delta.metrics is not None else cached
                 choice = fmt.choice(delta.text, delta.finish_reason,
                                     delta.token_ids if body.return_token_ids else None,
                                     stream=True, first=num_out == 0)
@@ -156,7 +161,7 @@ class OpenAIServer:
             yield _sse(OpenAIError(500, str(e), type="server_error").to_json())
         else:
             if body.include_usage:
-                yield _sse(header.body(fmt.chunk_object, [], usage=usage(num_prompt, num_out)))
+                yield _sse(header.body(fmt.chunk_object, [], usage=usage(num_prompt, num_out, cached)))
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------------ helpers

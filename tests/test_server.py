@@ -26,6 +26,7 @@ from jserve.plan import Plan
 from jserve.policies.vllm import VLLMPolicy
 from jserve.scheduler_view import SchedulerView
 from jserve.predictor import Prediction
+from jserve.prefix_cache import PrefixCacheConfig
 from jserve.server import build_app, serve_in_background
 from models.loading import LoadedModel
 
@@ -204,6 +205,25 @@ def test_predictions_reach_the_policy(tiny: Served) -> None:
                                    max_tokens=2, extra_body=NO_EOS)
     assert (7, 10, 1) in tiny.llm.policy.predictions
     wait_until_idle(tiny)
+
+
+def test_prefix_cache_reuses_a_conversations_history_over_http(tiny_loaded: LoadedModel) -> None:
+    """With caches isolated per conversation, a turn reuses its own conversation's history
+    and not another's; usage reports the cached prompt tokens as OpenAI does."""
+    llm = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=TINY_CONTEXT, warmup=False,
+              prefix_cache=PrefixCacheConfig(isolation=True))
+    with serve_in_background(build_app(llm)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def cached(conversation: str) -> int:
+            out = client.completions.create(model="tiny-llama", prompt=list(range(5, 18)), max_tokens=2,
+                                            extra_body=NO_EOS | {"conversation_id": conversation})
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("a") == 0
+        assert cached("a") == 12  # three full blocks of the 13 prompt tokens
+        assert cached("b") == 0
+        client.close()
 
 
 def test_http_bench_refuses_a_server_running_another_policy(tiny: Served) -> None:
