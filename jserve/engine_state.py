@@ -400,7 +400,8 @@ class EngineState:
         table = self.blocks.table(seq_id)
         moves = []
         for i, key in enumerate(hit.host, start=len(hit.device)):
-            move_id = self.prefix.promote(key, table[i], table[i - 1] if i else -1, i)
+            move_id = self.prefix.promote(key, table[i], table[i - 1] if i else -1, i,
+                                          self._conversation(self.requests[seq_id]))
             moves.append(BlockMove(host_move_key(move_id), np.array([table[i]], np.int32)))
         return moves
 

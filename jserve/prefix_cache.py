@@ -114,6 +114,7 @@ class EvictionRule(Protocol):
 
 
 ORPHAN = -2  # parent of a cached block whose chain was cut above it: never matched again
+RETIRED_CONVERSATIONS = 100_000  # stats kept for conversations with no cached blocks left
 
 
 @dataclass(frozen=True)
@@ -181,9 +182,16 @@ class PrefixIndex:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._salt: list[str | None] = [None] * num_blocks
         self._entries: dict[int, int] = {}  # chain key -> block
+        # Conversations that own cached blocks (rows are recycled once they own none, so a
+        # server that runs for months keeps as many as its cache holds, not all it has seen).
         self._conversation_ids: list[str] = []
         self._conversation_row: dict[str, int] = {}
         self._stats: list[_ConversationStats] = []
+        self._owned: list[int] = []  # cached blocks tagged with each row
+        self._free_rows: list[int] = []
+        # Stats of recently forgotten conversations, so a turn that comes back after its
+        # blocks were all evicted still counts its history and turn number (bounded).
+        self._retired: OrderedDict[str, _ConversationStats] = OrderedDict()
         self._new_tokens_sum = 0
         self._new_tokens_count = 0
         self.version = 0  # bumped whenever an entry comes or goes
@@ -232,7 +240,8 @@ class PrefixIndex:
     def record_arrival(self, conversation_id: str, prompt_len: int) -> None:
         """Count the new part of an arriving prompt toward T-LRU's mean estimate Q_hat."""
         row = self._conversation_row.get(conversation_id)
-        history = self._stats[row].history_len if row is not None else 0
+        stats = self._stats[row] if row is not None else self._retired.get(conversation_id)
+        history = stats.history_len if stats is not None else 0
         self._new_tokens_sum += max(prompt_len - history, 0)
         self._new_tokens_count += 1
 
@@ -258,16 +267,19 @@ class PrefixIndex:
                                          or self.parent[existing] != parent):
                 break  # a colliding key: leave the rest of this chain uncached
             if existing is None:
-                self._register(block, key, tokens, salt, depth, parent)
+                self._register(block, key, tokens, salt, depth, parent, row)
             else:
                 block = existing
+                self._tag(block, row)
             self.last_access[block] = now
-            self.conversation[block] = row
             parent = block
+        self._forget_if_unowned(row)
 
     def _register(self, block: int, key: int, tokens: tuple[int, ...], salt: str | None,
-                  depth: int, parent: int) -> None:
+                  depth: int, parent: int, row: int) -> None:
         self._entries[key] = block
+        self.conversation[block] = row
+        self._owned[row] += 1
         self.cached[block] = True
         self._key[block], self._tokens[block], self._salt[block] = key, tokens, salt
         self.depth[block], self.parent[block] = depth, parent
@@ -301,11 +313,12 @@ class PrefixIndex:
         self.version += 1
         return move_id
 
-    def promote(self, key: int, block: int, parent: int, depth: int) -> int:
+    def promote(self, key: int, block: int, parent: int, depth: int, conversation_id: str) -> int:
         """Bring a host entry back into `block` (fresh, held by the request that reuses
         it, after `parent` in its chain); returns the move id of the copy to load."""
         entry = self._host.pop(key)
-        self._register(block, key, entry.tokens, entry.salt, depth, parent)
+        self._register(block, key, entry.tokens, entry.salt, depth, parent,
+                       self._conversation(conversation_id))
         return entry.move_id
 
     @property
@@ -323,15 +336,48 @@ class PrefixIndex:
         self.cached[block] = False
         self._tokens[block] = self._salt[block] = None
         self.parent[block] = -1
+        row = int(self.conversation[block])
+        self._owned[row] -= 1
+        self._forget_if_unowned(row)
         self.version += 1
 
     def _conversation(self, conversation_id: str) -> int:
         row = self._conversation_row.get(conversation_id)
         if row is None:
-            row = self._conversation_row[conversation_id] = len(self._conversation_ids)
-            self._conversation_ids.append(conversation_id)
-            self._stats.append(_ConversationStats())
+            stats = self._retired.pop(conversation_id, None) or _ConversationStats()
+            if self._free_rows:
+                row = self._free_rows.pop()
+                self._conversation_ids[row], self._stats[row] = conversation_id, stats
+            else:
+                row = len(self._conversation_ids)
+                self._conversation_ids.append(conversation_id)
+                self._stats.append(stats)
+                self._owned.append(0)
+            self._conversation_row[conversation_id] = row
         return row
+
+    def _tag(self, block: int, row: int) -> None:
+        """Make `row` the owner of a cached block (the conversation that used it last)."""
+        old = int(self.conversation[block])
+        if old != row:
+            self._owned[old] -= 1
+            self._owned[row] += 1
+            self.conversation[block] = row
+            self._forget_if_unowned(old)
+
+    def _forget_if_unowned(self, row: int) -> None:
+        cid = self._conversation_ids[row]
+        if self._owned[row] == 0 and self._conversation_row.get(cid) == row:
+            del self._conversation_row[cid]
+            self._free_rows.append(row)
+            self._retired[cid] = self._stats[row]
+            if len(self._retired) > RETIRED_CONVERSATIONS:
+                self._retired.popitem(last=False)
+
+    @property
+    def num_conversations(self) -> int:
+        """Conversations that own cached blocks."""
+        return len(self._conversation_row)
 
     # ------------------------------------------------------------------ snapshot
     def snapshot(self, evictable: np.ndarray, now: float, prefill_rate: float) -> CacheSnapshot:
@@ -363,3 +409,7 @@ class PrefixIndex:
             if parent >= 0:
                 assert self.depth[block] == self.depth[parent] + 1
                 assert block in self._children[parent]
+        owned = np.bincount(self.conversation[self.cached], minlength=len(self._owned))
+        assert owned.tolist() == self._owned, "conversation ownership counts are off"
+        assert {r for r, n in enumerate(self._owned) if n} == set(self._conversation_row.values()), \
+            "a conversation row is kept without blocks, or dropped with some"

@@ -166,6 +166,18 @@ def test_one_host_copy_goes_to_the_earliest_of_two_waiting_requests() -> None:
     _drain(engine)
 
 
+def test_the_index_forgets_conversations_whose_blocks_are_all_evicted() -> None:
+    """A long-running server sees unboundedly many conversations; the index keeps only
+    those that still own cached blocks."""
+    engine = _engine(capacity=8)
+    for i in range(30):
+        engine.add_request(f"r{i}", list(range(3 * i + 1, 3 * i + 11)), GREEDY)
+        _drain(engine)
+    state = engine.state
+    cached = int(state.prefix.cached.sum())
+    assert 0 < state.prefix.num_conversations <= cached <= 2 + 2
+
+
 # --------------------------------------------------------------------------- random traces
 @st.composite
 def shared_prefix_specs(draw: st.DrawFn, cfg: dict, max_requests: int = 10) -> list[Spec]:
