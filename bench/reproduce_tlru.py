@@ -21,8 +21,8 @@ Our setting (what differs is said here, not hidden):
   200 ms even with no cache at all (see the `--model vicuna-7b` run in the results), so the
   200 ms tail the paper measures does not exist there. Llama-2-13B's prefill is about twice
   as slow, which puts long conversations' misses past 200 ms as the paper's measurements do.
-- T-LRU turns xi (seconds) into tokens through the engine's measured prefill rate, and
-  Q_hat is the measured mean new-message length.
+- T-LRU turns xi (seconds) into tokens through a line TTFT = floor + tokens / rate that
+  the engine fits to recent turns, and Q_hat is the measured mean new-message length.
 
 Usage:
     python bench/reproduce_tlru.py                      # ~5 min on 2 cores

@@ -91,7 +91,8 @@ class EngineState:
         self._chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         self._hits: dict[int, tuple[int, PrefixHit]] = {}  # seq -> (index version, hit)
         self._offered: dict[int, PrefixHit] = {}  # what the last snapshot showed each one
-        self._prefill_steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+        # (tokens computed for the first token, TTFT) of recent turns: T-LRU's latency model
+        self._ttft_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=512)
 
     # ----------------------------------------------------------------------- requests
     def add(
@@ -464,14 +465,21 @@ class EngineState:
         n = min(n, len(candidates))
         if n <= 0:
             return None
-        return n, self.prefix.snapshot(candidates, now, self.prefill_rate)
+        return n, self.prefix.snapshot(candidates, now, self.ttft_model())
 
-    @property
-    def prefill_rate(self) -> float:
-        """Tokens per second over recent steps that ran a prefill (0 before any)."""
-        tokens = sum(t for t, _ in self._prefill_steps)
-        seconds = sum(dt for _, dt in self._prefill_steps)
-        return tokens / seconds if seconds > 0 else 0.0
+    def ttft_model(self) -> tuple[float, float]:
+        """(floor seconds, tokens per second): a least-squares line TTFT = floor + tokens /
+        rate through recent turns' first tokens, in the tokens each had to compute; (0, 0)
+        before two turns. Without spread in the tokens (or a slope <= 0) it is the plain
+        ratio of tokens to TTFT."""
+        if len(self._ttft_samples) < 2:
+            return 0.0, 0.0
+        tokens, ttft = np.array(self._ttft_samples, np.float64).T
+        if tokens.std() > 0:
+            slope, floor = np.polyfit(tokens, ttft, 1)
+            if slope > 0:
+                return max(float(floor), 0.0), 1.0 / float(slope)
+        return 0.0, float(tokens.sum() / ttft.sum()) if ttft.sum() > 0 else 0.0
 
     def batch(self, with_inputs: bool = True) -> Batch:
         """The applied plan's work, in plan order; `with_inputs` adds the token ids, block
@@ -516,8 +524,6 @@ class EngineState:
         self._moves = ((), ())
         if batch.num_seqs:
             self._step_times.append(now - self._applied_at)
-            if batch.num_tokens > batch.num_seqs:
-                self._prefill_steps.append((batch.num_tokens, now - self._applied_at))
         cols = self.table.data
         updated = []
         tokens, logprobs = out.next_tokens.tolist(), out.logprobs.tolist()
@@ -552,6 +558,9 @@ class EngineState:
         req.metrics.token_times.append(now)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
+            if self.prefix is not None:
+                computed = len(req.prompt_token_ids) - req.metrics.num_cached_tokens
+                self._ttft_samples.append((computed, now - req.metrics.arrival_time))
         params = req.params
         if req.detokenizer is not None:
             req.text += req.detokenizer.push(token)

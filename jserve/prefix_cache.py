@@ -56,12 +56,14 @@ class CacheSnapshot:
     block_size: int
     blocks: CachedBlocks
     conversations: Conversations
-    # Prefill tokens per second, measured over recent steps (0 before any): how T-LRU turns
-    # a TTFT threshold in seconds into the tokens a turn may compute within it.
+    # T-LRU's latency model, fitted to recent turns: a turn's TTFT is about `ttft_floor`
+    # seconds plus its tokens to compute over `prefill_rate` tokens per second (0 before any
+    # turn): how a TTFT threshold in seconds becomes the tokens a turn may compute within it.
     prefill_rate: float
     # Mean length of the new part of arriving prompts (prompt minus the conversation's
     # history), T-LRU's default next-turn estimate Q_hat; 0 before any arrival.
     mean_new_prompt_len: float
+    ttft_floor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -380,8 +382,9 @@ class PrefixIndex:
         return len(self._conversation_row)
 
     # ------------------------------------------------------------------ snapshot
-    def snapshot(self, evictable: np.ndarray, now: float, prefill_rate: float) -> CacheSnapshot:
-        """`evictable`: the candidate block ids (cached, unreferenced, not pinned)."""
+    def snapshot(self, evictable: np.ndarray, now: float, ttft_model: tuple[float, float]) -> CacheSnapshot:
+        """`evictable`: the candidate block ids (cached, unreferenced, not pinned);
+        `ttft_model`: (floor seconds, tokens per second), see `CacheSnapshot`."""
         rows, inverse = np.unique(self.conversation[evictable], return_inverse=True)
         stats = [self._stats[r] for r in rows.tolist()]
         return CacheSnapshot(
@@ -397,7 +400,8 @@ class PrefixIndex:
                 num_turns=np.array([s.num_turns for s in stats], np.int32),
                 last_access=np.array([s.last_access for s in stats], np.float64),
             ),
-            prefill_rate=prefill_rate, mean_new_prompt_len=self.mean_new_prompt_len,
+            prefill_rate=ttft_model[1], ttft_floor=ttft_model[0],
+            mean_new_prompt_len=self.mean_new_prompt_len,
         )
 
     def check_invariants(self) -> None:

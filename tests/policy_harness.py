@@ -91,6 +91,8 @@ class FakeRunner:
             assert move.seq_id not in self.host, f"seq {move.seq_id} swapped out twice"
             b = move.device_blocks
             self.host[move.seq_id] = (self.tok[b].copy(), self.owner[b].copy(), self.pos[b].copy())
+        for move in batch.swap_out:  # every out is copied before any freed block is reused
+            b = move.device_blocks
             freed = b if self.kept is None else b[~self.kept(b)]
             self.owner[freed], self.pos[freed] = -2, -2
             self.num_swaps += move.seq_id >= 0

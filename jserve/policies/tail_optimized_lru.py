@@ -26,9 +26,12 @@ for that to fit within xi, caching more of it no longer helps the tail. The rule
 Our choices, not the paper's:
 
 - xi is configured in seconds (`tel_threshold`) and turned into tokens through the
-  engine's measured prefill rate (`snapshot.prefill_rate` tokens per second); before any
-  prefill has been measured the rate is 0 and so is xi, which makes every history block
-  worth keeping (T-LRU degrades to LRU).
+  engine's latency model, fitted to recent turns: TTFT ~ `ttft_floor` + tokens to compute
+  / `prefill_rate`. The paper's model counts a turn's latency in uncached tokens; fitting
+  the line to observed TTFTs keeps queueing and batching in it, which a bare prefill
+  throughput would leave out (and so promise more tokens within xi than a turn gets).
+  Before any turn has been seen the rate is 0 and so is xi, which makes every history
+  block worth keeping (T-LRU degrades to LRU).
 - Q_hat defaults to the measured mean length of the new part of arriving prompts.
 - `threshold-lru` marks short conversations infinitely old rather than refusing to cache
   them, so memory that nobody else wants still serves their next turn.
@@ -68,8 +71,9 @@ def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:
 
 
 def _xi_tokens(snapshot: CacheSnapshot, tel_threshold: float) -> float:
-    """The tokens a turn can prefill within `tel_threshold` seconds at the measured rate."""
-    return tel_threshold * max(snapshot.prefill_rate, 0.0)
+    """The tokens a turn can compute and still see its first token within `tel_threshold`
+    seconds, by the engine's fitted TTFT model (floor + tokens / rate)."""
+    return max(tel_threshold - snapshot.ttft_floor, 0.0) * max(snapshot.prefill_rate, 0.0)
 
 
 def _next_turns(snapshot: CacheSnapshot, futures: ConversationFutures) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
