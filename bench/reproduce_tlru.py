@@ -17,9 +17,9 @@ Our setting (what differs is said here, not hidden):
 - The cache capacity is the KV the prefix cache may keep *unreferenced*, in tokens, on top
   of what running requests hold (the paper's 10,000 tokens are ~4.8 GB for Vicuna-7B).
 - The model is Llama-2-13B by default, not Vicuna-7B: with our roofline cost model an
-  A100 prefills Vicuna-7B fast enough that no ShareGPT turn under 4,096 tokens takes
-  200 ms even with no cache at all (see the `--model vicuna-7b` run in the results), so the
-  200 ms tail the paper measures does not exist there. Llama-2-13B's prefill is about twice
+  A100 prefills Vicuna-7B fast enough that hardly any ShareGPT turn under 4,096 tokens
+  takes 200 ms even with no cache at all (0.1% of turns in our probe; see the
+  `--model vicuna-7b` run in the results), so the 200 ms tail the paper measures is absent. Llama-2-13B's prefill is about twice
   as slow, which puts long conversations' misses past 200 ms as the paper's measurements do.
 - T-LRU turns xi (seconds) into tokens through a line TTFT = floor + tokens / rate that
   the engine fits to recent turns, and Q_hat is the measured mean new-message length.
