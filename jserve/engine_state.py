@@ -292,18 +292,16 @@ class EngineState:
                     raise PlanError(f"seq {seq_id}: swap preemption needs a host KV tier "
                                     "(num_host_blocks > 0)")
                 to_host += int(cols.num_blocks[row])
-        from_host = 0
         for seq_id in plan.swap_in:
             row = self._live_row(seq_id, "swap in")
             if cols.status[row] != RequestStatus.SWAPPED:
                 raise PlanError(f"seq {seq_id}: only swapped requests can be swapped in")
-            from_host += int(cols.num_host_blocks[row])
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
                             "on the host")
         released = self.blocks.released_by(list(plan.preempt))
-        self._validate_evictions(plan, released)
         hits = self._admitted_hits(plan)
+        self._validate_evictions(plan, released, hits)
         for seq_id, n in plan.allocate.items():
             self._live_row(seq_id, "allocate to")
             if seq_id in hits and n < hits[seq_id].num_blocks:
@@ -313,9 +311,10 @@ class EngineState:
                 raise PlanError(f"seq {seq_id}: cannot allocate {n} blocks")
             if seq_id in plan.preempt:
                 raise PlanError(f"seq {seq_id}: allocated to and preempted in the same plan")
-        wanted = self._fresh_blocks(plan, hits, from_host)
+        wanted = self._fresh_blocks(plan, hits)
         available = self.blocks.num_free + self._uncached(released) + len(plan.evict)
         if wanted > available:
+            from_host = self._swapped_in_blocks(plan)
             swapping = f" ({from_host} of them to swap in)" if from_host else ""
             raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
         if len(plan.run) > lim.max_num_seqs:
@@ -418,13 +417,22 @@ class EngineState:
                 hits[seq_id] = self._offered[seq_id]
         return hits
 
-    def _fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit], from_host: int) -> int:
-        return sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values()) + from_host
+    def _fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit]) -> int:
+        """Blocks the plan takes off the free list: its allocations less the cached blocks
+        they take over, plus its swap-ins."""
+        return (sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values())
+                + self._swapped_in_blocks(plan))
+
+    def _swapped_in_blocks(self, plan: Plan) -> int:
+        """Host blocks the plan brings back (a seq that is not live counts 0: `apply`
+        refuses the plan with the reason)."""
+        return sum(int(self.table.data.num_host_blocks[self._row[s]]) for s in plan.swap_in
+                   if s in self._row)
 
     def _uncached(self, blocks: np.ndarray) -> int:
         return len(blocks) if self.prefix is None else int((~self.prefix.cached[blocks]).sum())
 
-    def _validate_evictions(self, plan: Plan, released: np.ndarray) -> None:
+    def _validate_evictions(self, plan: Plan, released: np.ndarray, hits: dict[int, PrefixHit]) -> None:
         if not plan.evict:
             return
         if self.prefix is None:
@@ -438,7 +446,7 @@ class EngineState:
         if len(bad):
             raise PlanError(f"plan evicts blocks {sorted(bad.tolist())[:8]} that are not cached "
                             "or that a request still uses")
-        pinned = {b for hit in self._admitted_hits(plan).values() for b in hit.device}
+        pinned = {b for hit in hits.values() for b in hit.device}
         if pinned & plan.evict:
             raise PlanError(f"plan evicts blocks {sorted(pinned & plan.evict)[:8]} that a request "
                             "it starts takes from the cache")
@@ -452,9 +460,9 @@ class EngineState:
             return None
         released = self.blocks.released_by(list(plan.preempt))
         hits = self._admitted_hits(plan)
-        from_host = sum(int(self.table.data.num_host_blocks[self._row[s]]) for s in plan.swap_in
-                        if s in self._row)
-        shortfall = self._fresh_blocks(plan, hits, from_host) - self.blocks.num_free - self._uncached(released)
+        shortfall = self._fresh_blocks(plan, hits) - self.blocks.num_free - self._uncached(released)
+        if shortfall <= 0 and self.cache_capacity_blocks is None:
+            return None  # the common step: nothing to free, no capacity to keep
         candidates = np.union1d(self.blocks.evictable(), released[self.prefix.cached[released]])
         pinned = [b for hit in hits.values() for b in hit.device]
         if pinned:
