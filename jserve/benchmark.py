@@ -35,9 +35,9 @@ from jserve.engine_state import EngineState
 from jserve.hardware import get_hardware, kv_capacity_blocks
 from jserve.metrics import RequestRecord, Summary, assign_slos, summarize
 from jserve.policies import make_policy
-from jserve.policies.tail_optimized_lru import make_eviction_rule
+from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.preemption_cost import PreemptionCosts
-from jserve.prefix_cache import ConversationFutures, EvictionRule, PrefixCacheConfig
+from jserve.prefix_cache import ConversationFutures, PrefixCacheConfig
 from jserve.replay import replay
 from jserve.scheduler_view import SchedulerLimits
 from jserve.workload import Trace, TraceRequest, build_trace, load_trace, multiturn_conversations
@@ -104,12 +104,12 @@ class BenchConfig:
         """Closed-loop conversations rather than a replayed trace."""
         return self.workload == "sharegpt-multiturn" and self.trace is None
 
-    @property
-    def prefix_cache_config(self) -> PrefixCacheConfig | None:
+    def prefix_cache_config(self, futures: ConversationFutures | None = None) -> PrefixCacheConfig | None:
+        """The prefix cache asked for (None: off); `futures` for the oracle rules."""
         if self.prefix_cache == "none":
             return None
         return PrefixCacheConfig(self.prefix_cache, self.cache_capacity, self.cache_isolation,
-                                 self.tel_threshold, self.host_cache_capacity)
+                                 self.tel_threshold, self.host_cache_capacity, futures)
 
 
 @dataclass
@@ -175,28 +175,18 @@ def sim_engine(cfg: BenchConfig, futures: ConversationFutures | None = None) -> 
         costs = PreemptionCosts.from_cost_model(cost, model.kv_bytes_per_token, hw.pcie_bandwidth)
         policy = dataclasses.replace(policy, preemption_costs=costs)
     block = block_bytes(model, cfg.block_size, dtype_bytes=2)
+    cache = cfg.prefix_cache_config(futures)
     state = EngineState(num_blocks=num_blocks, block_size=cfg.block_size, limits=_limits(cfg),
                         eos_token_id=None, vocab_size=model.vocab_size,
                         chunked_prefill=policy.chunked_prefill,
                         num_host_blocks=int(cfg.swap_space * 2**30 // block),
-                        **_prefix_state_options(cfg))
+                        **(cache.state_options(cfg.block_size) if cache else {}))
     clock = VirtualClock()
     # A profile was measured on the bucketed JAX runner: model its padding too.
     pad = Buckets.for_limits(state.limits, cfg.block_size).tokens if cfg.profile else None
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    return Engine(state, policy, runner, clock.now, eviction=_eviction_rule(cfg, futures)), clock
-
-
-def _prefix_state_options(cfg: BenchConfig) -> dict[str, object]:
-    cache = cfg.prefix_cache_config
-    return cache.state_options(cfg.block_size) if cache else {}
-
-
-def _eviction_rule(cfg: BenchConfig, futures: ConversationFutures | None) -> EvictionRule | None:
-    cache = cfg.prefix_cache_config
-    if cache is None:
-        return None
-    return make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold, futures=futures)
+    eviction = eviction_rule_for(cache) if cache else None
+    return Engine(state, policy, runner, clock.now, eviction=eviction), clock
 
 
 def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, int]] | None:
@@ -326,9 +316,7 @@ def _real_engine(cfg: BenchConfig, futures: ConversationFutures | None = None
     llm = LLM(cfg.model, policy=cfg.policy, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
               max_model_len=cfg.max_total_len, max_num_seqs=cfg.max_num_seqs,
               max_num_batched_tokens=cfg.max_num_batched_tokens, swap_space=cfg.swap_space,
-              prefix_cache=cfg.prefix_cache_config, warmup=True)
-    # The oracle rules read the conversations' future, which only the benchmark knows.
-    llm.engine.eviction = _eviction_rule(cfg, futures)
+              prefix_cache=cfg.prefix_cache_config(futures), warmup=True)
     tokenizer = llm.tokenizer
     vocab = llm.config.vocab_size
     if futures is not None:

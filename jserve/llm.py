@@ -17,7 +17,7 @@ from jserve.engine_state import EngineState
 from jserve.errors import InvalidRequestError
 from jserve.jax_runner import JaxRunner
 from jserve.policies import Policy, make_policy
-from jserve.policies.tail_optimized_lru import make_eviction_rule
+from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.prefix_cache import PrefixCacheConfig
 from jserve.request import RequestOutput
 from jserve.sampling_params import SamplingParams
@@ -127,8 +127,7 @@ class LLM:
             max_model_len=max_model_len, attention=attention,
         )
         self.engine = Engine(state, self.policy, self.runner,
-                             eviction=make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold)
-                             if cache else None)
+                             eviction=eviction_rule_for(cache) if cache else None)
         self.predictor = self._predictor(predictor)
         self._ids = itertools.count()
         if warmup:

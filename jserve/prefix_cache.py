@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -91,6 +91,9 @@ class PrefixCacheConfig:
     # Two-tier (beyond the paper, its stated future work): evicted blocks are demoted to
     # this many tokens of host memory and copied back when a prompt reuses them. 0: off.
     host_capacity_tokens: int = 0
+    # What the oracle rules (end-aware-tlru, length-aware-tlru, tbelady) read: the
+    # workload's future turns, which only a benchmark knows.
+    futures: ConversationFutures | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < 0:

@@ -33,7 +33,7 @@ from jserve.engine_state import EngineState
 from jserve.errors import InvalidRequestError
 from jserve.plan import Plan, PreemptMode
 from jserve.policies.base import Policy
-from jserve.policies.tail_optimized_lru import make_eviction_rule
+from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.policies.vllm import VLLMPolicy
 from jserve.prefix_cache import PrefixCacheConfig
 from jserve.request import RequestOutput, RequestStatus
@@ -277,8 +277,7 @@ class Harness:
                                  context_of=self._context if cache else None,
                                  kept=self._kept if cache else None)
         self.policy = CheckedPolicy(self.policy, self.plan_checks)
-        eviction = make_eviction_rule(cache.eviction, tel_threshold=cache.tel_threshold,
-                                      futures={}) if cache else None
+        eviction = eviction_rule_for(dataclasses.replace(cache, futures={})) if cache else None
         self.engine = Engine(self.state, self.policy, self.runner, clock=self.clock, eviction=eviction)
         self.seq_of: dict[str, int] = {}
         self.specs: dict[str, Spec] = {}

@@ -307,16 +307,15 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
     those of an engine without a prefix cache."""
     from jserve import LLM
     from jserve.conversations import conversation_futures
-    from jserve.policies.tail_optimized_lru import make_eviction_rule
 
     schedule, message_ids = _conversations(tiny_loaded.config.vocab_size)
     plain = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=64, warmup=False)
     expected, _ = _chat_outputs(plain, schedule, message_ids)
-    cached = LLM(tiny_loaded, num_blocks=24, block_size=4, max_model_len=64, warmup=False,
-                 prefix_cache=PrefixCacheConfig(capacity_tokens=24, host_capacity_tokens=host))
     # The oracles read the schedule's future, which only a benchmark knows.
-    cached.engine.eviction = make_eviction_rule(eviction, tel_threshold=0.05,
-                                                futures=conversation_futures(schedule))
+    cache = PrefixCacheConfig(eviction, capacity_tokens=24, tel_threshold=0.05,
+                              host_capacity_tokens=host, futures=conversation_futures(schedule))
+    cached = LLM(tiny_loaded, num_blocks=24, block_size=4, max_model_len=64, warmup=False,
+                 prefix_cache=cache)
     outputs, cached_tokens = _chat_outputs(cached, schedule, message_ids)
     assert outputs == expected
     stats, state = cached.engine.stats, cached.engine.state

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.prefix_cache import CacheSnapshot, ConversationFutures, EvictionRule
+from jserve.prefix_cache import CacheSnapshot, ConversationFutures, EvictionRule, PrefixCacheConfig
 
 
 def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:
@@ -268,3 +268,8 @@ def make_eviction_rule(name: str, *, tel_threshold: float = 0.2, q_hat: float | 
     accepted = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in options.items() if k in accepted})
 
+
+def eviction_rule_for(config: PrefixCacheConfig) -> EvictionRule:
+    """The rule a prefix-cache configuration names, with its threshold and futures."""
+    return make_eviction_rule(config.eviction, tel_threshold=config.tel_threshold,
+                              futures=config.futures)
