@@ -17,10 +17,10 @@ from datetime import date
 
 import numpy as np
 
-from jserve.benchmark import BenchConfig, sim_engine
+from jserve.benchmarking.bench import BenchConfig, sim_engine
+from jserve.engine.request import RequestStatus
+from jserve.engine.sampling_params import SamplingParams
 from jserve.policies import POLICIES, make_policy
-from jserve.request import RequestStatus
-from jserve.sampling_params import SamplingParams
 
 GOAL_MS = 1.0
 

@@ -33,10 +33,17 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from device_timing import copy_bandwidth, device_name, median_seconds, on_gpu, random_like, today
+from device_timing import (
+    copy_bandwidth,
+    device_name,
+    median_seconds,
+    on_gpu,
+    random_like,
+    today,
+)
 
-from jserve.batch import Batch, BatchInputs
-from jserve.jax_runner import JaxRunner, build_step_inputs
+from jserve.engine.batch import Batch, BatchInputs
+from jserve.runners.jax_runner import JaxRunner, build_step_inputs
 from models.loading import load_model
 from models.paged import KVCache
 

@@ -26,8 +26,8 @@ import time
 from types import SimpleNamespace
 
 from jserve import LLM
-from jserve.http_client import scrape_metrics, wait_until_idle
-from jserve.server import build_app, serve_in_background
+from jserve.benchmarking.http_client import scrape_metrics, wait_until_idle
+from jserve.serving.server import build_app, serve_in_background
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"

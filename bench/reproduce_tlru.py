@@ -40,7 +40,11 @@ import pathlib
 import sys
 import time
 
-from jserve.benchmark import BenchConfig, conversation_schedule, run_conversation_benchmark
+from jserve.benchmarking.bench import (
+    BenchConfig,
+    conversation_schedule,
+    run_conversation_benchmark,
+)
 from jserve.policies.tail_optimized_lru import ORACLE_RULES
 
 RESULTS = pathlib.Path(__file__).parent / "results"

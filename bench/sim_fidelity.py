@@ -17,9 +17,9 @@ import pathlib
 import platform
 from datetime import date
 
-from jserve.benchmark import BenchConfig, run_benchmark
-from jserve.profiling import run_profile
-from jserve.workload import build_trace, save_trace
+from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.workload import build_trace, save_trace
+from jserve.runners.profiling import run_profile
 
 GOAL = 0.10
 ROWS = [("TTFT p50", "ttft_p50"), ("TTFT p99", "ttft_p99"), ("TBT p50", "tbt_p50"),

@@ -15,9 +15,9 @@ import platform
 import time
 from datetime import date
 
-from jserve.benchmark import BenchConfig, make_trace, sim_engine
-from jserve.benchmark import _dummy_prompt_ids as prompt_ids
-from jserve.replay import replay
+from jserve.benchmarking.bench import BenchConfig, make_trace, sim_engine
+from jserve.benchmarking.bench import _dummy_prompt_ids as prompt_ids
+from jserve.benchmarking.replay import replay
 
 GOAL_S = 30.0
 

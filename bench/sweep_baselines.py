@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from jserve.benchmark import BenchConfig
-from jserve.sweep import run_sweep, write_sweep
+from jserve.benchmarking.bench import BenchConfig
+from jserve.benchmarking.sweep import run_sweep, write_sweep
 
 
 def main() -> None:

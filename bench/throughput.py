@@ -609,7 +609,7 @@ def pct(x: float | None, y: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from jserve import LLM
-    from jserve.sharegpt import sample_requests
+    from jserve.datasets.sharegpt import sample_requests
 
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -53,7 +53,7 @@ def _add_prefix_cache_args(p: argparse.ArgumentParser, offline: bool) -> None:
 
 
 def _prefix_cache(args: argparse.Namespace):
-    from jserve.prefix_cache import PrefixCacheConfig
+    from jserve.cache.prefix import PrefixCacheConfig
 
     if args.prefix_cache == "none":
         return None
@@ -97,8 +97,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from jserve.hardware import HARDWARE
-    from jserve.workload import WORKLOADS
+    from jserve.benchmarking.workload import WORKLOADS
+    from jserve.runners.hardware import HARDWARE
 
     p.add_argument("--engine", choices=["real", "sim"], default="sim",
                    help="real: run the model here; sim: same engine loop, steps charged from a "
@@ -150,7 +150,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: str = "inprocess",
                   url: str | None = None):
-    from jserve.benchmark import BenchConfig
+    from jserve.benchmarking.bench import BenchConfig
 
     return BenchConfig(
         engine="real" if backend == "http" else args.engine, backend=backend, url=url,
@@ -180,8 +180,8 @@ def _write_json(path: str, payload: dict) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from jserve.benchmark import run_benchmark
-    from jserve.metrics import format_table
+    from jserve.benchmarking.bench import run_benchmark
+    from jserve.benchmarking.metrics import format_table
 
     if args.backend == "http" and not args.url:
         print("error: --backend http needs --url", file=sys.stderr)
@@ -202,7 +202,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from jserve.sweep import run_sweep, write_sweep
+    from jserve.benchmarking.sweep import run_sweep, write_sweep
 
     sweep = run_sweep(_bench_config(args, args.policies[0], args.rates[0]), args.policies, args.rates)
     for policy in args.policies:
@@ -217,7 +217,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from jserve.profiling import run_profile
+    from jserve.runners.profiling import run_profile
 
     fitted = run_profile(args.model, args.output, max_len=args.max_len, repeats=args.repeats)
     err = abs(fitted.fit_errors())
@@ -230,7 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from jserve import LLM
-    from jserve.server import serve
+    from jserve.serving.server import serve
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
@@ -251,7 +251,10 @@ def _train_predictor(args: argparse.Namespace) -> int:
     from jserve.predictor.heads import KINDS
     from jserve.predictor.metrics import format_metrics_table
     from jserve.predictor.train import (
-        MEDIAN_BASELINE, TrainConfig, TrainOptions, train_predictors,
+        MEDIAN_BASELINE,
+        TrainConfig,
+        TrainOptions,
+        train_predictors,
     )
 
     options = TrainOptions(

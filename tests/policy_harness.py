@@ -27,19 +27,19 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from jserve.batch import Batch, StepOutput
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
+from jserve.cache.prefix import PrefixCacheConfig
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.loop import Engine
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import Policy
+from jserve.engine.request import RequestOutput, RequestStatus
+from jserve.engine.request_table import RequestArrays
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import InvalidRequestError
-from jserve.plan import Plan, PreemptMode
-from jserve.policies.base import Policy
 from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.policies.vllm import VLLMPolicy
-from jserve.prefix_cache import PrefixCacheConfig
-from jserve.request import RequestOutput, RequestStatus
-from jserve.request_table import RequestArrays
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits, SchedulerView
 
 
 # --------------------------------------------------------------------------- fakes

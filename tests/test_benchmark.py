@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from jserve.benchmark import BenchConfig, run_benchmark, sim_engine
+from jserve.benchmarking.bench import BenchConfig, run_benchmark, sim_engine
+from jserve.benchmarking.sweep import run_sweep, write_sweep
+from jserve.benchmarking.workload import build_trace, save_trace
 from jserve.cli import main
-from jserve.cost_model import CalibratedCostModel
-from jserve.profiling import run_profile
-from jserve.sweep import run_sweep, write_sweep
-from jserve.workload import build_trace, save_trace
+from jserve.runners.cost_model import CalibratedCostModel
+from jserve.runners.profiling import run_profile
 
 SUMMARY_KEYS = {
     "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99", "tbt_p99", "tpot_mean", "norm_latency_mean",

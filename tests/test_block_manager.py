@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from jserve.block_manager import BlockManager
+from jserve.cache.blocks import BlockManager
 from jserve.errors import PlanError
 
 

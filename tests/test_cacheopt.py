@@ -10,7 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from jserve.plan import PreemptMode
+from jserve.engine.plan import PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.request_table import RequestArrays
+from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.policies import CACHEOPT_ABLATIONS, POLICIES
 from jserve.policies.cacheopt import (
     CacheOptPolicy,
@@ -28,10 +31,7 @@ from jserve.policies.cacheopt import (
 from jserve.policies.reservation import Ledger, demand_blocks
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy, bucket_upper
-from jserve.preemption_cost import PreemptionCosts
-from jserve.request import RequestStatus
-from jserve.request_table import RequestArrays
-from jserve.scheduler_view import SchedulerLimits, SchedulerView
+from jserve.runners.preemption_cost import PreemptionCosts
 
 W, R, S = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
 

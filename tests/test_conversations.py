@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jserve.clock import VirtualClock
-from jserve.conversations import (
+from jserve.benchmarking.conversations import (
     ConversationArrivals,
     ConversationRecord,
     ScheduledConversation,
@@ -20,15 +19,16 @@ from jserve.conversations import (
     schedule_conversations,
     synthetic_message_ids,
 )
-from jserve.cost_model import StepShape
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
-from jserve.metrics import RequestRecord
+from jserve.benchmarking.metrics import RequestRecord
+from jserve.benchmarking.workload import ConversationTrace, ConversationTurn
+from jserve.cache.prefix import FutureTurn
+from jserve.engine.clock import VirtualClock
+from jserve.engine.loop import Engine
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
 from jserve.policies.vllm import VLLMPolicy
-from jserve.prefix_cache import FutureTurn
-from jserve.scheduler_view import SchedulerLimits
-from jserve.sim_runner import SimRunner
-from jserve.workload import ConversationTrace, ConversationTurn
+from jserve.runners.cost_model import StepShape
+from jserve.runners.sim_runner import SimRunner
 
 VOCAB = 1000
 

@@ -8,18 +8,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jserve.batch import Batch
-from jserve.cost_model import (
-    features,
+from jserve.engine.batch import Batch
+from jserve.runners.cost_model import (
     FEATURES,
     CalibratedCostModel,
     RooflineCostModel,
     StepShape,
+    features,
     nnls,
     recompute_time,
     swap_time,
 )
-from jserve.hardware import HARDWARE, Hardware, get_hardware, kv_capacity_blocks
+from jserve.runners.hardware import HARDWARE, Hardware, get_hardware, kv_capacity_blocks
 from models.registry import get_config
 
 OPT13B = get_config("opt-13b")
@@ -289,7 +289,7 @@ def test_hardware_table_and_errors():
 
 
 def test_step_shape_models_a_bucketed_runner_when_given_its_padding():
-    from jserve.batch import Batch
+    from jserve.engine.batch import Batch
 
     batch = Batch(seq_ids=np.arange(3), start=np.array([40, 0, 7]), query_lens=np.array([1, 9, 1]),
                   sample=np.ones(3, bool))

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jserve.cache.prefix import CachedBlocks, CacheSnapshot, Conversations, FutureTurn
 from jserve.policies.tail_optimized_lru import (
     EVICTION_RULES,
     ORACLE_RULES,
@@ -22,7 +23,6 @@ from jserve.policies.tail_optimized_lru import (
     TLRUEviction,
     make_eviction_rule,
 )
-from jserve.prefix_cache import CachedBlocks, CacheSnapshot, Conversations, FutureTurn
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""Tests for jserve.metrics: small hand-computed traces for every metric."""
+"""Tests for jserve.benchmarking.metrics: small hand-computed traces for every metric."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from jserve.metrics import (
+from jserve.benchmarking.metrics import (
     RequestRecord,
     Summary,
     assign_slos,

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from jserve import LLM, SamplingParams
-from jserve.batch import Batch, BatchInputs
-from jserve.jax_runner import Buckets, build_step_inputs
-from jserve.scheduler_view import SchedulerLimits
+from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.view import SchedulerLimits
+from jserve.runners.jax_runner import Buckets, build_step_inputs
 from models.dense_reference import dense_greedy_generate, dense_logits
 from models.loading import LoadedModel, load_model
 from models.opt import OPTForCausalLM, opt_weights_of

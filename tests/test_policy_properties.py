@@ -32,15 +32,15 @@ from policy_harness import (
     view_scalars,
 )
 
-from jserve.batch import StepOutput
-from jserve.plan import Plan
+from jserve.engine.batch import StepOutput
+from jserve.engine.plan import Plan
+from jserve.engine.policy import Policy
+from jserve.engine.request import RequestStatus
+from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.policies import POLICIES
-from jserve.policies.base import Policy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy
-from jserve.request import RequestStatus
-from jserve.scheduler_view import SchedulerLimits, SchedulerView
 
 SMALL_TOKEN_BUDGET = 8  # >= the largest max_num_seqs `configs` draws, so decodes always fit
 

@@ -10,15 +10,26 @@ import pytest
 from flax import nnx
 
 from jserve.cli import main
-from jserve.predictor import DEFAULT_DIR, KINDS, LengthPredictor, NoiseModel, load_noise_model
+from jserve.datasets.sharegpt import Conversation, Turn
+from jserve.predictor import (
+    DEFAULT_DIR,
+    KINDS,
+    LengthPredictor,
+    NoiseModel,
+    load_noise_model,
+)
 from jserve.predictor.checkpoint import PredictorSpec, load_head, save_head
-from jserve.predictor.data import LengthExample, build_dataset, cached_features, chat_prompt_ids
+from jserve.predictor.data import (
+    LengthExample,
+    build_dataset,
+    cached_features,
+    chat_prompt_ids,
+)
 from jserve.predictor.encoder import EncoderConfig, PromptEncoder, truncate_prompt
 from jserve.predictor.heads import HeadConfig, bucket_of, make_head, predict_features
 from jserve.predictor.metrics import length_metrics
 from jserve.predictor.noise import QUANTILE_LEVELS
 from jserve.predictor.train import TrainConfig, fit, length_loss, train_head
-from jserve.sharegpt import Conversation, Turn
 from models.loading import LoadedModel
 
 FEATURES = 16

@@ -16,17 +16,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from policy_harness import FakeClock, FakeRunner, Harness, Spec, configs
 
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
+from jserve.cache.prefix import PrefixCacheConfig
+from jserve.engine.loop import Engine
+from jserve.engine.plan import Plan
+from jserve.engine.request import RequestStatus
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
-from jserve.plan import Plan
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, LRUEviction
 from jserve.policies.vllm import VLLMPolicy
-from jserve.prefix_cache import PrefixCacheConfig
-from jserve.request import RequestStatus
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
@@ -264,8 +264,12 @@ def test_waiting_request_with_a_cached_prefix_is_shown_as_partly_computed() -> N
 def _conversations(vocab: int) -> tuple[list, object]:
     """Three chats of three turns, all arriving at once, each turn right after its reply:
     every turn after the first starts with its whole history."""
-    from jserve.conversations import ConversationArrivals, schedule_conversations, synthetic_message_ids
-    from jserve.workload import ConversationTrace, ConversationTurn
+    from jserve.benchmarking.conversations import (
+        ConversationArrivals,
+        schedule_conversations,
+        synthetic_message_ids,
+    )
+    from jserve.benchmarking.workload import ConversationTrace, ConversationTurn
 
     chats = [ConversationTrace(f"c{i}", tuple(ConversationTurn(p, r, "", "") for p, r in turns))
              for i, turns in enumerate([[(9, 6), (5, 7), (6, 4)], [(13, 5), (7, 6), (3, 5)],
@@ -277,8 +281,8 @@ def _conversations(vocab: int) -> tuple[list, object]:
 
 def _chat_outputs(llm, schedule, message_ids) -> tuple[dict[str, list[int]], int]:
     """Each turn's output ids, and how many prompt tokens came from the prefix cache."""
-    from jserve.clock import WallClock
-    from jserve.conversations import run_conversations
+    from jserve.benchmarking.conversations import run_conversations
+    from jserve.engine.clock import WallClock
 
     outputs: dict[str, list[int]] = {}
     cached_tokens = 0
@@ -306,7 +310,7 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
     memory through the runner's swap path and come back on reuse); the greedy ids equal
     those of an engine without a prefix cache."""
     from jserve import LLM
-    from jserve.conversations import conversation_futures
+    from jserve.benchmarking.conversations import conversation_futures
 
     schedule, message_ids = _conversations(tiny_loaded.config.vocab_size)
     plain = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=64, warmup=False)

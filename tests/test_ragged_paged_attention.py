@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
-    GEOMETRIES, Case, _mixed_seqs, assert_close, build_case, mixed_case, oracle,
+    GEOMETRIES,
+    Case,
+    _mixed_seqs,
+    assert_close,
+    build_case,
+    mixed_case,
+    oracle,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -171,8 +177,8 @@ def test_hypothesis_small_cases(backend, data, geometry):
 
 def test_metadata_builder_matches_jax_runner_inputs():
     """The layout these tests build is the one `JaxRunner._inputs` builds."""
-    from jserve.batch import Batch, BatchInputs
-    from jserve.jax_runner import Buckets, build_step_inputs
+    from jserve.engine.batch import Batch, BatchInputs
+    from jserve.runners.jax_runner import Buckets, build_step_inputs
 
     bs = 4
     rng = np.random.default_rng(2)

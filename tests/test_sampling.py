@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.sampling import sample_tokens
+from jserve.runners.sampling import sample_tokens
 
 _sample = jax.jit(sample_tokens)
 

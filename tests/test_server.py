@@ -18,16 +18,16 @@ import openai
 import pytest
 
 from jserve import LLM
-from jserve.benchmark import BenchConfig, run_benchmark
+from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.http_client import scrape_metrics
+from jserve.benchmarking.http_client import wait_until_idle as server_idle
+from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cli import main
-from jserve.http_client import scrape_metrics
-from jserve.http_client import wait_until_idle as server_idle
-from jserve.plan import Plan
+from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
-from jserve.scheduler_view import SchedulerView
 from jserve.predictor import Prediction
-from jserve.prefix_cache import PrefixCacheConfig
-from jserve.server import build_app, serve_in_background
+from jserve.serving.server import build_app, serve_in_background
 from models.loading import LoadedModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

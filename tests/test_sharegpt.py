@@ -1,4 +1,4 @@
-"""Tests for jserve.sharegpt: the truncation-tolerant parser and vLLM-style sampling."""
+"""Tests for jserve.datasets.sharegpt: the truncation-tolerant parser and vLLM-style sampling."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jserve.sharegpt import (
+from jserve.datasets.sharegpt import (
     Conversation,
     SampledRequest,
     Turn,

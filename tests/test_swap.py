@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 from policy_harness import FakeClock, FakeRunner
 
-from jserve.batch import Batch, StepOutput
-from jserve.cost_model import RooflineCostModel, StepShape
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.loop import Engine
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
-from jserve.hardware import get_hardware
-from jserve.plan import Plan, PreemptMode
 from jserve.policies.vllm import VLLMPolicy
-from jserve.request import RequestStatus
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits
+from jserve.runners.cost_model import RooflineCostModel, StepShape
+from jserve.runners.hardware import get_hardware
 from models.registry import get_config
 
 LIMITS = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)

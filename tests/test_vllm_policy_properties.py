@@ -25,15 +25,15 @@ from policy_harness import (
 )
 from policy_harness import Harness as BaseHarness
 
-from jserve.batch import StepOutput
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
+from jserve.engine.batch import StepOutput
+from jserve.engine.loop import Engine
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import InvalidRequestError, PlanError
-from jserve.plan import Plan, PreemptMode
 from jserve.policies.vllm import VLLMPolicy
-from jserve.request import RequestStatus
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits, SchedulerView
 
 
 # --------------------------------------------------------------------------- vLLM checks

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jserve import workload as wl
-from jserve.sharegpt import Conversation, Turn
-from jserve.workload import (
+from jserve.benchmarking import workload as wl
+from jserve.benchmarking.workload import (
     WORKLOADS,
     ConversationTrace,
     Trace,
@@ -24,6 +23,7 @@ from jserve.workload import (
     sample_lengths,
     save_trace,
 )
+from jserve.datasets.sharegpt import Conversation, Turn
 
 
 def words(text: str) -> list[str]:

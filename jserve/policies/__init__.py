@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from jserve.plan import PreemptMode
-from jserve.policies.base import Policy
+from jserve.engine.plan import PreemptMode
+from jserve.engine.policy import Policy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.fastgen import FastGenPolicy
 from jserve.policies.rlp import RLPPolicy

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.plan import Plan
+from jserve.engine.plan import Plan
+from jserve.engine.request import RequestStatus
+from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
     Ledger,
     Work,
@@ -54,9 +56,7 @@ from jserve.policies.reservation import (
     latest_arrival_first,
     swap_in_waiting,
 )
-from jserve.preemption_cost import PreemptionCosts
-from jserve.request import RequestStatus
-from jserve.scheduler_view import SchedulerView
+from jserve.runners.preemption_cost import PreemptionCosts
 
 RT_CLIP = (1e-3, 60.0)  # seconds; our choice: RT weights stay finite without an SLO (inf)
 

@@ -17,9 +17,9 @@ preempted by recompute (the lowest priority under FCFS).
 
 from __future__ import annotations
 
-from jserve.plan import Plan, PreemptMode
-from jserve.request import RequestStatus
-from jserve.scheduler_view import SchedulerView
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.view import SchedulerView
 
 
 def schedule_chunked(

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.plan import Plan
+from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 from jserve.policies.chunked_prefill import schedule_chunked
-from jserve.scheduler_view import SchedulerView
 
 
 @dataclass(frozen=True)

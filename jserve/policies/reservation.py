@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jserve.plan import Plan, PreemptMode
-from jserve.request import RequestStatus
-from jserve.scheduler_view import SchedulerView
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.view import SchedulerView
 
 
 def demand_blocks(view: SchedulerView, i: int, total_tokens: int | None) -> int:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.plan import Plan
+from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
     demand_blocks,
     latest_arrival_first,
     schedule_prefill_first,
 )
-from jserve.scheduler_view import SchedulerView
 
 
 @dataclass(frozen=True)

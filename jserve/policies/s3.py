@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.plan import Plan
+from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
     demand_blocks,
     latest_arrival_first,
     schedule_prefill_first,
 )
-from jserve.scheduler_view import SchedulerView
 
 
 def bucket_upper(predicted: int, bucket: int) -> int:

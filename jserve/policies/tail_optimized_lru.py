@@ -57,7 +57,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.prefix_cache import CacheSnapshot, ConversationFutures, EvictionRule, PrefixCacheConfig
+from jserve.cache.prefix import (
+    CacheSnapshot,
+    ConversationFutures,
+    EvictionRule,
+    PrefixCacheConfig,
+)
 
 
 def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.plan import Plan, PreemptMode
-from jserve.request import RequestStatus
-from jserve.scheduler_view import SchedulerView
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.view import SchedulerView
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ ids of a conversation's first user turn under the model's chat template (exactly
 `LLM.chat` sends to the engine), and the token count of the first assistant reply under
 the same tokenizer (what the engine would have to generate).
 
-Prompts are drawn with :func:`jserve.sharegpt.sample_requests`, i.e. with vLLM's ShareGPT
+Prompts are drawn with :func:`jserve.datasets.sharegpt.sample_requests`, i.e. with vLLM's ShareGPT
 filter and shuffle, so the predictor learns the length distribution that the `sharegpt`
 workload replays. Repeated prompt texts are dropped after their first occurrence: ShareGPT
 holds a few percent of verbatim duplicates, and one landing on each side of the split
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jserve.datasets.sharegpt import Conversation, sample_requests
 from jserve.predictor.encoder import PromptEncoder
-from jserve.sharegpt import Conversation, sample_requests
 from models.tokenizer import Tokenizer
 
 __all__ = ["LengthDataset", "LengthExample", "build_dataset", "cached_features", "chat_prompt_ids"]

@@ -9,8 +9,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.benchmark import BenchConfig, BenchResult, run_benchmark
-from jserve.metrics import effective_throughput
+from jserve.benchmarking.bench import BenchConfig, BenchResult, run_benchmark
+from jserve.benchmarking.metrics import effective_throughput
 
 # (summary field, axis label); latencies plotted in ms.
 PLOTTED = [

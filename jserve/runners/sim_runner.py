@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jserve.batch import Batch, StepOutput
-from jserve.clock import VirtualClock
-from jserve.cost_model import CostModel, StepShape
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.clock import VirtualClock
+from jserve.runners.cost_model import CostModel, StepShape
 
 
 class SimRunner:

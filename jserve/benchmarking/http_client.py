@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from jserve.benchmark import EngineTotals
-from jserve.metrics import RequestRecord
-from jserve.replay import benchmark_params
-from jserve.workload import Trace, TraceRequest
+from jserve.benchmarking.metrics import EngineTotals, RequestRecord
+from jserve.benchmarking.replay import benchmark_params
+from jserve.benchmarking.workload import Trace, TraceRequest
 
 # Only connecting is timed out: a request may rightly wait long in the server's queue.
 CONNECT_TIMEOUT_S = 30.0

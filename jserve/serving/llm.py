@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jserve.cache_sizing import device_kv_budget, dtype_bytes, num_blocks_for_budget
-from jserve.engine import Engine
-from jserve.engine_state import EngineState
+from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache.sizing import device_kv_budget, dtype_bytes, num_blocks_for_budget
+from jserve.engine.loop import Engine
+from jserve.engine.request import RequestOutput
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
 from jserve.errors import InvalidRequestError
-from jserve.jax_runner import JaxRunner
 from jserve.policies import Policy, make_policy
 from jserve.policies.tail_optimized_lru import eviction_rule_for
-from jserve.prefix_cache import PrefixCacheConfig
-from jserve.request import RequestOutput
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits
+from jserve.runners.jax_runner import JaxRunner
 from models.loading import LoadedModel, Weights, load_model
 from models.registry import DEFAULT_MODEL
 from models.tokenizer import Tokenizer

@@ -8,14 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from jserve.batch import Batch, StepOutput
-from jserve.engine_state import EngineState
+from jserve.cache.prefix import EvictionRule
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import Policy
+from jserve.engine.request import Request
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.state import EngineState
 from jserve.errors import PlanError
-from jserve.plan import Plan, PreemptMode
-from jserve.policies.base import Policy
-from jserve.prefix_cache import EvictionRule
-from jserve.request import Request
-from jserve.sampling_params import SamplingParams
 
 
 class Runner(Protocol):

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jserve.batch import Batch, BatchInputs, BlockMove, StepOutput
-from jserve.block_manager import BlockManager
+from jserve.cache.blocks import BlockManager
+from jserve.cache.prefix import CacheSnapshot, PrefixHit, PrefixIndex, host_move_key
+from jserve.engine.batch import Batch, BatchInputs, BlockMove, StepOutput
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import FinishReason, Request, RequestMetrics, RequestStatus
+from jserve.engine.request_table import RequestTable
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import InvalidRequestError, PlanError
-from jserve.plan import Plan, PreemptMode
-from jserve.prefix_cache import CacheSnapshot, PrefixHit, PrefixIndex, host_move_key
-from jserve.request import FinishReason, Request, RequestMetrics, RequestStatus
-from jserve.request_table import RequestTable
-from jserve.sampling_params import SamplingParams
-from jserve.scheduler_view import SchedulerLimits, SchedulerView
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

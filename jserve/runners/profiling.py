@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jserve.batch import Batch, BatchInputs
-from jserve.cost_model import CalibratedCostModel, StepShape
-from jserve.jax_runner import JaxRunner
+from jserve.engine.batch import Batch, BatchInputs
+from jserve.runners.cost_model import CalibratedCostModel, StepShape
+from jserve.runners.jax_runner import JaxRunner
 
 
 def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -66,7 +66,7 @@ def run_profile(model: str, output: str, max_len: int = 2048, repeats: int = 3,
                 progress: bool = True) -> CalibratedCostModel:
     import jax
 
-    from jserve.llm import LLM
+    from jserve.serving.llm import LLM
 
     shapes = profile_shapes(max_len)
     blocks = max(sum(-(-(s + q) // 16) for s, q in zip(st, ql)) for st, ql in shapes)

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.batch import Batch, StepOutput
-from jserve.host_kv import HostKVStore
-from jserve.sampling import sample_tokens
-from jserve.scheduler_view import SchedulerLimits
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.view import SchedulerLimits
+from jserve.runners.host_kv import HostKVStore
+from jserve.runners.sampling import sample_tokens
 from models.loading import CausalLM
 from models.paged import KVCache
 from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata

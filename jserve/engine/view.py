@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.request_table import RequestArrays
+from jserve.engine.request_table import RequestArrays
 
 
 @dataclass(frozen=True)

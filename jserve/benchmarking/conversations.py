@@ -4,7 +4,7 @@ A chat's turn k sends the whole history (every earlier message and reply) plus a
 message, so a prefix cache that still holds the history only prefills the new part. And a
 user types turn k only after reading the reply to turn k-1: turns arrive a *think time*
 after the previous reply finished, not at times fixed in advance. That feedback is why this
-is its own driver rather than a `Trace` for `jserve.replay.replay` (open loop): the gap
+is its own driver rather than a `Trace` for `jserve.benchmarking.replay.replay` (open loop): the gap
 between two turns of one conversation, which is what decides whether its history is still
 cached, depends on how fast the engine answered.
 
@@ -44,13 +44,18 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jserve.clock import VirtualClock, WallClock
-from jserve.engine import Engine
-from jserve.metrics import RequestRecord, summarize, tail_excess_latency, ttft
-from jserve.prefix_cache import ConversationFutures, FutureTurn
-from jserve.replay import benchmark_params, record_of
-from jserve.request import FinishReason
-from jserve.workload import ConversationTrace, TraceRequest, arrival_times
+from jserve.benchmarking.metrics import (
+    RequestRecord,
+    summarize,
+    tail_excess_latency,
+    ttft,
+)
+from jserve.benchmarking.replay import benchmark_params, record_of
+from jserve.benchmarking.workload import ConversationTrace, TraceRequest, arrival_times
+from jserve.cache.prefix import ConversationFutures, FutureTurn
+from jserve.engine.clock import VirtualClock, WallClock
+from jserve.engine.loop import Engine
+from jserve.engine.request import FinishReason
 
 __all__ = [
     "ConversationArrivals",
@@ -184,7 +189,7 @@ def schedule_conversations(
 ) -> list[ScheduledConversation]:
     """Draw start times and turns for `conversations`, in their order.
 
-    Start times are a Poisson process (`jserve.workload.arrival_times`: the first at t=0,
+    Start times are a Poisson process (`jserve.benchmarking.workload.arrival_times`: the first at t=0,
     non-decreasing). Each conversation's own draws come from a stream of (seed, its index),
     so the same seed with other rates keeps every conversation's randomness aligned.
     """
@@ -281,7 +286,7 @@ def run_conversations(
     A reply cut short (context cap) is the history as generated. An aborted turn ends its
     conversation: the user has left. A history that outgrows the engine's context makes
     `add_request` raise; fit conversations to it beforehand
-    (`jserve.workload.multiturn_conversations` takes ``max_total_len``).
+    (`jserve.benchmarking.workload.multiturn_conversations` takes ``max_total_len``).
     """
     ids = [c.conversation_id for c in schedule]
     if len(set(ids)) != len(ids):
@@ -349,7 +354,7 @@ def multiturn_summary(
     """The prefix-cache experiments' numbers, over every turn: TTFT mean and P50/P90/P95/
     P99 (seconds), Tail Excess Latency above ``tel_threshold`` seconds, and the fraction of
     turns whose TTFT exceeds ``slo`` (aborted turns count as violations, as in
-    `jserve.metrics.summarize`). Statistics of no turns are None; TEL is then 0."""
+    `jserve.benchmarking.metrics.summarize`). Statistics of no turns are None; TEL is then 0."""
     if not _is_real(tel_threshold) or not math.isfinite(tel_threshold) or tel_threshold < 0:
         raise ValueError(f"tel_threshold must be a finite number >= 0 seconds, got {tel_threshold!r}")
     if not _is_real(slo) or not math.isfinite(slo) or slo <= 0:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jserve.plan import Plan
-from jserve.scheduler_view import SchedulerView
+from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 
 
 class Policy(Protocol):

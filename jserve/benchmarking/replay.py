@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from jserve.clock import VirtualClock, WallClock
-from jserve.engine import Engine
-from jserve.metrics import RequestRecord
-from jserve.request import FinishReason, Request
-from jserve.sampling_params import SamplingParams
-from jserve.workload import Trace, TraceRequest
+from jserve.benchmarking.metrics import RequestRecord
+from jserve.benchmarking.workload import Trace, TraceRequest
+from jserve.engine.clock import VirtualClock, WallClock
+from jserve.engine.loop import Engine
+from jserve.engine.request import FinishReason, Request
+from jserve.engine.sampling_params import SamplingParams
 
 
 def benchmark_params(req: TraceRequest) -> SamplingParams:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jserve.cache.prefix import PrefixIndex
 from jserve.errors import PlanError
-from jserve.prefix_cache import PrefixIndex
 
 
 class BlockManager:

@@ -25,10 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from jserve.async_engine import AsyncEngine, EngineStopped, RequestStream
 from jserve.errors import InvalidRequestError
-from jserve.llm import LLM
-from jserve.openai_protocol import (
+from jserve.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
+from jserve.serving.llm import LLM
+from jserve.serving.openai_protocol import (
     CHAT,
     COMPLETION,
     DEFAULT_COMPLETION_MAX_TOKENS,

@@ -396,3 +396,12 @@ def _pct(a: np.ndarray, q: float) -> float | None:
 def _attainment(verdicts: Iterable[bool | None]) -> float | None:
     judged = [v for v in verdicts if v is not None]
     return sum(judged) / len(judged) if judged else None
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """Engine-wide counts of one run (the HTTP backend reads them from `/metrics`)."""
+
+    num_steps: int
+    num_preemptions: int
+    num_blocks: int

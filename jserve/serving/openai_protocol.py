@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from jserve.engine.request import RequestMetrics
+from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
-from jserve.request import RequestMetrics
-from jserve.sampling_params import SamplingParams
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

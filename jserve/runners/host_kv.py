@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.batch import BlockMove
+from jserve.engine.batch import BlockMove
 from models.paged import KVCache
 
 

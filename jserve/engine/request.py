@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jserve.sampling_params import SamplingParams
+from jserve.engine.sampling_params import SamplingParams
 from models.tokenizer import IncrementalDetokenizer
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.cache_sizing import block_bytes
+from jserve.cache.sizing import block_bytes
 from models.config import ModelConfig
 
 GB = 1e9

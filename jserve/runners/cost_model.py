@@ -20,17 +20,17 @@ import json
 import math
 import os
 import pathlib
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from jserve.hardware import Hardware
+from jserve.runners.hardware import Hardware
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from jserve.batch import Batch
+    from jserve.engine.batch import Batch
 
 # ---------------------------------------------------------------------------------------
 # Step shape

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jserve.engine import Engine
-from jserve.request import Request, RequestMetrics
-from jserve.sampling_params import SamplingParams
-from jserve.server_metrics import ServerMetrics
+from jserve.engine.loop import Engine
+from jserve.engine.request import Request, RequestMetrics
+from jserve.engine.sampling_params import SamplingParams
+from jserve.serving.server_metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from jserve.predictor import LengthPredictor

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.cost_model import CostModel, recompute_time
+from jserve.runners.cost_model import CostModel, recompute_time
 
 DEFAULT_SIZES = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 

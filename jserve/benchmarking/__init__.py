@@ -1,0 +1,1 @@
+"""Workloads, arrival processes, trace replay, metrics, benchmarks and sweeps."""

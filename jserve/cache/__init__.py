@@ -1,0 +1,1 @@
+"""KV-cache bookkeeping: block allocation, the prefix index, and cache sizing."""

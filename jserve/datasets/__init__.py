@@ -1,0 +1,1 @@
+"""Public datasets jserve reads: ShareGPT conversations for benchmarks and predictor training."""
