@@ -195,6 +195,15 @@ def test_reserving_policies_identical_on_a_tight_cache(tiny_loaded: LoadedModel,
     assert state.blocks.num_free == 12 and len(state.table) == 0
 
 
+def test_warmup_compiles_square_buckets_for_mixed_and_all_decode_steps(tiny_loaded: LoadedModel
+                                                                      ) -> None:
+    """With a decode kernel, a T = S bucket serves all-decode steps and mixed ones (decodes
+    plus a short chunk): warm-up compiles both, or the first mixed step compiles mid-serving."""
+    llm = LLM(tiny_loaded, num_blocks=32, attention="pallas-interpret", warmup=False)
+    llm.runner.warmup(shapes=[(8, 8), (16, 8)])
+    assert llm.runner._compiled == {(8, 8, False), (8, 8, True), (16, 8, False)}
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="compiled Pallas kernels need a GPU (CPU runs them interpreted above)")
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.xfail(
