@@ -18,17 +18,25 @@ halves the batch until the cache fits, and says so). On CPU that does not fit in
 so the default there is smollm2-135m's shape at context 1024, float32, and the figures are
 for the CPU reference path.
 
+It also times the step's attention alone (the decode kernel on one layer's cache with the
+step's metadata, times the number of layers), so the gap to the roofline splits into
+attention and the rest.
+
 Usage::
 
     python bench/decode_step.py
     python bench/decode_step.py --model llama-2-7b --batch 32 --context 2048 --attention pallas
+    python bench/decode_step.py --decode-params '{"block_k": 32}'   # decode kernel parameters
+    python bench/decode_step.py --decode-params-from bench/results/kernels_X.json  # its fastest
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +47,15 @@ from device_timing import (
     median_seconds,
     on_gpu,
     random_like,
+    results_tag,
     today,
 )
 
 from jserve.engine.batch import Batch, BatchInputs
 from jserve.runners.jax_runner import JaxRunner, build_step_inputs
 from models.loading import load_model
-from models.paged import KVCache
+from pallas_kernels.backends import ATTENTION_BACKENDS, select_attention
+from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -73,6 +83,26 @@ def fits(cfg, batch: int, context: int, itemsize: int) -> bool:
     return limit is None or need < 0.85 * limit
 
 
+def fastest_decode_params(path: str) -> dict:
+    """Launch parameters of the fastest correct variant of our decode kernel in a
+    kernels.py results file (its `decode_comparison`)."""
+    rows = json.loads(pathlib.Path(path).read_text()).get("decode_comparison", [])
+    ours = [r for r in rows if r["kernel"].startswith("ours") and "seconds" in r
+            and r["relative_error"] < 1e-2]
+    return min(ours, key=lambda r: r["seconds"])["params"] if ours else {}
+
+
+def with_decode_params(params: dict, base_name: str) -> str:
+    """Register a Pallas backend (`base_name` if it is one, else `pallas`) with these
+    decode-kernel parameters; returns its name."""
+    base_name = base_name if base_name.startswith("pallas") else "pallas"
+    base = ATTENTION_BACKENDS[base_name]
+    name = base_name + "".join(f" {k}={v}" for k, v in sorted(params.items()))
+    ATTENTION_BACKENDS[name] = dataclasses.replace(
+        base, name=name, decode=partial(paged_decode_attention, **{**base.decode.keywords, **params}))
+    return name
+
+
 def main() -> None:
     gpu = on_gpu()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,9 +113,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16" if gpu else "float32")
     ap.add_argument("--attention", default="auto", help="auto, reference, pallas")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--decode-params", default=None,
+                    help="JSON dict of paged_decode_attention parameters (with the pallas backend)")
+    ap.add_argument("--decode-params-from", default=None,
+                    help="kernels.py results JSON: use its fastest correct decode variant")
     ap.add_argument("--output", default=None,
-                    help="JSON path (default: bench/results/decode_step_<platform>.json)")
+                    help="JSON path (default: bench/results/decode_step_<device>.json)")
     args = ap.parse_args()
+    decode_params = None
+    if args.decode_params or args.decode_params_from:
+        decode_params = (json.loads(args.decode_params) if args.decode_params
+                         else fastest_decode_params(args.decode_params_from))
+        args.attention = with_decode_params(decode_params, args.attention)
+        print(f"decode kernel parameters: {decode_params} (backend {args.attention!r})")
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
 
@@ -103,8 +143,9 @@ def main() -> None:
                        max_num_batched_tokens=batch, max_num_seqs=batch,
                        max_model_len=per_seq * args.block_size, attention=args.attention)
     shape = runner.cache.k[0].shape
-    runner.cache = KVCache(k=[random_like(shape, dtype, 2 * i) for i in range(cfg.num_layers)],
-                           v=[random_like(shape, dtype, 2 * i + 1) for i in range(cfg.num_layers)])
+    for i in range(cfg.num_layers):  # one layer at a time: two whole caches may not fit
+        runner.cache.k[i] = random_like(shape, dtype, 2 * i)
+        runner.cache.v[i] = random_like(shape, dtype, 2 * i + 1)
     step_batch = decode_batch(batch, args.context, args.block_size, num_blocks, cfg.vocab_size, rng)
 
     x = jax.device_put(build_step_inputs(step_batch, runner.buckets, args.block_size,
@@ -115,6 +156,11 @@ def main() -> None:
         return tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)
+    backend = select_attention(args.attention)
+    q = random_like((x.meta.positions.shape[0], cfg.num_heads, cfg.head_dim), dtype, seed=99)
+    attend = jax.jit(partial(backend.decode or backend.ragged, scale=cfg.head_dim**-0.5))
+    attention_s = cfg.num_layers * median_seconds(
+        lambda: attend(q, runner.cache.k[0], runner.cache.v[0], x.meta), repeats=args.repeats)
     execute_s = median_seconds(lambda: runner.execute(step_batch), repeats=args.repeats)
     copy_bps = copy_bandwidth(1 << 30 if gpu else 1 << 28)
 
@@ -129,7 +175,9 @@ def main() -> None:
         "attention": args.attention, "batch": batch, "context": args.context,
         "block_size": args.block_size, "weight_bytes": weight_bytes, "kv_read_bytes": kv_read,
         "copy_bytes_per_s": copy_bps, "roofline_s": roofline_s, "device_step_s": step_s,
-        "execute_s": execute_s, "step_over_roofline": ratio,
+        "execute_s": execute_s, "step_over_roofline": ratio, "batch_asked": args.batch,
+        "attention_s": attention_s, "attention_roofline_s": (kv_read + kv_written) / copy_bps,
+        "decode_params": decode_params, "jax_version": jax.__version__,
     }
     print(f"\n{args.model} ({dtype.name}, attention={args.attention}) on {device_name()}: "
           f"decode batch {batch}, context {args.context}")
@@ -137,13 +185,17 @@ def main() -> None:
           f"at measured copy bandwidth {copy_bps / 1e9:.1f} GB/s")
     print(f"  {'roofline':<28} {roofline_s * 1e3:9.2f} ms")
     print(f"  {'device step':<28} {step_s * 1e3:9.2f} ms   {ratio:.2f}x roofline")
+    print(f"  {'attention alone (x layers)':<28} {attention_s * 1e3:9.2f} ms   "
+          f"{attention_s / ((kv_read + kv_written) / copy_bps):.2f}x its K/V roofline")
+    print(f"  {'rest of the step':<28} {(step_s - attention_s) * 1e3:9.2f} ms   "
+          f"{(step_s - attention_s) / (weight_bytes / copy_bps):.2f}x the weights' roofline")
     print(f"  {'runner.execute (with host)':<28} {execute_s * 1e3:9.2f} ms   "
           f"{execute_s / roofline_s:.2f}x roofline")
     if gpu:
         print(f"  goal: device step <= 1.25x roofline: {'PASS' if ratio <= 1.25 else 'MISS'}")
     else:
         print("  CPU: the jnp reference path; the 1.25x goal is for the Pallas kernels on H100")
-    out = pathlib.Path(args.output or RESULTS / f"decode_step_{'gpu' if gpu else 'cpu'}.json")
+    out = pathlib.Path(args.output or RESULTS / f"decode_step_{results_tag()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

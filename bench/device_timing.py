@@ -22,6 +22,15 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}"
 
 
+def results_tag() -> str:
+    """The suffix of a benchmark's results file: `cpu` on CPU, else the device kind as JAX
+    reports it with spaces as dashes (e.g. `NVIDIA-H100-80GB-HBM3`)."""
+    if jax.default_backend() == "cpu":
+        return "cpu"
+    kind = getattr(jax.devices()[0], "device_kind", jax.default_backend())
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in kind)
+
+
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 

@@ -14,10 +14,17 @@ On GPU it runs the Pallas kernels (Triton backend) and the references, at the si
 Llama-2-7B layer. On CPU the Pallas kernels only run interpreted, which measures nothing,
 so it runs the references only, at smaller sizes, and says so.
 
+On GPU it also sets our paged decode kernel beside JAX's own (deprecated)
+`jax.experimental.pallas.ops.gpu.paged_attention` on the same inputs (its pages transposed
+to its `[kv_heads, pages, page_size, d]` layout before timing, the scale applied to q
+inside the timed call, which it does not do itself), each checked against the reference,
+and with `--sweep` times our decode kernel over tile sizes, splits, warps and pipeline
+stages.
+
 Usage::
 
     python bench/kernels.py                 # table on stdout, JSON in bench/results/
-    python bench/kernels.py --repeats 50 --output my.json
+    python bench/kernels.py --repeats 50 --sweep --output my.json
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from device_timing import copy_bandwidth, device_name, median_seconds, on_gpu, random_like, today
+from device_timing import (
+    copy_bandwidth, device_name, median_seconds, on_gpu, random_like, results_tag, today,
+)
 
 from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from pallas_kernels.block_copy import (
@@ -144,6 +153,90 @@ def attention_rows(sz: Sizes, dtype, rng, copy_bps: float, gpu: bool, repeats: i
     return rows
 
 
+def relative_error(got: jax.Array, want: jax.Array) -> float:
+    """||got - want|| / ||want|| in float32."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def decode_case(sz: Sizes, dtype, rng):
+    """The paged decode attention inputs: `decode_seqs` sequences at `decode_context`."""
+    seqs = ((sz.decode_context - 1, 1),) * sz.decode_seqs
+    total = sum(p + q for p, q in seqs)
+    k_pages, v_pages = kv_pool(sz, total + BLOCK_SIZE * len(seqs), dtype, seed=100)
+    meta = step_metadata(seqs, k_pages.shape[0], rng, decode_only=True)
+    q = random_like((meta.positions.shape[0], sz.heads, sz.head_dim), dtype, seed=101)
+    nbytes = 2 * total * sz.kv_heads * sz.head_dim * itemsize(dtype) + 2 * q.nbytes
+    return q, k_pages, v_pages, meta, nbytes
+
+
+def decode_comparison(sz: Sizes, dtype, rng, copy_bps: float, repeats: int,
+                      sweep: bool) -> list[dict]:
+    """Our decode kernel (default and, with `sweep`, other launch parameters) and JAX's
+    deprecated Triton paged attention on one set of inputs: time, GB/s, share of the copy
+    bandwidth and relative error against the jnp reference."""
+    import warnings
+
+    q, k_pages, v_pages, meta, nbytes = decode_case(sz, dtype, rng)
+    scale = sz.head_dim**-0.5
+    want = jax.jit(partial(ragged_paged_attention_reference, scale=scale))(q, k_pages, v_pages, meta)
+    rows = []
+
+    def add(name: str, params: dict, fn, to_ours=lambda out: out) -> None:
+        try:
+            out = to_ours(fn())
+            err = relative_error(out[meta.query_start[:-1]], want[meta.query_start[:-1]])
+            t = median_seconds(fn, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported
+            print(f"  {name} {params}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append(dict(kernel=name, params=params, error=f"{type(e).__name__}: {e}"[:2000]))
+            return
+        bps = nbytes / t
+        rows.append(dict(kernel=name, params=params, seconds=t, bytes=nbytes, bytes_per_s=bps,
+                         fraction_of_copy=bps / copy_bps, relative_error=err))
+        print(f"  {name:<34} {str(params):<78} {t * 1e3:8.3f} ms {bps / 1e9:8.1f} GB/s "
+              f"{100 * bps / copy_bps:5.1f}%  rel err {err:.1e}", flush=True)
+
+    interpret = not on_gpu()  # only to check this function on CPU: times nothing useful there
+    ours = [dict()]
+    if sweep:
+        ours += [dict(num_stages=3), dict(num_stages=1), dict(block_k=128, num_warps=8),
+                 dict(block_k=32), dict(keys_per_split=256), dict(keys_per_split=1024),
+                 dict(num_warps=8), dict(one_row=True), dict(one_row=True, block_k=32),
+                 dict(one_row=True, block_k=128, num_warps=8), dict(one_row=True, num_warps=8),
+                 dict(one_row=True, keys_per_split=1024), dict(one_row=True, num_stages=3)]
+    print("paged decode attention, ours vs JAX's:", flush=True)
+    for params in ours:
+        f = jax.jit(partial(paged_decode_attention, scale=scale, interpret=interpret, **params))
+        add("ours (paged_decode_attention)", params, lambda f=f: f(q, k_pages, v_pages, meta))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        except ImportError as e:
+            print(f"  JAX's paged_attention is not importable here: {e}")
+            return rows
+    kt, vt = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k_pages, v_pages))  # [kv, pages, bs, d]
+    jax.block_until_ready((kt, vt))
+    tables, lengths, first = meta.block_tables, meta.context_lens, meta.query_start[:-1]
+    pages = tables.shape[1]
+
+    def scatter_back(out):  # [seqs, heads, d] -> our [T, heads, d] layout
+        return jnp.zeros_like(q).at[first].set(out.astype(q.dtype))
+
+    theirs = [dict()] + [dict(k_splits=k) for k in (4, 8, 32) if pages % k == 0]
+    if sweep:
+        theirs += [dict(pages_per_compute_block=4), dict(num_warps=4)]
+    for params in theirs:
+        f = jax.jit(lambda q, kt, vt, tables, lengths, params=params: paged_attention(
+            q[first] * jnp.asarray(scale, q.dtype), kt, vt, tables, lengths, interpret=interpret,
+            **params))
+        add("JAX ops.gpu.paged_attention", params, lambda f=f: f(q, kt, vt, tables, lengths),
+            scatter_back)
+    return rows
+
+
 def in_place(fn, donated: int, args: list[jax.Array]):
     """A call of `fn` that donates its first `donated` arguments and feeds the results back
     in, as the engine does with its pool: an update in place, no pool copy timed."""
@@ -234,8 +327,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=20, help="timed runs per figure (median)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--sweep", action="store_true",
+                    help="GPU: also time the decode kernel over launch parameters")
     ap.add_argument("--output", default=None,
-                    help="JSON path (default: bench/results/kernels_<platform>.json)")
+                    help="JSON path (default: bench/results/kernels_<device>.json)")
     args = ap.parse_args()
     gpu = on_gpu()
     sz = GPU_SIZES if gpu else CPU_SIZES
@@ -247,12 +342,14 @@ def main() -> None:
         new = group(sz, dtype, rng, copy_bps, gpu, args.repeats)
         print(f"timed: {', '.join(r.kernel for r in new)}", flush=True)
         rows += new
+    comparison = decode_comparison(sz, dtype, rng, copy_bps, args.repeats, args.sweep) if gpu else []
     print_table(rows, copy_bps, gpu)
-    out = pathlib.Path(args.output or RESULTS / f"kernels_{'gpu' if gpu else 'cpu'}.json")
+    out = pathlib.Path(args.output or RESULTS / f"kernels_{results_tag()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "device": device_name(), "date": today(), "dtype": dtype.name, "sizes": asdict(sz),
         "copy_bytes_per_s": copy_bps, "pallas_ran": gpu, "rows": [r.as_dict() for r in rows],
+        "decode_comparison": comparison, "jax_version": jax.__version__,
     }, indent=2))
     print(f"wrote {out}")
 

@@ -1,11 +1,14 @@
-"""Simulator fidelity on this machine: calibrate the cost model on SmolLM2 (CPU), then run
-the same ShareGPT trace on the real engine and in the simulator and print P50/P99 TTFT
-and TBT side by side (issue goal: within 10%).
+"""Simulator fidelity on this machine: calibrate the cost model on SmolLM2 (on this
+machine's CPU or GPU), then run the same ShareGPT trace on the real engine and in the
+simulator and print P50/P99 TTFT and TBT side by side (issue goal: within 10%).
 
 Both runs use the same trace file, policy, KV cache size and limits; only the runner and
-the clock differ.
+the clock differ. `--trace` replays a saved trace (no dataset needed); without it a trace
+of `--num-requests` at `--rate` is sampled from ShareGPT and saved. Results go to
+`sim_fidelity_<device>.json` (`cpu`, or the GPU's kind as JAX reports it).
 
     python bench/sim_fidelity.py [--num-requests 48] [--rate 0.4] [--profile FILE]
+    python bench/sim_fidelity.py --trace bench/results/fidelity_trace_gpu.jsonl
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import pathlib
 import platform
 from datetime import date
 
+from device_timing import device_name, on_gpu, results_tag
+
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
-from jserve.benchmarking.workload import build_trace, save_trace
+from jserve.benchmarking.workload import build_trace, load_trace, save_trace
 from jserve.runners.profiling import run_profile
 
 GOAL = 0.10
@@ -34,20 +39,28 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--policy", default="vllm")
     ap.add_argument("--profile", default=None, help="reuse a profile instead of measuring one")
+    ap.add_argument("--trace", default=None,
+                    help="replay this saved trace (--num-requests and --rate are then unused)")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    profile = args.profile or str(out / "profile_smollm2-135m_cpu.json")
+    tag = results_tag()
+    profile = args.profile or str(out / f"profile_smollm2-135m_{tag}.json")
     if args.profile is None:
         fitted = run_profile("smollm2-135m", profile, max_len=args.max_total_len)
         err = abs(fitted.fit_errors())
         print(f"profile: {len(fitted.samples)} shapes, mean |fit error| {100 * err.mean():.1f}%")
 
-    trace_path = out / "fidelity_trace.jsonl"
-    save_trace(build_trace("sharegpt", args.num_requests, args.rate, seed=0,
-                           max_total_len=args.max_total_len), trace_path)
+    if args.trace:
+        trace_path = pathlib.Path(args.trace)
+        trace = load_trace(str(trace_path))
+        args.num_requests, args.rate = len(trace.requests), trace.rate
+    else:
+        trace_path = out / "fidelity_trace.jsonl"
+        save_trace(build_trace("sharegpt", args.num_requests, args.rate, seed=0,
+                               max_total_len=args.max_total_len), trace_path)
     common = dict(policy=args.policy, model="smollm2-135m", trace=str(trace_path),
                   max_total_len=args.max_total_len, num_blocks=args.num_blocks)
     real = run_benchmark(BenchConfig(engine="real", **common))
@@ -64,14 +77,17 @@ def main() -> None:
           f"{'PASS' if worst <= GOAL else 'MISS'}")
     print(f"steps: real {real.num_steps}, sim {sim.num_steps}; preemptions: real "
           f"{real.num_preemptions}, sim {sim.num_preemptions}")
-    (out / "sim_fidelity_cpu.json").write_text(json.dumps({
+    result = out / f"sim_fidelity_{tag}.json"
+    result.write_text(json.dumps({
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
+                   + (f", {device_name()}" if on_gpu() else ""),
+        "profile": profile,
         "config": common | {"num_requests": args.num_requests, "rate": args.rate},
         "metrics": rows, "worst_relative_error": worst, "goal": GOAL,
         "steps": {"real": real.num_steps, "sim": sim.num_steps},
     }, indent=1))
-    print(f"wrote {out / 'sim_fidelity_cpu.json'}")
+    print(f"wrote {result}")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ class AttentionBackend:
         return attend(q, k_pages, v_pages, meta, scale=scale), k_pages, v_pages
 
 
-def _pallas(name: str, *, interpret: bool = False, block_m: int = 64, block_k: int = 64,
-            keys_per_split: int = 512) -> AttentionBackend:
+def pallas_backend(name: str, *, interpret: bool = False, block_m: int = 64, block_k: int = 64,
+                   keys_per_split: int = 512) -> AttentionBackend:
+    """The Pallas kernels with the given tiles (tests build compiled small-tile variants)."""
     return AttentionBackend(
         name,
         write_kv=partial(write_kv, interpret=interpret),
@@ -69,9 +70,9 @@ def _pallas(name: str, *, interpret: bool = False, block_m: int = 64, block_k: i
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": AttentionBackend("reference", write_kv_reference, ragged_paged_attention_reference),
-    "pallas": _pallas("pallas"),
-    "pallas-interpret": _pallas("pallas-interpret", interpret=True, block_m=16, block_k=16,
-                                keys_per_split=32),
+    "pallas": pallas_backend("pallas"),
+    "pallas-interpret": pallas_backend("pallas-interpret", interpret=True, block_m=16,
+                                      block_k=16, keys_per_split=32),
 }
 
 

@@ -18,7 +18,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.attention_tiles import (
-    check_head_dim, compiler_params, gather, next_pow2, online_softmax_over_keys, paged_kv_loader,
+    MASKED, SoftmaxState, TileLoader, check_head_dim, compiler_params, gather, next_pow2,
+    online_softmax_over_keys, paged_kv_loader,
 )
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
@@ -38,6 +39,33 @@ def merge_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
+def one_row_softmax_over_keys(q: jax.Array, first_key: jax.Array, end_key: jax.Array,
+                              load: TileLoader, *, scale: float, block_k: int) -> SoftmaxState:
+    """`online_softmax_over_keys` for a single query row `q: [1, d]` that sees every key in
+    `[first_key, end_key)` (a decode without GQA), with multiply-reduce products on the CUDA
+    cores instead of tensor-core dots, which need 16 rows and stage K/V in shared memory."""
+    f32 = jnp.float32
+    offsets = jnp.arange(block_k)
+    q = q.astype(f32)
+
+    def tile(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        m, l, acc = carry  # [1], [1], [1, d]
+        keys = first_key + i * block_k + offsets
+        valid = keys < end_key
+        k, v = load(keys, valid)
+        s = jnp.where(valid, jnp.sum(q * k.astype(f32), axis=1) * scale, MASKED)  # [block_k]
+        m_new = jnp.maximum(m, s.max())
+        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.sum(p[:, None] * v.astype(f32), axis=0)  # [d]
+        return m_new, l * alpha + p.sum(), acc * alpha[:, None] + pv[None, :]
+
+    state = SoftmaxState.empty(1, q.shape[1])
+    num_tiles = pl.cdiv(jnp.maximum(end_key - first_key, 0), block_k)
+    m, l, acc = jax.lax.fori_loop(0, num_tiles, tile, (state.m, state.l, state.acc))
+    return SoftmaxState(m, l, acc)
+
+
 def paged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -48,6 +76,8 @@ def paged_decode_attention(
     block_k: int = 64,
     keys_per_split: int = 512,
     num_warps: int = 4,
+    num_stages: int = 2,
+    one_row: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """Same result as the ragged kernel when each real sequence has one query token.
@@ -55,14 +85,16 @@ def paged_decode_attention(
     `q: [T, heads, d]` with sequence `s`'s token at `query_start[s]`; tokens that belong to
     no sequence come out 0. The split count is static: enough splits of `keys_per_split`
     keys to cover the longest context the block tables can describe; splits past a
-    sequence's context do no work.
+    sequence's context do no work. `one_row`: without GQA (one query head per KV head),
+    use `one_row_softmax_over_keys` instead of 16-row tensor-core tiles.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_blocks = meta.block_tables.shape
     check_head_dim(head_dim)
     group = num_heads // num_kv_heads
-    rows = max(16, next_pow2(group))  # the smallest tile a tensor-core dot takes
+    one_row = one_row and group == 1
+    rows = 1 if one_row else max(16, next_pow2(group))  # 16: the smallest tensor-core tile
     keys_per_split = -(-keys_per_split // block_k) * block_k
     num_splits = -(-max_blocks * block_size // keys_per_split)
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
@@ -78,8 +110,11 @@ def paged_decode_attention(
         first = split * keys_per_split
         end = jnp.where(has_query, jnp.minimum(first + keys_per_split, ctx), 0)
         load = paged_kv_loader(table_ref, k_ref, v_ref, seq, kv_head, head_dim, block_size)
-        state = online_softmax_over_keys(q, jnp.full((rows,), ctx - 1), first, end, load,
-                                         scale=scale, block_k=block_k)
+        if one_row:
+            state = one_row_softmax_over_keys(q, first, end, load, scale=scale, block_k=block_k)
+        else:
+            state = online_softmax_over_keys(q, jnp.full((rows,), ctx - 1), first, end, load,
+                                             scale=scale, block_k=block_k)
         o_ref[seq, kv_head, split] = state.acc
         m_ref[seq, kv_head, split] = state.m
         l_ref[seq, kv_head, split] = state.l
@@ -91,7 +126,7 @@ def paged_decode_attention(
                    jax.ShapeDtypeStruct(part, jnp.float32),
                    jax.ShapeDtypeStruct(part, jnp.float32)),
         grid=(num_seqs, num_kv_heads, num_splits),
-        compiler_params=compiler_params(num_warps),
+        compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(q, k_pages.reshape(flat), v_pages.reshape(flat), meta.query_start, meta.context_lens,

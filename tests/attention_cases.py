@@ -14,12 +14,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.backends import AttentionBackend, pallas_backend, select_attention
 
 MAX_MODEL_LEN = 64
+
+
+# --------------------------------------------------------------------------- where kernels run
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def interpret() -> bool:
+    """How the kernel tests run the Pallas kernels: compiled (Triton) where JAX's backend is a
+    GPU, through the Pallas interpreter everywhere else."""
+    return not on_gpu()
+
+
+# The compiled kernels with the interpreter's small tiles, so that the tests' small cases
+# cross tile and split edges on a GPU too.
+_PALLAS_SMALL = pallas_backend("pallas-small", block_m=16, block_k=16, keys_per_split=32)
+
+
+def kernel_backends() -> list[str]:
+    """Attention backends the kernel tests check: the jnp reference, and the Pallas kernels
+    interpreted (`pallas-interpret`) or, on a GPU, compiled with default and small tiles."""
+    return ["reference", "pallas", "pallas-small"] if on_gpu() else ["reference", "pallas-interpret"]
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    return _PALLAS_SMALL if name == "pallas-small" else select_attention(name)
 
 
 def _pow2_at_least(n: int, floor: int) -> int:

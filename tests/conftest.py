@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import pytest
 
 from models.config import ModelConfig
 from models.loading import LoadedModel, load_model
 from models.gguf_loader import LlamaWeights, gguf_path_for_default, load_llama_gguf
 from models.tokenizer import Tokenizer
+
+if jax.default_backend() == "gpu":
+    # XLA:GPU runs float32 matmuls as TF32 unless told otherwise; the jnp references and the
+    # float32 engines are checked at float32 tolerances and exact greedy ids.
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The Pallas kernels other than ragged/decode attention (whose tests run every backend in
-test_ragged_paged_attention.py), interpreted on CPU against their jnp references, and a
-check that every kernel lowers to Triton for CUDA, which catches what the interpreter
-accepts and Triton does not (non-power-of-two tiles, unsupported ops)."""
+test_ragged_paged_attention.py), interpreted on CPU (compiled where JAX's backend is a GPU)
+against their jnp references, and a check that every kernel lowers to Triton for CUDA, which
+catches what the interpreter accepts and Triton does not (non-power-of-two tiles,
+unsupported ops)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import GEOMETRIES, build_case, mixed_case
-from jax import export
+from attention_cases import GEOMETRIES, assert_close, build_case, interpret, mixed_case, oracle
 
 from pallas_kernels.block_copy import (
     gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
@@ -20,13 +20,15 @@ from pallas_kernels.block_copy import (
 from pallas_kernels.hidden_attention import (
     KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
 )
-from pallas_kernels.kv_write import write_kv, write_pages
+from pallas_kernels.kv_write import write_kv, write_kv_reference, write_pages
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference,
 )
 from pallas_kernels.rope import rope
 from pallas_kernels.row_copy import copy_rows, copy_rows_reference
+
+INTERPRET = interpret()
 
 
 @pytest.mark.parametrize("width", [1, 48, 200, 3000])
@@ -37,7 +39,7 @@ def test_copy_rows_matches_reference(width, dtype):
     dst = jnp.asarray(rng.standard_normal((20, width)), dtype)
     src_rows = jnp.asarray(rng.integers(0, 9, 6), jnp.int32)
     dst_rows = jnp.asarray(rng.permutation(20)[:6], jnp.int32)
-    got = copy_rows(src, src_rows, dst, dst_rows, block=128, interpret=True)
+    got = copy_rows(src, src_rows, dst, dst_rows, block=128, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(copy_rows_reference(src, src_rows, dst, dst_rows)))
 
 
@@ -49,13 +51,13 @@ def test_blocks_swap_through_host_memory_bit_identically(dtype):
     pool = jnp.asarray(rng.standard_normal((12, 4, 3, 16)), dtype)
     out_ids = jnp.asarray([7, 2, 9], jnp.int32)
     in_ids = jnp.asarray([0, 11, 5], jnp.int32)
-    buf = gather_blocks(pool, out_ids, interpret=True)
+    buf = gather_blocks(pool, out_ids, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(buf), np.asarray(gather_blocks_reference(pool, out_ids)))
     memory = partial(jax.sharding.SingleDeviceSharding, jax.devices()[0])
     on_host = jax.device_put(buf, memory(memory_kind="pinned_host"))
     assert on_host.sharding.memory_kind == "pinned_host"
     back = jax.device_put(on_host, memory(memory_kind="device"))
-    got = scatter_blocks(pool, in_ids, back, interpret=True)
+    got = scatter_blocks(pool, in_ids, back, interpret=INTERPRET)
     want = scatter_blocks_reference(pool, in_ids, buf)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(got)[np.asarray(in_ids)], np.asarray(pool)[np.asarray(out_ids)])
@@ -68,11 +70,30 @@ def test_write_kv_matches_reference_for_non_power_of_two_rows():
     case = mixed_case(rng, 9, 3, 32, 4)  # 3 KV heads: 96-value rows
     meta = jax.tree.map(jnp.asarray, case.meta)
     args = [jnp.asarray(x) for x in (case.k_pages, case.v_pages, case.k_new, case.v_new)]
-    got = write_kv(*args, meta.slot_mapping, interpret=True)
+    got = write_kv(*args, meta.slot_mapping, interpret=INTERPRET)
     want = [write_pages(p, n, meta.slot_mapping) for p, n in ((args[0], args[2]), (args[1], args[3]))]
     for g, w in zip(got, want):
         # padding tokens all target the scratch block; compare everything else exactly
         np.testing.assert_array_equal(np.asarray(g)[:-1], np.asarray(w)[:-1])
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_k,keys_per_split", [(16, 32), (32, 64)])
+def test_one_row_decode_matches_oracle(block_k, keys_per_split, dtype, tol):
+    """The decode kernel's `one_row` path (no GQA: multiply-reduce instead of 16-row dots)
+    over contexts of 1 to 256 tokens: empty, partial and full splits, padded sequences."""
+    rng = np.random.default_rng(block_k)
+    starts = [0, 1, 15, 16, 31, 32, 100, 255] + list(rng.integers(0, 256, 4))
+    case = build_case(rng, [(int(s), 1) for s in starts], heads=4, kv_heads=4, head_dim=32,
+                      block_size=16, max_model_len=256)
+    meta = jax.tree.map(jnp.asarray, case.meta)
+    kp, vp, k, v, q = (jnp.asarray(x, dtype) for x in (case.k_pages, case.v_pages, case.k_new,
+                                                        case.v_new, case.q))
+    kp, vp = write_kv_reference(kp, vp, k, v, meta.slot_mapping)
+    got = paged_decode_attention(q, kp, vp, meta, scale=32**-0.5, block_k=block_k,
+                                 keys_per_split=keys_per_split, one_row=True, interpret=INTERPRET)
+    assert_close(np.asarray(got.astype(jnp.float32), np.float64), oracle(case, dtype),
+                 case.t_real, tol, tol)
 
 
 def _hidden_case(rng, geometry, hidden: int, dtype):
@@ -103,7 +124,7 @@ def test_hidden_attention_kernel_matches_reference(geometry, hidden, bias, theta
     scale = geometry[2] ** -0.5
     want = hidden_paged_attention_reference(q, pool, proj, meta, scale=scale)
     got = hidden_paged_attention(q, pool, proj, meta, scale=scale, block_m=16, block_k=16,
-                                 block_d=32, interpret=True)
+                                 block_d=32, interpret=INTERPRET)
     got, want = (np.asarray(x.astype(jnp.float32))[: case.t_real] for x in (got, want))
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -136,11 +157,16 @@ def test_hidden_reference_is_paged_attention_over_projected_pages(theta):
 
 
 def _lower_for_cuda(fn, *args) -> str:
-    exported = export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
-    return exported.mlir_module()
+    """StableHLO of `fn` lowered for CUDA. Without a GPU attached, JAX >= 0.11 takes the target
+    GPU from an abstract device (an A100, the oldest GPU jserve supports); older JAX falls back
+    to a default compute capability by itself."""
+    lower = lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()  # noqa: E731
+    if jax.default_backend() == "gpu" or not hasattr(jax.sharding, "AbstractDevice"):
+        return lower()
+    a100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=a100)):
+        return lower()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -159,6 +185,8 @@ def test_kernels_lower_to_triton_for_cuda(geometry, dtype):
     kernels = {
         "ragged": lambda: _lower_for_cuda(partial(ragged_paged_attention, scale=scale), q, kp, vp, meta),
         "decode": lambda: _lower_for_cuda(partial(paged_decode_attention, scale=scale), q, kp, vp, meta),
+        "decode, one row": lambda: _lower_for_cuda(
+            partial(paged_decode_attention, scale=scale, one_row=True), q, kp, vp, meta),
         "kv write": lambda: _lower_for_cuda(write_kv, kp, vp, k, v, meta.slot_mapping),
         "gather": lambda: _lower_for_cuda(gather_blocks, kp, jnp.arange(3)),
         "scatter": lambda: _lower_for_cuda(scatter_blocks, kp, jnp.arange(3), kp[:3]),

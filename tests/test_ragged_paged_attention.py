@@ -2,7 +2,9 @@
 steps) against a naive float64 oracle on the random steps of `attention_cases`.
 
 `reference` is the jnp path; `pallas-interpret` runs the Pallas Triton kernels through the
-Pallas interpreter on CPU, with small tiles so these sizes cross tile and split edges.
+Pallas interpreter on CPU, with small tiles so these sizes cross tile and split edges. Where
+JAX's backend is a GPU the kernels run compiled instead: `pallas` (default tiles) and
+`pallas-small` (the interpreter's small tiles), see `attention_cases.kernel_backends`.
 """
 
 from __future__ import annotations
@@ -19,20 +21,20 @@ from attention_cases import (
     Case,
     _mixed_seqs,
     assert_close,
+    attention_backend,
     build_case,
+    kernel_backends,
     mixed_case,
     oracle,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.backends import select_attention
-
-BACKENDS = ["reference", "pallas-interpret"]
+BACKENDS = kernel_backends()
 
 
 def _step(backend: str, q, kp, vp, k, v, meta, *, scale):
-    return select_attention(backend)(q, k, v, kp, vp, meta, scale=scale)
+    return attention_backend(backend)(q, k, v, kp, vp, meta, scale=scale)
 
 
 @partial(jax.jit, static_argnames=("backend", "scale"))
@@ -114,8 +116,10 @@ def test_jit_matches_eager_and_oracle():
     eager, kpe, vpe = run_step(case, jit=False)
     assert_close(got, oracle(case), case.t_real, 1e-5, 1e-5)
     np.testing.assert_allclose(got[: case.t_real], eager[: case.t_real], rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(kp), np.asarray(kpe))
-    np.testing.assert_array_equal(np.asarray(vp), np.asarray(vpe))
+    # All but the scratch block (last), where every padding token writes: which of those
+    # duplicate writes lands is unspecified (on GPU it differed between jit and eager).
+    np.testing.assert_array_equal(np.asarray(kp)[:-1], np.asarray(kpe)[:-1])
+    np.testing.assert_array_equal(np.asarray(vp)[:-1], np.asarray(vpe)[:-1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -64,9 +64,12 @@ HARDWARE: dict[str, Hardware] = {
                  pcie_bandwidth=25 * GB, memory_bytes=80 * GiB),
         # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 tensor 1,979 TFLOPS with
         # sparsity = 989 TFLOPS dense; HBM3 3.35 TB/s; 80 GB (reported 81559 MiB).
-        # PCIe 5.0 x16: 63 GB/s per direction theoretical, ~50 GB/s effective.
+        # PCIe 5.0 x16: 63 GB/s per direction theoretical. Measured 2026-11-22 on one
+        # "NVIDIA H100 80GB HBM3" (a Firecracker VM, jax 0.11.2, bench/host_transfer.py):
+        # jax.device_put to/from pinned_host moved 51.7-54.0 GB/s each way for 256 MiB-1 GiB
+        # buffers (32-34 GB/s at 16 MiB); the table had 50.
         Hardware("h100", peak_flops=989 * TFLOPS, hbm_bandwidth=3350 * GB,
-                 pcie_bandwidth=50 * GB, memory_bytes=81559 * MiB),
+                 pcie_bandwidth=53 * GB, memory_bytes=81559 * MiB),
         # NVIDIA H200 datasheet (SXM): same compute as H100 SXM, 989 TFLOPS BF16 dense;
         # HBM3e 4.8 TB/s, 141 GB (reported 143771 MiB); PCIe 5.0 x16, ~50 GB/s effective.
         Hardware("h200", peak_flops=989 * TFLOPS, hbm_bandwidth=4800 * GB,

@@ -171,7 +171,9 @@ class JaxRunner:
 
             it = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for t, s in it:
-            self._run(self._padding_inputs(t, s, decode_only=self.mark_decode and t == s))
+            self._run(self._padding_inputs(t, s))
+            if self.mark_decode and t == s:  # a T = S step is all decodes or mixed (short chunks)
+                self._run(self._padding_inputs(t, s, decode_only=True))
         self.warmed_up = True
         return time.perf_counter() - t0
 
