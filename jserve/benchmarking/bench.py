@@ -52,7 +52,7 @@ from jserve.policies import make_policy
 from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
-from jserve.runners.preemption_cost import PreemptionCosts
+from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from models.registry import DEFAULT_MODEL, get_config
 
 
@@ -184,7 +184,7 @@ def sim_engine(cfg: BenchConfig, futures: ConversationFutures | None = None) -> 
         model, hw, cfg.block_size, utilization=cfg.gpu_memory_utilization)
     policy = make_policy(cfg.policy)
     if hasattr(policy, "preemption_costs"):  # CacheOpt: swap-vs-recompute from this machine
-        costs = PreemptionCosts.from_cost_model(cost, model.kv_bytes_per_token, hw.pcie_bandwidth)
+        costs = preemption_costs_from_cost_model(cost, model.kv_bytes_per_token, hw.pcie_bandwidth)
         policy = dataclasses.replace(policy, preemption_costs=costs)
     block = block_bytes(model, cfg.block_size, dtype_bytes=2)
     cache = cfg.prefix_cache_config(futures)
