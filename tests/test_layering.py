@@ -29,17 +29,22 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return found
 
 
-def crossings(layer: str, forbidden: str) -> list[str]:
+def crossings(layer: str, forbidden: tuple[str, ...]) -> list[str]:
     return sorted(f"{path.relative_to(JSERVE.parent)}: {module}"
                   for path in (JSERVE / layer).rglob("*.py")
                   for module in imported_modules(path)
-                  if module == forbidden or module.startswith(forbidden + "."))
+                  if any(module == f or module.startswith(f + ".") for f in forbidden))
+
+
+ASSEMBLY = ("jserve.builder", "jserve.config", "jserve.serving", "jserve.benchmarking", "jserve.cli")
 
 
 @pytest.mark.parametrize(("layer", "forbidden"), [
-    ("policies", "jserve.runners"),  # policies read the plan/view contract and data only
+    ("policies", ("jserve.runners", *ASSEMBLY)),  # the plan/view contract and data only
+    ("runners", ASSEMBLY),  # runners sit below what assembles engines and the front ends
+    ("engine", ("jserve.runners", "jserve.policies", *ASSEMBLY)),
 ])
-def test_layer_does_not_import(layer: str, forbidden: str) -> None:
+def test_layer_does_not_import(layer: str, forbidden: tuple[str, ...]) -> None:
     assert crossings(layer, forbidden) == []
 
 
