@@ -36,8 +36,10 @@ class SweepResult:
         return effective_throughput(self.rates, att)
 
     def to_json(self) -> dict[str, Any]:
+        config = config_json(self.base)  # less what the sweep varies
+        del config["rate"], config["engine"]["policy"]
         return {
-            "config": {k: v for k, v in config_json(self.base).items() if k != "rate"},
+            "config": config,
             "rates": self.rates,
             "effective_throughput": {p: self.effective_throughput(p) for p in self.results},
             "summaries": {p: [r.summary.to_dict() for r in rs] for p, rs in self.results.items()},
