@@ -17,7 +17,8 @@ from datetime import date
 
 import numpy as np
 
-from jserve.benchmarking.bench import BenchConfig, sim_engine
+from jserve.builder import build_engine
+from jserve.config import EngineConfig
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
 from jserve.policies import POLICIES, make_policy
@@ -27,7 +28,8 @@ GOAL_MS = 1.0
 
 def loaded_view(policy: str, candidates: int, seed: int = 0):
     """Add `candidates` requests, run until the running set is full, snapshot."""
-    engine, clock = sim_engine(BenchConfig(policy=policy, model="opt-13b", hardware="a100-80g"))
+    built = build_engine(EngineConfig(runner="sim", policy=policy, model="opt-13b", hardware="a100-80g"))
+    engine, clock = built.engine, built.clock
     rng = np.random.default_rng(seed)
     for i in range(candidates):
         engine.add_request(str(i), [0] * int(rng.integers(16, 1024)),

@@ -29,13 +29,13 @@ vllm/cacheopt P99 ratios measured here. PNGs and JSON go to bench/results/.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib
 import time
 
 from jserve.benchmarking.bench import BenchConfig, BenchResult, run_benchmark
+from jserve.config import EngineConfig
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 POLICIES = ["vllm", "rlp", "s3", "sarathi", "cacheopt"]
@@ -57,7 +57,7 @@ FIELDS = [  # (summary field, label, scale)
 
 
 def run(base: BenchConfig, policy: str, rate: float) -> BenchResult:
-    return run_benchmark(dataclasses.replace(base, policy=policy, rate=rate), progress=False)
+    return run_benchmark(base.with_policy(policy, rate), progress=False)
 
 
 def fmt(x: float | None, scale: float) -> str:
@@ -129,10 +129,10 @@ def main() -> None:
     all_ratios: dict[str, list[float]] = {f: [] for f in CLAIM}
     for workload in args.workloads.split(","):
         rates = RATES[workload]
-        base = BenchConfig(engine="sim", workload=workload, num_requests=args.num_requests,
-                           model="opt-13b", hardware="a100-80g", ttft_slo=args.ttft_slo,
-                           tbt_slo=args.tbt_slo, slo_scale=(0.5, 2.5), seed=args.seed,
-                           predictions=args.predictions)
+        base = BenchConfig(EngineConfig(runner="sim", model="opt-13b", hardware="a100-80g"),
+                           workload=workload, num_requests=args.num_requests,
+                           ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo, slo_scale=(0.5, 2.5),
+                           seed=args.seed, predictions=args.predictions)
         results = {p: [run(base, p, r) for r in rates] for p in POLICIES}
         print_workload(workload, rates, results)
         png = out_dir / f"cacheopt_{workload}.png"

@@ -45,6 +45,8 @@ from jserve.benchmarking.bench import (
     conversation_schedule,
     run_conversation_benchmark,
 )
+from jserve.cache.prefix import PrefixCacheConfig
+from jserve.config import EngineConfig
 from jserve.policies.tail_optimized_lru import ORACLE_RULES
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -65,13 +67,14 @@ class Run:
 
 
 def _config(args: argparse.Namespace, run: Run) -> BenchConfig:
+    cache = PrefixCacheConfig(run.rule, run.capacity, isolation=True, tel_threshold=run.xi,
+                              host_capacity_tokens=run.host)
+    engine = EngineConfig(runner="sim", model=args.model, hardware=args.hardware,
+                          max_model_len=args.max_total_len, prefix_cache=cache)
     return BenchConfig(
-        engine="sim", workload="sharegpt-multiturn", num_requests=args.conversations,
-        rate=args.rate, model=args.model, hardware=args.hardware, seed=args.seed,
-        max_total_len=args.max_total_len, prefix_cache=run.rule, cache_capacity=run.capacity,
-        cache_isolation=True, tel_threshold=run.xi, host_cache_capacity=run.host,
-        conversation_process="birth-death",
-        turn_rate=args.turn_rate, end_rate=args.end_rate,
+        engine, workload="sharegpt-multiturn", num_requests=args.conversations, rate=args.rate,
+        seed=args.seed, conversation_process="birth-death", turn_rate=args.turn_rate,
+        end_rate=args.end_rate,
     )
 
 

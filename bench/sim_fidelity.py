@@ -23,8 +23,9 @@ from datetime import date
 from device_timing import device_name, on_gpu, results_tag
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.calibrate import run_profile
 from jserve.benchmarking.workload import build_trace, load_trace, save_trace
-from jserve.runners.profiling import run_profile
+from jserve.config import EngineConfig
 
 GOAL = 0.10
 ROWS = [("TTFT p50", "ttft_p50"), ("TTFT p99", "ttft_p99"), ("TBT p50", "tbt_p50"),
@@ -61,10 +62,11 @@ def main() -> None:
         trace_path = out / "fidelity_trace.jsonl"
         save_trace(build_trace("sharegpt", args.num_requests, args.rate, seed=0,
                                max_total_len=args.max_total_len), trace_path)
-    common = dict(policy=args.policy, model="smollm2-135m", trace=str(trace_path),
-                  max_total_len=args.max_total_len, num_blocks=args.num_blocks)
-    real = run_benchmark(BenchConfig(engine="real", **common))
-    sim = run_benchmark(BenchConfig(engine="sim", profile=profile, **common))
+    common = dict(policy=args.policy, model="smollm2-135m", max_model_len=args.max_total_len,
+                  num_blocks=args.num_blocks)
+    real = run_benchmark(BenchConfig(EngineConfig(runner="real", **common), trace=str(trace_path)))
+    sim = run_benchmark(BenchConfig(EngineConfig(runner="sim", profile=profile, **common),
+                                    trace=str(trace_path)))
 
     print(f"\n{'metric':>10} {'real (s)':>10} {'sim (s)':>10} {'sim/real':>9}")
     rows = {}
@@ -83,7 +85,8 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
                    + (f", {device_name()}" if on_gpu() else ""),
         "profile": profile,
-        "config": common | {"num_requests": args.num_requests, "rate": args.rate},
+        "config": common | {"trace": str(trace_path), "num_requests": args.num_requests,
+                            "rate": args.rate},
         "metrics": rows, "worst_relative_error": worst, "goal": GOAL,
         "steps": {"real": real.num_steps, "sim": sim.num_steps},
     }, indent=1))

@@ -15,9 +15,10 @@ import platform
 import time
 from datetime import date
 
-from jserve.benchmarking.bench import BenchConfig, make_trace, sim_engine
-from jserve.benchmarking.bench import _dummy_prompt_ids as prompt_ids
+from jserve.benchmarking.bench import BenchConfig, make_trace, trace_prompt_ids
 from jserve.benchmarking.replay import replay
+from jserve.builder import build_engine
+from jserve.config import EngineConfig
 
 GOAL_S = 30.0
 
@@ -29,16 +30,17 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0)
     ap.add_argument("--output", default="bench/results/sim_speed.json")
     args = ap.parse_args()
-    cfg = BenchConfig(engine="sim", policy=args.policy, workload="sharegpt", rate=args.rate,
-                      num_requests=args.num_requests, model="opt-13b", hardware="a100-80g")
+    engine = EngineConfig(runner="sim", policy=args.policy, model="opt-13b", hardware="a100-80g")
+    cfg = BenchConfig(engine, workload="sharegpt", rate=args.rate, num_requests=args.num_requests)
     t0 = time.perf_counter()
     trace = make_trace(cfg)
     t_trace = time.perf_counter() - t0
-    engine, clock = sim_engine(cfg)
+    built = build_engine(cfg.engine)
+    clock = built.clock
     t0 = time.perf_counter()
-    records = replay(engine, trace, clock, prompt_ids)
+    records = replay(built.engine, trace, clock, trace_prompt_ids(cfg, built))
     t_sim = time.perf_counter() - t0
-    steps = engine.stats.num_steps
+    steps = built.engine.stats.num_steps
     print(f"trace sampling: {t_trace:.1f} s for {len(trace.requests)} ShareGPT requests")
     print(f"simulation:     {t_sim:.1f} s for {len(records)} requests, {steps} steps "
           f"({1e6 * t_sim / steps:.0f} us/step), {clock.now():.0f} s of simulated time "

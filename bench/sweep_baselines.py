@@ -13,6 +13,7 @@ import argparse
 
 from jserve.benchmarking.bench import BenchConfig
 from jserve.benchmarking.sweep import run_sweep, write_sweep
+from jserve.config import EngineConfig
 
 
 def main() -> None:
@@ -24,9 +25,9 @@ def main() -> None:
     ap.add_argument("--output", default="bench/results/sweep_opt-13b_a100-80g.json")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    base = BenchConfig(engine="sim", workload="sharegpt", num_requests=args.num_requests,
-                       model="opt-13b", hardware="a100-80g", ttft_slo=args.ttft_slo,
-                       tbt_slo=args.tbt_slo)
+    base = BenchConfig(EngineConfig(runner="sim", model="opt-13b", hardware="a100-80g"),
+                       workload="sharegpt", num_requests=args.num_requests,
+                       ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo)
     sweep = run_sweep(base, ["vllm", "sarathi", "fastgen"], rates, progress=False)
     print(f"{'rate':>6} | {'P99 TTFT (s)':^26} | {'P99 TBT (ms)':^26} | {'joint SLO attainment':^26}")
     print(f"{'':>6} | {'vllm':>8} {'sarathi':>8} {'fastgen':>8} | {'vllm':>8} {'sarathi':>8} {'fastgen':>8}"

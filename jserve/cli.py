@@ -6,59 +6,7 @@ import argparse
 import sys
 import time
 
-from models.registry import DEFAULT_MODEL, MODELS
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from jserve.policies import POLICIES
-
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
-                   help="model shape; only smollm2-135m has real weights (default: %(default)s)")
-    p.add_argument("--policy", default="vllm", choices=sorted(POLICIES),
-                   help="scheduling / KV-cache policy (default: %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV cache size in blocks (default: sized from free memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output token cap (default: min(model context, 2048))")
-    p.add_argument("--attention", default="auto",
-                   choices=["auto", "reference", "pallas", "pallas-interpret"],
-                   help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")
-    p.add_argument("--swap-space", type=float, default=4.0,
-                   help="GiB of host memory for K/V of requests preempted by swapping (default: 4)")
-    _add_prefix_cache_args(p, offline=False)
-
-
-def _add_prefix_cache_args(p: argparse.ArgumentParser, offline: bool) -> None:
-    """Prefix-cache flags; `offline` adds the rules that need the workload's future."""
-    from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
-
-    rules = sorted(r for r in EVICTION_RULES if offline or r not in ORACLE_RULES)
-    p.add_argument("--prefix-cache", default="none", choices=["none", *rules],
-                   help="keep finished requests' KV blocks for prompts that start the same way, "
-                        "evicting by this rule (default: none)"
-                        + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
-                           "conversations' future (sharegpt-multiturn only)" if offline else ""))
-    p.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
-                   help="most tokens of KV the prefix cache keeps unreferenced (default: every "
-                        "block no request uses)")
-    p.add_argument("--cache-isolation", action="store_true",
-                   help="no prefix reuse across conversations (default: shared)")
-    p.add_argument("--host-cache-capacity", type=int, default=0, metavar="TOKENS",
-                   help="demote evicted prefix blocks to this much host memory and copy them "
-                        "back on reuse (default: 0, off)")
-    p.add_argument("--tel-threshold", type=float, default=0.2, metavar="SECONDS",
-                   help="T-LRU's xi: the TTFT a turn may take before it counts as tail excess "
-                        "latency (default: 0.2)")
-
-
-def _prefix_cache(args: argparse.Namespace):
-    from jserve.cache.prefix import PrefixCacheConfig
-
-    if args.prefix_cache == "none":
-        return None
-    return PrefixCacheConfig(args.prefix_cache, args.cache_capacity, args.cache_isolation,
-                             args.tel_threshold, args.host_cache_capacity)
+from jserve.config import add_engine_args, add_model_arg, engine_config_from_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -66,12 +14,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr)
-    llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
-              block_size=args.block_size, max_model_len=args.max_model_len,
-              attention=args.attention, swap_space=args.swap_space,
-              prefix_cache=_prefix_cache(args), warmup=False)
-    print(f"ready in {time.perf_counter() - t0:.1f}s (step shapes compile on first use)",
-          file=sys.stderr)
+    llm = LLM(engine_config_from_args(args))
+    print(f"ready in {time.perf_counter() - t0:.1f}s"
+          + ("" if args.warmup else " (step shapes compile on first use)"), file=sys.stderr)
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
@@ -96,20 +41,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_args(p: argparse.ArgumentParser) -> None:
+def _add_bench_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """Options of `bench` and `sweep`: the engine's, then the workload's."""
     from jserve.benchmarking.workload import WORKLOADS
-    from jserve.runners.hardware import HARDWARE
 
-    p.add_argument("--engine", choices=["real", "sim"], default="sim",
-                   help="real: run the model here; sim: same engine loop, steps charged from a "
-                        "cost model on a virtual clock (default: sim)")
+    add_engine_args(p, benchmark=True, policy=not sweep)
     p.add_argument("--workload", default="sharegpt",
                    help=f"one of {', '.join(WORKLOADS)} or fixed:IN:OUT (default: sharegpt)")
     p.add_argument("--num-requests", type=int, default=1000, help="requests in the trace (default: 1000)")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
-                   help="model shape (default: %(default)s)")
-    p.add_argument("--hardware", default="a100-80g", choices=sorted(HARDWARE),
-                   help="simulated accelerator (default: %(default)s)")
     p.add_argument("--cv", type=float, default=1.0,
                    help="coefficient of variation of inter-arrival gaps; 1 is Poisson (default: 1)")
     p.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
@@ -118,21 +57,10 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-scale", type=float, nargs=2, metavar=("LO", "HI"), default=None,
                    help="per-request SLOs = the SLOs x U[LO, HI] (CacheOpt uses 0.5 2.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and SLOs")
-    p.add_argument("--max-total-len", type=int, default=2048,
-                   help="prompt + output cap, and the engine's max_model_len (default: 2048)")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks (default: from memory, or the simulated hardware)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256)")
-    p.add_argument("--swap-space", type=float, default=4.0,
-                   help="GiB of host memory for K/V of requests preempted by swapping (default: 4)")
     p.add_argument("--predictions", choices=["noise", "oracle", "none"], default="noise",
                    help="output lengths that cacheopt/rlp/s3 see: draws from the trained "
                         "predictor's error distribution, the true lengths, or none "
                         "(default: noise)")
-    p.add_argument("--profile", default=None,
-                   help="simulate with a calibrated cost profile from `jserve profile`")
-    _add_prefix_cache_args(p, offline=True)
     p.add_argument("--conversation-process", choices=["birth-death", "think-time"],
                    default="birth-death",
                    help="sharegpt-multiturn: turns come after Exp(own rate) think times and "
@@ -150,20 +78,17 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: str = "inprocess",
                   url: str | None = None):
+    import dataclasses
+
     from jserve.benchmarking.bench import BenchConfig
 
+    engine = dataclasses.replace(engine_config_from_args(args), policy=policy,
+                                 runner="real" if backend == "http" else args.runner)
     return BenchConfig(
-        engine="real" if backend == "http" else args.engine, backend=backend, url=url,
-        policy=policy, workload=args.workload, rate=rate,
-        num_requests=args.num_requests, model=args.model, hardware=args.hardware, cv=args.cv,
-        ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
+        engine, backend=backend, url=url, workload=args.workload, rate=rate,
+        num_requests=args.num_requests, cv=args.cv, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
         slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
-        max_total_len=args.max_total_len, num_blocks=args.num_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, profile=args.profile, trace=args.trace,
-        swap_space=args.swap_space, predictions=args.predictions,
-        prefix_cache=args.prefix_cache, cache_capacity=args.cache_capacity,
-        cache_isolation=args.cache_isolation, tel_threshold=args.tel_threshold,
-        host_cache_capacity=args.host_cache_capacity,
+        trace=args.trace, predictions=args.predictions, tel_threshold=args.tel_threshold,
         conversation_process=args.conversation_process, turn_rate=args.turn_rate,
         end_rate=args.end_rate, think_time=args.think_time,
     )
@@ -217,7 +142,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from jserve.runners.profiling import run_profile
+    from jserve.benchmarking.calibrate import run_profile
 
     fitted = run_profile(args.model, args.output, max_len=args.max_len, repeats=args.repeats)
     err = abs(fitted.fit_errors())
@@ -234,12 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
-    llm = LLM(args.model, policy=args.policy, num_blocks=args.num_blocks,
-              block_size=args.block_size, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention=args.attention, swap_space=args.swap_space,
-              prefix_cache=_prefix_cache(args), warmup=not args.no_warmup)
-    serve(llm, args.host, args.port)
+    serve(LLM(engine_config_from_args(args)), args.host, args.port)
     return 0
 
 
@@ -328,27 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 disables top-k (default: 0)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    _add_engine_args(g)
-    g.set_defaults(func=_generate)
-
-    from jserve.policies import POLICIES
+    add_engine_args(g)
+    g.set_defaults(func=_generate, warmup=False)  # one prompt compiles only the shapes it meets
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    s.add_argument("--max-num-seqs", type=int, default=256,
-                   help="sequences per step (default: %(default)s)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: max(max-model-len, 2048))")
-    s.add_argument("--no-warmup", action="store_true",
-                   help="start at once and compile step shapes on first use instead")
-    _add_engine_args(s)
+    add_engine_args(s)
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "
                                      "or a running server")
-    b.add_argument("--policy", default="vllm", choices=sorted(POLICIES), help="default: vllm")
     b.add_argument("--rate", type=float, default=float("inf"),
                    help="arrival rate in requests/s; inf sends all at once (default: inf)")
     b.add_argument("--output", default=None, help="write the summary and per-request records as JSON")
@@ -364,12 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--policies", type=_names, default=["vllm"], help="comma-separated (default: vllm)")
     w.add_argument("--rates", type=_floats, required=True, help="comma-separated requests/s")
     w.add_argument("--output", default="sweep.json", help="JSON path; the PNG goes beside it")
-    _add_bench_args(w)
+    _add_bench_args(w, sweep=True)
     w.set_defaults(func=_sweep)
 
     p = sub.add_parser("profile", help="time real steps over a grid of shapes and fit the "
                                        "simulator's cost model")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    add_model_arg(p)
     p.add_argument("--output", default="profile.json", help="profile JSON (default: profile.json)")
     p.add_argument("--max-len", type=int, default=2048, help="longest context profiled")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (median)")

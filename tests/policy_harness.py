@@ -27,18 +27,16 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.batch import Batch, StepOutput
-from jserve.engine.loop import Engine
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
 from jserve.engine.request import RequestOutput, RequestStatus
 from jserve.engine.request_table import RequestArrays
 from jserve.engine.sampling_params import SamplingParams
-from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import InvalidRequestError
-from jserve.policies.tail_optimized_lru import eviction_rule_for
 from jserve.policies.vllm import VLLMPolicy
 
 
@@ -266,19 +264,17 @@ class Harness:
 
     def __post_init__(self) -> None:
         cache = self.prefix_cache
-        self.state = EngineState(
-            num_blocks=self.num_blocks, block_size=self.block_size, limits=self.limits,
-            eos_token_id=self.eos, vocab_size=self.vocab_size, tokenizer=None,
-            chunked_prefill=self.policy.chunked_prefill, num_host_blocks=self.num_host_blocks,
-            **(cache.state_options(self.block_size) if cache else {}),
-        )
         self.clock = FakeClock()
         self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size,
                                  context_of=self._context if cache else None,
                                  kept=self._kept if cache else None)
         self.policy = CheckedPolicy(self.policy, self.plan_checks)
-        eviction = eviction_rule_for(dataclasses.replace(cache, futures={})) if cache else None
-        self.engine = Engine(self.state, self.policy, self.runner, clock=self.clock, eviction=eviction)
+        self.engine = assemble_engine(
+            self.policy, self.runner, self.clock, num_blocks=self.num_blocks,
+            block_size=self.block_size, limits=self.limits, vocab_size=self.vocab_size,
+            eos_token_id=self.eos, num_host_blocks=self.num_host_blocks,
+            prefix_cache=dataclasses.replace(cache, futures={}) if cache else None)
+        self.state = self.engine.state
         self.seq_of: dict[str, int] = {}
         self.specs: dict[str, Spec] = {}
         self.final: dict[str, RequestOutput] = {}

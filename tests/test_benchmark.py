@@ -9,12 +9,14 @@ import math
 
 import pytest
 
-from jserve.benchmarking.bench import BenchConfig, run_benchmark, sim_engine
+from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.calibrate import run_profile
 from jserve.benchmarking.sweep import run_sweep, write_sweep
 from jserve.benchmarking.workload import build_trace, save_trace
+from jserve.builder import build_engine
 from jserve.cli import main
+from jserve.config import EngineConfig
 from jserve.runners.cost_model import CalibratedCostModel
-from jserve.runners.profiling import run_profile
 
 SUMMARY_KEYS = {
     "ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99", "tbt_p99", "tpot_mean", "norm_latency_mean",
@@ -23,10 +25,11 @@ SUMMARY_KEYS = {
 }
 
 
-def _sim(**kw) -> BenchConfig:
-    base = dict(engine="sim", workload="fixed:64:16", num_requests=60, rate=50.0,
-                model="opt-13b", hardware="a100-80g", ttft_slo=0.5, tbt_slo=0.1)
-    return BenchConfig(**(base | kw))
+def _sim(engine: dict | None = None, **kw) -> BenchConfig:
+    """A small simulated benchmark; `engine`: `EngineConfig` fields over the defaults."""
+    e = EngineConfig(**(dict(runner="sim", model="opt-13b", hardware="a100-80g") | (engine or {})))
+    base = dict(workload="fixed:64:16", num_requests=60, rate=50.0, ttft_slo=0.5, tbt_slo=0.1)
+    return BenchConfig(e, **(base | kw))
 
 
 def test_sim_benchmark_finishes_everything_deterministically() -> None:
@@ -39,7 +42,7 @@ def test_sim_benchmark_finishes_everything_deterministically() -> None:
 
 
 def test_tight_simulated_cache_preempts_and_still_finishes() -> None:
-    r = run_benchmark(_sim(num_blocks=24, rate=math.inf, policy="vllm"), progress=False)
+    r = run_benchmark(_sim(dict(num_blocks=24, policy="vllm"), rate=math.inf), progress=False)
     assert r.num_preemptions > 0 and r.summary.num_finished == 60
     assert r.summary.preempted_time_total > 0
 
@@ -58,8 +61,8 @@ def test_saved_trace_replays_identically(tmp_path) -> None:
 
 
 def test_real_engine_benchmark_on_tiny_model() -> None:
-    cfg = BenchConfig(engine="real", model="tiny-llama", workload="fixed:12:5", num_requests=6,
-                      rate=200.0, max_total_len=64, num_blocks=64, max_num_seqs=8)
+    engine = EngineConfig(model="tiny-llama", max_model_len=64, num_blocks=64, max_num_seqs=8)
+    cfg = BenchConfig(engine, workload="fixed:12:5", num_requests=6, rate=200.0)
     r = run_benchmark(cfg, progress=False)
     assert r.summary.num_finished == 6 and all(rec.output_len == 5 for rec in r.records)
 
@@ -87,18 +90,18 @@ def test_profile_calibrates_the_simulator(tmp_path) -> None:
     fitted = run_profile("tiny-llama", str(path), max_len=256, repeats=1, progress=False)
     assert len(fitted.samples) >= 10
     assert CalibratedCostModel.load(path).coefficients == fitted.coefficients
-    r = run_benchmark(_sim(model="tiny-llama", profile=str(path), max_total_len=256, num_blocks=64),
-                      progress=False)
+    r = run_benchmark(_sim(dict(model="tiny-llama", profile=str(path), max_model_len=256,
+                                num_blocks=64)), progress=False)
     assert r.summary.num_finished == 60
 
 
 def test_unknown_engine_is_refused() -> None:
-    with pytest.raises(ValueError, match="engine must be 'real' or 'sim'"):
-        run_benchmark(_sim(engine="gpu"), progress=False)
+    with pytest.raises(ValueError, match="runner must be one of 'real', 'sim', not 'gpu'"):
+        _sim(dict(runner="gpu"))
 
 
 def test_sim_engine_sizes_the_cache_from_hardware() -> None:
-    engine, _ = sim_engine(_sim())
+    engine = build_engine(_sim().engine).engine
     assert 3000 < engine.state.blocks.num_blocks < 5000  # ~62k tokens of opt-13b KV on 80 GB
 
 
@@ -119,17 +122,18 @@ def test_cli_multiturn_bench_reports_the_prefix_cache(tmp_path, capsys) -> None:
 
 
 def test_prefix_cache_hits_shrink_simulated_prefills() -> None:
-    on = run_benchmark(BenchConfig(engine="sim", workload="sharegpt-multiturn", num_requests=10,
-                                   rate=1.0, model="opt-13b", prefix_cache="tbelady"),
+    on = run_benchmark(_sim(dict(prefix_cache="tbelady"), workload="sharegpt-multiturn",
+                            num_requests=10, rate=1.0, ttft_slo=None, tbt_slo=None),
                        progress=False)
-    off = run_benchmark(dataclasses.replace(on.config, prefix_cache="none"), progress=False)
+    off_engine = dataclasses.replace(on.config.engine, prefix_cache=None)
+    off = run_benchmark(dataclasses.replace(on.config, engine=off_engine), progress=False)
     assert off.multiturn["cached_prompt_fraction"] == 0 < on.multiturn["cached_prompt_fraction"]
     assert on.summary.ttft_mean < off.summary.ttft_mean
 
 
 def test_oracle_eviction_needs_the_conversations_future() -> None:
     with pytest.raises(ValueError, match="futures"):
-        run_benchmark(_sim(prefix_cache="tbelady"), progress=False)
+        run_benchmark(_sim(dict(prefix_cache="tbelady")), progress=False)
 
 
 def test_reproduce_tlru_quick_run(tmp_path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jserve.engine.plan import PreemptMode
+from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.request import RequestStatus
 from jserve.engine.request_table import RequestArrays
 from jserve.engine.view import SchedulerLimits, SchedulerView
@@ -31,7 +32,6 @@ from jserve.policies.cacheopt import (
 from jserve.policies.reservation import Ledger, demand_blocks
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy, bucket_upper
-from jserve.runners.preemption_cost import PreemptionCosts
 
 W, R, S = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
 

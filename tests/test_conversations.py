@@ -21,10 +21,10 @@ from jserve.benchmarking.conversations import (
 )
 from jserve.benchmarking.metrics import RequestRecord
 from jserve.benchmarking.workload import ConversationTrace, ConversationTurn
+from jserve.builder import assemble_engine
 from jserve.cache.prefix import FutureTurn
 from jserve.engine.clock import VirtualClock
 from jserve.engine.loop import Engine
-from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.vllm import VLLMPolicy
 from jserve.runners.cost_model import StepShape
@@ -194,10 +194,9 @@ class _CountingRunner(SimRunner):
 def _sim_engine(num_blocks: int = 256) -> tuple[Engine, VirtualClock]:
     clock = VirtualClock(start=100.0)  # arrivals are offsets from the call, not from 0
     limits = SchedulerLimits.with_default_budget(8, None, 2048)
-    policy = VLLMPolicy()
-    state = EngineState(num_blocks=num_blocks, block_size=16, limits=limits, eos_token_id=None,
-                        vocab_size=VOCAB, chunked_prefill=policy.chunked_prefill)
-    return Engine(state, policy, _CountingRunner(clock), clock.now), clock
+    engine = assemble_engine(VLLMPolicy(), _CountingRunner(clock), clock.now, num_blocks=num_blocks,
+                             block_size=16, limits=limits, vocab_size=VOCAB)
+    return engine, clock
 
 
 def _messages(cid: str, k: int, turn: ScheduledTurn) -> list[int]:

@@ -16,16 +16,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from policy_harness import FakeClock, FakeRunner, Harness, Spec, configs
 
+from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.loop import Engine
 from jserve.engine.plan import Plan
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
-from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 from jserve.policies import POLICIES, make_policy
-from jserve.policies.tail_optimized_lru import EVICTION_RULES, LRUEviction
+from jserve.policies.tail_optimized_lru import EVICTION_RULES
 from jserve.policies.vllm import VLLMPolicy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -34,13 +34,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 def _engine(num_blocks: int = 16, block_size: int = 4, capacity: int | None = None,
             isolation: bool = False) -> Engine:
     limits = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    state = EngineState(num_blocks=num_blocks, block_size=block_size, limits=limits, eos_token_id=None,
-                        vocab_size=100, **PrefixCacheConfig(capacity_tokens=capacity,
-                                                            isolation=isolation).state_options(block_size))
-    clock = FakeClock()
     runner = FakeRunner(num_blocks, block_size, limits, 100,
-                        context_of=lambda seq: state.requests[seq].all_token_ids)
-    return Engine(state, VLLMPolicy(), runner, clock=clock, eviction=LRUEviction())
+                        context_of=lambda seq: engine.state.requests[seq].all_token_ids)
+    engine = assemble_engine(VLLMPolicy(), runner, FakeClock(), num_blocks=num_blocks,
+                             block_size=block_size, limits=limits, vocab_size=100,
+                             prefix_cache=PrefixCacheConfig("lru", capacity, isolation))
+    return engine
 
 
 def _drain(engine: Engine) -> None:

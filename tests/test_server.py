@@ -23,6 +23,7 @@ from jserve.benchmarking.http_client import scrape_metrics
 from jserve.benchmarking.http_client import wait_until_idle as server_idle
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cli import main
+from jserve.config import EngineConfig
 from jserve.engine.plan import Plan
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -227,8 +228,8 @@ def test_prefix_cache_reuses_a_conversations_history_over_http(tiny_loaded: Load
 
 
 def test_http_bench_refuses_a_server_running_another_policy(tiny: Served) -> None:
-    cfg = BenchConfig(engine="real", backend="http", url=tiny.url, model="tiny-llama",
-                      policy="sarathi", workload="fixed:4:2", num_requests=1)
+    cfg = BenchConfig(EngineConfig(model="tiny-llama", policy="sarathi"), backend="http",
+                      url=tiny.url, workload="fixed:4:2", num_requests=1)
     with pytest.raises(ValueError, match="pass --model tiny-llama --policy vllm"):
         run_benchmark(cfg, progress=False)
 

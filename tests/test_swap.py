@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from policy_harness import FakeClock, FakeRunner
 
+from jserve.builder import assemble_engine
 from jserve.engine.batch import Batch, StepOutput
-from jserve.engine.loop import Engine
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
@@ -29,9 +29,10 @@ def batch_output(batch: Batch) -> StepOutput:
 
 
 def _two_running(num_host_blocks: int) -> tuple[EngineState, int, int]:
-    state = EngineState(num_blocks=6, block_size=4, limits=LIMITS, eos_token_id=None,
-                        vocab_size=16, num_host_blocks=num_host_blocks)
-    engine = Engine(state, VLLMPolicy(), FakeRunner(6, 4, LIMITS, 16), clock=FakeClock())
+    engine = assemble_engine(VLLMPolicy(), FakeRunner(6, 4, LIMITS, 16), FakeClock(), num_blocks=6,
+                             block_size=4, limits=LIMITS, vocab_size=16,
+                             num_host_blocks=num_host_blocks)
+    state = engine.state
     for rid in "ab":
         engine.add_request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()

@@ -25,8 +25,8 @@ from policy_harness import (
 )
 from policy_harness import Harness as BaseHarness
 
+from jserve.builder import assemble_engine
 from jserve.engine.batch import StepOutput
-from jserve.engine.loop import Engine
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
@@ -302,8 +302,9 @@ def test_config_where_decodes_could_exceed_the_token_budget_is_refused() -> None
 
 def test_refused_plan_changes_nothing() -> None:
     limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)
-    state = EngineState(num_blocks=4, block_size=4, limits=limits, eos_token_id=None, vocab_size=16)
-    engine = Engine(state, VLLMPolicy(), FakeRunner(4, 4, limits, 16), clock=FakeClock())
+    engine = assemble_engine(VLLMPolicy(), FakeRunner(4, 4, limits, 16), FakeClock(), num_blocks=4,
+                             block_size=4, limits=limits, vocab_size=16)
+    state = engine.state
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.add_request("b", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()

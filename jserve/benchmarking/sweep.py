@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.benchmarking.bench import BenchConfig, BenchResult, run_benchmark
+from jserve.benchmarking.bench import (
+    BenchConfig,
+    BenchResult,
+    config_json,
+    run_benchmark,
+)
 from jserve.benchmarking.metrics import effective_throughput
 
 # (summary field, axis label); latencies plotted in ms.
@@ -32,8 +36,10 @@ class SweepResult:
         return effective_throughput(self.rates, att)
 
     def to_json(self) -> dict[str, Any]:
+        config = config_json(self.base)  # less what the sweep varies
+        del config["rate"], config["engine"]["policy"]
         return {
-            "config": {k: v for k, v in dataclasses.asdict(self.base).items() if k not in ("rate", "policy")},
+            "config": config,
             "rates": self.rates,
             "effective_throughput": {p: self.effective_throughput(p) for p in self.results},
             "summaries": {p: [r.summary.to_dict() for r in rs] for p, rs in self.results.items()},
@@ -43,7 +49,7 @@ class SweepResult:
 def run_sweep(base: BenchConfig, policies: list[str], rates: list[float], progress: bool = True
               ) -> SweepResult:
     results = {
-        p: [run_benchmark(dataclasses.replace(base, policy=p, rate=r), progress) for r in rates]
+        p: [run_benchmark(base.with_policy(p, r), progress) for r in rates]
         for p in policies
     }
     return SweepResult(base, rates, results)
@@ -69,9 +75,9 @@ def plot_sweep(sweep: SweepResult, path: str | pathlib.Path) -> None:
             ax.axhline(0.9, color="grey", lw=0.8, ls="--")
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
-    b = sweep.base
-    fig.suptitle(f"{b.model} on {b.hardware if b.engine == 'sim' else 'this machine'} "
-                 f"({b.engine}), {b.workload}, {b.num_requests} requests")
+    b, e = sweep.base, sweep.base.engine
+    fig.suptitle(f"{e.model_name} on {e.hardware if e.runner == 'sim' else 'this machine'} "
+                 f"({e.runner}), {b.workload}, {b.num_requests} requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

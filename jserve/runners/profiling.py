@@ -1,7 +1,8 @@
 """Measure real step times over a grid of batch shapes and fit the simulator's cost model.
 
-`jserve profile` runs this on the machine to be simulated; `jserve bench --engine sim
---profile FILE` then charges every simulated step from the fitted model. The grid spans
+`jserve profile` runs this on the machine to be simulated (`jserve.benchmarking.calibrate`
+builds the engine); `jserve bench --engine sim --profile FILE` then charges every simulated
+step from the fitted model. The grid spans
 what the features need to be told apart: prefills of one and of several prompts, chunks
 that start after a cached prefix, decodes at several batch sizes and context lengths.
 """
@@ -62,22 +63,21 @@ def measure(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], repeat
         yield StepShape.of(batch, runner.buckets.tokens), float(np.median(times))
 
 
-def run_profile(model: str, output: str, max_len: int = 2048, repeats: int = 3,
-                progress: bool = True) -> CalibratedCostModel:
+def profile_num_blocks(shapes: list[tuple[list[int], list[int]]], block_size: int) -> int:
+    """KV blocks the largest profiled step holds (`_batch` gives each sequence its own)."""
+    return max(sum(-(-(s + q) // block_size) for s, q in zip(st, ql)) for st, ql in shapes)
+
+
+def fit_profile(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], model_name: str,
+                repeats: int = 3, progress: bool = True) -> CalibratedCostModel:
+    """Time `shapes` on `runner` and fit the simulator's cost model to them."""
     import jax
 
-    from jserve.serving.llm import LLM
-
-    shapes = profile_shapes(max_len)
-    blocks = max(sum(-(-(s + q) // 16) for s, q in zip(st, ql)) for st, ql in shapes)
-    llm = LLM(model, num_blocks=max(blocks, 64), max_model_len=max_len, warmup=False)
-    it = measure(llm.runner, shapes, repeats)
+    it = measure(runner, shapes, repeats)
     if progress:
         from tqdm import tqdm
 
         it = tqdm(it, total=len(shapes), desc="profiling step shapes", unit="shape")
     samples = list(it)
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
-    fitted = CalibratedCostModel.fit(samples, model_name=model, device=device)
-    fitted.save(output)
-    return fitted
+    return CalibratedCostModel.fit(samples, model_name=model_name, device=device)

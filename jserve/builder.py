@@ -1,0 +1,181 @@
+"""Builds an engine from an `EngineConfig`: the real one (the model on this machine's device
+through `JaxRunner`, wall clock, the model's tokenizer) or the simulated one (`SimRunner`
+charging each step from a cost model, virtual clock).
+
+This is the only place `Engine` and `EngineState` are constructed (`assemble_engine`), so a
+change to how the state is made, or a new cache or policy option, is wired once. It is also
+where a policy that prices preemption gets its costs, as data fitted to a profile of the
+runner in use (`jserve.runners.preemption_cost`); the policy never sees a cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.cache.sizing import (
+    block_bytes,
+    device_kv_budget,
+    dtype_bytes,
+    num_blocks_for_budget,
+)
+from jserve.config import EngineConfig
+from jserve.engine.clock import VirtualClock, WallClock
+from jserve.engine.loop import Engine, Runner
+from jserve.engine.policy import Policy
+from jserve.engine.preemption_costs import PreemptionCosts
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits
+from jserve.policies.tail_optimized_lru import eviction_rule_for
+from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
+from jserve.runners.hardware import get_hardware, kv_capacity_blocks
+from jserve.runners.jax_runner import Buckets, JaxRunner
+from jserve.runners.preemption_cost import preemption_costs_from_cost_model
+from jserve.runners.sim_runner import SimRunner
+from models.config import ModelConfig
+from models.loading import LoadedModel, load_model
+from models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """An engine and what its front end needs beside it."""
+
+    engine: Engine
+    clock: WallClock | VirtualClock  # the engine's time; `wait_until` idles to an arrival
+    model_config: ModelConfig
+    loaded: LoadedModel | None = None  # the real engine's model (weights, tokenizer)
+
+    @property
+    def runner(self) -> Runner:
+        return self.engine.runner
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.loaded.tokenizer if self.loaded is not None else None
+
+
+def build_engine(config: EngineConfig, futures: ConversationFutures | None = None) -> BuiltEngine:
+    """The engine `config` describes. `futures`: a benchmark's conversations to come, which
+    the oracle prefix-cache rules read."""
+    cache = config.prefix_cache
+    if cache is not None and futures is not None:
+        cache = dataclasses.replace(cache, futures=futures)
+    return (_build_sim if config.runner == "sim" else _build_real)(config, cache)
+
+
+def assemble_engine(
+    policy: Policy, runner: Runner, clock: Callable[[], float], *, num_blocks: int,
+    block_size: int, limits: SchedulerLimits, vocab_size: int, eos_token_id: int | None = None,
+    tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
+    prefix_cache: PrefixCacheConfig | None = None,
+) -> Engine:
+    """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
+    and what tests with a fake runner call directly."""
+    state = EngineState(
+        num_blocks=num_blocks, block_size=block_size, limits=limits, eos_token_id=eos_token_id,
+        vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
+        num_host_blocks=num_host_blocks,
+        **(prefix_cache.state_options(block_size) if prefix_cache else {}),
+    )
+    eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
+    return Engine(state, policy, runner, clock, eviction=eviction)
+
+
+def _enable_compilation_cache() -> None:
+    """Keep compiled steps on disk so the second start-up skips most XLA compilation."""
+    if jax.config.jax_compilation_cache_dir is None:
+        path = os.environ.get("JSERVE_COMPILE_CACHE", os.path.expanduser("~/.cache/jserve/xla"))
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
+    _enable_compilation_cache()
+    loaded = _load_model(config)
+    model = loaded.config
+    dbytes = dtype_bytes(loaded.model.embed.embedding.get_value().dtype)
+    limits = config.limits
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        budget = device_kv_budget(model.num_params * dbytes, config.gpu_memory_utilization)
+        num_blocks = num_blocks_for_budget(model, config.block_size, dbytes, budget)
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")
+    runner = JaxRunner(
+        loaded.model, num_blocks=num_blocks, block_size=config.block_size,
+        max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
+        max_model_len=limits.max_model_len, attention=config.attention,
+    )
+    # The real runner's costs come only from a profile measured on it; without one the
+    # policy keeps its documented fallback.
+    policy = config.make_policy()
+    if config.profile is not None:
+        policy = _with_preemption_costs(policy, lambda: _fitted_costs(
+            CalibratedCostModel.load(config.profile), model, dbytes, config.hardware))
+    clock = WallClock()
+    engine = assemble_engine(
+        policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
+        limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
+        tokenizer=loaded.tokenizer, prefix_cache=cache,
+        num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
+                                              config.swap_space * 2**30),
+    )
+    if config.warmup:
+        runner.warmup(progress=True)
+    return BuiltEngine(engine, clock, model, loaded)
+
+
+def _load_model(config: EngineConfig) -> LoadedModel:
+    if isinstance(config.model, LoadedModel):
+        return config.model
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return load_model(config.model, weights=config.weights, dtype=jnp.dtype(dtype), seed=config.seed)
+
+
+def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
+    model = config.model_config()
+    hw = get_hardware(config.hardware)
+    dbytes = dtype_bytes(jnp.bfloat16 if config.dtype == "auto" else jnp.dtype(config.dtype))
+    roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes)
+    cost: CostModel = (CalibratedCostModel.load(config.profile, extras=roofline)
+                       if config.profile else roofline)
+    limits = config.limits
+    num_blocks = config.num_blocks or kv_capacity_blocks(
+        model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization)
+    clock = VirtualClock()
+    # A profile was measured on the bucketed JAX runner: model its padding too.
+    pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
+    block = block_bytes(model, config.block_size, dbytes)
+    runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
+    policy = _with_preemption_costs(config.make_policy(),
+                                    lambda: _fitted_costs(cost, model, dbytes, config.hardware))
+    engine = assemble_engine(
+        policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
+        limits=limits, vocab_size=model.vocab_size, prefix_cache=cache,
+        num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
+                                              config.swap_space * 2**30),
+    )
+    return BuiltEngine(engine, clock, model)
+
+
+def _fitted_costs(cost: CostModel, model: ModelConfig, dbytes: int, hardware: str) -> PreemptionCosts:
+    """Recompute priced by the runner's cost model, swap by the hardware's host link."""
+    return preemption_costs_from_cost_model(cost, block_bytes(model, 1, dbytes),
+                                            get_hardware(hardware).pcie_bandwidth)
+
+
+def _with_preemption_costs(policy: Policy, costs: Callable[[], PreemptionCosts]) -> Policy:
+    """Hand the runner's preemption costs to a policy that prices preemption (it has a
+    `preemption_costs` field) and was not given its own; others are returned as they are."""
+    if getattr(policy, "preemption_costs", False) is not None:
+        return policy
+    return dataclasses.replace(policy, preemption_costs=costs())

@@ -1,0 +1,287 @@
+"""One engine configuration (what vLLM calls engine args), validated once, and the one place
+its command-line options are declared.
+
+Everything that decides how an engine is built lives in `EngineConfig`: the model and its
+weights, the policy, the cache and batch limits, the prefix cache, the attention backend, and
+what the simulated runner needs (the accelerator and a step-time profile). `jserve.builder`
+turns a config into the real engine or the simulated one, so `LLM`, the HTTP server,
+`jserve bench`, the simulator, profiling and the tests all build engines the same way, and a
+new cache or policy option is added here and in the builder only.
+
+`add_engine_args` declares the options for `jserve generate`, `serve`, `bench` and `sweep`
+alike (each `--help` lists them all) and `engine_config_from_args` reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from jserve.cache.prefix import PrefixCacheConfig
+from jserve.engine.view import SchedulerLimits
+from jserve.policies import POLICIES, make_policy
+from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
+from jserve.runners.hardware import HARDWARE
+from models.config import ModelConfig
+from models.registry import DEFAULT_MODEL, MODELS, get_config
+
+if TYPE_CHECKING:
+    from jserve.engine.policy import Policy
+    from jserve.predictor import LengthPredictor
+    from models.loading import LoadedModel
+
+Runner = Literal["real", "sim"]
+RUNNERS: tuple[str, ...] = ("real", "sim")
+WEIGHTS: tuple[str, ...] = ("auto", "real", "dummy")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+ATTENTION: tuple[str, ...] = ("auto", "reference", "pallas", "pallas-interpret")
+MAX_DEFAULT_MODEL_LEN = 2048  # the default max_model_len: the model's context, at most this
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build one engine; every field has the default `LLM(...)` and the CLI use.
+
+    Model:
+        model: a name from `models.registry`, or (real engine only) a `LoadedModel` already
+            in memory, so several engines can share one.
+        weights: 'auto' (real where a package ships them, else random), 'real' or 'dummy'.
+        dtype: 'auto' (float32 on CPU, bfloat16 on accelerators and in the simulator).
+        seed: seed of random (dummy) weights.
+    Scheduling:
+        policy: a name in `jserve.policies.POLICIES` or a policy object
+            (e.g. `SarathiPolicy(token_budget=256)`).
+        predictor: output-length predictor for the policies that allocate by prediction
+            (cacheopt, rlp, s3), read by the `LLM` front end: 'auto' loads the shipped one
+            of the policy's kind when it reads this model's tokens, None gives no
+            predictions (the policy then reserves each request's maximum), or a
+            `LengthPredictor`. Benchmarks draw predictions from the trace instead.
+        max_model_len: prompt + output cap; None: the model's context, at most 2048.
+        max_num_seqs / max_num_batched_tokens: per-step limits (vLLM's meaning; None: a
+            whole prompt fits one step and every running sequence can decode together).
+    KV cache:
+        block_size: tokens per KV block.
+        num_blocks: KV blocks; None sizes the cache from memory (the device's on the real
+            engine, the simulated accelerator's in the simulator). A test can force a tiny
+            cache to provoke preemptions.
+        gpu_memory_utilization: the share of device memory weights and KV may take.
+        swap_space: GiB of host memory for the K/V of requests preempted by swapping
+            (vLLM's option and default); 0 leaves policies recompute preemption only.
+        prefix_cache: keep finished requests' full KV blocks for prompts that start the
+            same way: an eviction rule's name ('lru', 'threshold-lru', 'tlru'; see
+            `jserve.policies.tail_optimized_lru`) or a `PrefixCacheConfig`. None: off.
+    Runner:
+        runner: 'real' (the model on this machine's device, wall clock) or 'sim' (the same
+            engine loop charging each step from a cost model on a virtual clock).
+        attention: 'auto' (Pallas kernels on GPU, jnp reference on CPU), 'reference',
+            'pallas', or 'pallas-interpret' (the kernels interpreted, for checking).
+        warmup: compile the step's shape buckets at start-up rather than on first use.
+        hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
+            real engine only its host link is read, to price swaps for `profile`.
+        profile: a step-time profile from `jserve profile`: the simulator charges steps
+            from it, and on either runner CacheOpt's swap-vs-recompute costs are fitted to
+            it (the simulator fits them to its cost model when no profile is given; the
+            real engine without one leaves the policy its fallback, always swap).
+    """
+
+    model: str | LoadedModel = DEFAULT_MODEL
+    weights: Literal["auto", "real", "dummy"] = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    policy: str | Policy = "vllm"
+    predictor: str | None | LengthPredictor = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0
+    prefix_cache: PrefixCacheConfig | None = None
+    runner: Runner = "real"
+    attention: str = "auto"
+    warmup: bool = True
+    hardware: str = "a100-80g"
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefix_cache, str):  # a rule's name is shorthand for its defaults
+            cache = None if self.prefix_cache == "none" else PrefixCacheConfig(self.prefix_cache)
+            object.__setattr__(self, "prefix_cache", cache)
+        _check_choice("runner", self.runner, RUNNERS)
+        if isinstance(self.model, str):
+            get_config(self.model)  # unknown names fail with the list of known ones
+        elif self.runner == "sim":
+            raise ValueError("the simulator takes a model name from the registry, not a loaded model")
+        if isinstance(self.policy, str):
+            make_policy(self.policy)  # unknown names fail with the list of known ones
+        _check_choice("weights", self.weights, WEIGHTS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention", self.attention, ATTENTION)
+        _check_choice("hardware", self.hardware, tuple(sorted(HARDWARE)))
+        if isinstance(self.predictor, str) and self.predictor != "auto":
+            raise ValueError(f"predictor must be 'auto', None or a LengthPredictor, not {self.predictor!r}")
+        if self.prefix_cache is not None and self.prefix_cache.eviction not in EVICTION_RULES:
+            raise ValueError(f"unknown prefix-cache eviction rule {self.prefix_cache.eviction!r}; "
+                             f"known rules: {', '.join(sorted(EVICTION_RULES))}")
+        for name in ("block_size", "max_num_seqs"):
+            _check_at_least(name, getattr(self, name), 1)
+        for name in ("num_blocks", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                _check_at_least(name, getattr(self, name), 1)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def model_name(self) -> str:
+        return self.model if isinstance(self.model, str) else self.model.config.name
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy if isinstance(self.policy, str) else self.policy.name
+
+    def model_config(self) -> ModelConfig:
+        """The model's shapes: the registry's, or the loaded model's own."""
+        return get_config(self.model) if isinstance(self.model, str) else self.model.config
+
+    @property
+    def limits(self) -> SchedulerLimits:
+        """The per-step limits every plan must respect, defaults resolved for the model."""
+        max_model_len = self.max_model_len or min(self.model_config().max_position, MAX_DEFAULT_MODEL_LEN)
+        return SchedulerLimits.with_default_budget(self.max_num_seqs, self.max_num_batched_tokens,
+                                                   max_model_len)
+
+    def make_policy(self) -> Policy:
+        """A fresh policy of the configured name, or the configured policy object."""
+        return make_policy(self.policy) if isinstance(self.policy, str) else self.policy
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, for benchmark records: the model, policy and predictor by name, and
+        the prefix cache's settings without an oracle's futures."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        cache = self.prefix_cache
+        d.update(model=self.model_name, policy=self.policy_name,
+                 predictor=self.predictor if self.predictor in ("auto", None)
+                 else type(self.predictor).__name__,
+                 prefix_cache=None if cache is None else
+                 {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache) if f.name != "futures"})
+        return d
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+
+def _check_at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """`--model`, alone: for commands that load a model but build no serving engine."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                        help="model shape; only smollm2-135m has real weights (default: %(default)s)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
+                    policy: bool = True) -> None:
+    """Every `EngineConfig` option, declared once for generate, serve, bench and sweep.
+
+    `benchmark` (bench, sweep) adds `--engine` to pick the simulated runner, the prefix-cache
+    rules that read a workload's future, and `--max-total-len` as the old name of
+    `--max-model-len` (the trace's prompt + output cap too). `policy=False` leaves out
+    `--policy` (sweep names several). A command whose default differs sets it with
+    `parser.set_defaults` (generate starts without warm-up)."""
+    d = EngineConfig()
+    add_model_arg(parser)
+    parser.add_argument("--weights", default=d.weights, choices=WEIGHTS,
+                        help="auto: real weights where a package ships them, else random "
+                             "(default: %(default)s)")
+    parser.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                        help="auto: float32 on CPU, bfloat16 on accelerators and in the simulator "
+                             "(default: %(default)s)")
+    if policy:
+        parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
+                            help="scheduling / KV-cache policy (default: %(default)s)")
+    names = ["--max-model-len", "--max-total-len"] if benchmark else ["--max-model-len"]
+    parser.add_argument(*names, dest="max_model_len", type=int, default=None, metavar="L",
+                        help="prompt + output token cap" + (", of the engine and the trace"
+                                                            if benchmark else "")
+                             + f" (default: min(model context, {MAX_DEFAULT_MODEL_LEN}))")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                        help="sequences per step (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: max(max-model-len, 2048))")
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help="tokens per KV block (default: %(default)s)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV cache size in blocks (default: sized from free memory, or from "
+                             "the simulated hardware)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="share of device memory weights and KV may take (default: %(default)s)")
+    parser.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GIB",
+                        help="GiB of host memory for K/V of requests preempted by swapping "
+                             "(default: 4)")
+    _add_prefix_cache_args(parser, benchmark)
+    parser.add_argument("--attention", default=d.attention, choices=ATTENTION,
+                        help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
+                        help="compile every step shape at start-up; --no-warmup starts at once "
+                             "and compiles shapes on first use (default: %(default)s)")
+    if benchmark:
+        parser.add_argument("--engine", dest="runner", choices=RUNNERS, default="sim",
+                            help="real: run the model here; sim: same engine loop, steps charged "
+                                 "from a cost model on a virtual clock (default: sim)")
+    parser.add_argument("--hardware", default=d.hardware, choices=sorted(HARDWARE),
+                        help="accelerator the simulator models; the real engine reads only its "
+                             "host link, to price swaps for --profile (default: %(default)s)")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="step-time profile from `jserve profile`: the simulator charges "
+                             "steps from it, and CacheOpt fits its swap-vs-recompute costs to it")
+
+
+def _add_prefix_cache_args(parser: argparse.ArgumentParser, benchmark: bool) -> None:
+    """Prefix-cache flags; `benchmark` adds the rules that need the workload's future."""
+    rules = sorted(r for r in EVICTION_RULES if benchmark or r not in ORACLE_RULES)
+    d = PrefixCacheConfig()
+    parser.add_argument("--prefix-cache", default="none", choices=["none", *rules],
+                        help="keep finished requests' KV blocks for prompts that start the same "
+                             "way, evicting by this rule (default: none)"
+                             + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
+                                "conversations' future (sharegpt-multiturn only)" if benchmark else ""))
+    parser.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
+                        help="most tokens of KV the prefix cache keeps unreferenced (default: "
+                             "every block no request uses)")
+    parser.add_argument("--cache-isolation", action="store_true",
+                        help="no prefix reuse across conversations (default: shared)")
+    parser.add_argument("--host-cache-capacity", type=int, default=d.host_capacity_tokens,
+                        metavar="TOKENS",
+                        help="demote evicted prefix blocks to this much host memory and copy them "
+                             "back on reuse (default: 0, off)")
+    parser.add_argument("--tel-threshold", type=float, default=d.tel_threshold, metavar="SECONDS",
+                        help="T-LRU's xi: the TTFT a turn may take before it counts as tail excess "
+                             "latency (default: %(default)s)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` the options of `add_engine_args` describe."""
+    cache = None if args.prefix_cache == "none" else PrefixCacheConfig(
+        args.prefix_cache, args.cache_capacity, args.cache_isolation, args.tel_threshold,
+        args.host_cache_capacity)
+    return EngineConfig(
+        model=args.model, weights=args.weights, dtype=args.dtype,
+        policy=getattr(args, "policy", EngineConfig.policy),
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
+        attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
+    )

@@ -1,0 +1,106 @@
+"""`build_engine`: one configuration makes the real engine or the simulated one, and hands a
+policy that prices preemption its costs from a profile of the runner in use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jserve import LLM, RequestOutput, SamplingParams
+from jserve.builder import build_engine
+from jserve.cache.sizing import block_bytes, num_blocks_for_budget
+from jserve.config import EngineConfig
+from jserve.engine.clock import VirtualClock, WallClock
+from jserve.engine.loop import Engine
+from jserve.engine.preemption_costs import PreemptionCosts
+from jserve.policies.cacheopt import CacheOptPolicy
+from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel
+from jserve.runners.hardware import get_hardware
+from jserve.runners.jax_runner import JaxRunner
+from jserve.runners.preemption_cost import preemption_costs_from_cost_model
+from jserve.runners.sim_runner import SimRunner
+from models.registry import get_config
+
+TINY = EngineConfig(model="tiny-llama", weights="dummy", num_blocks=32, block_size=4,
+                    max_model_len=64, max_num_seqs=4, warmup=False)
+
+
+def _tokens_of_one_request(engine: Engine) -> int:
+    """How many tokens a request for 4 generates, run to its end."""
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished:
+        outputs += [RequestOutput.of(r) for r in engine.step()]
+    return len(outputs[-1].token_ids)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A step-time profile as `jserve profile` writes one (made-up coefficients)."""
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    CalibratedCostModel((2e-3, 1e-5, 2e-5, 1e-5, 1e-9, 1e-9, 0.0, 0.0)).save(path)
+    return str(path)
+
+
+def test_real_engine_on_the_tiny_model() -> None:
+    built = build_engine(TINY)
+    state = built.engine.state
+    assert isinstance(built.runner, JaxRunner) and isinstance(built.clock, WallClock)
+    assert built.loaded is not None and built.tokenizer is None  # dummy weights: ids only
+    assert (state.blocks.num_blocks, state.limits) == (32, TINY.limits)
+    model = get_config("tiny-llama")  # float32 on CPU: 4 bytes a value
+    assert state.host_blocks.num_blocks == num_blocks_for_budget(model, 4, 4, 4 * 2**30)
+    assert state.prefix is None and built.engine.eviction is None
+    assert _tokens_of_one_request(built.engine) == 4
+
+
+def test_real_engine_with_a_prefix_cache_and_a_loaded_model(tiny_loaded) -> None:
+    built = build_engine(dataclasses.replace(TINY, model=tiny_loaded, prefix_cache="lru"))
+    assert built.loaded is tiny_loaded and built.model_config is tiny_loaded.config
+    assert built.engine.state.prefix is not None and built.engine.eviction.name == "lru"
+
+
+def test_real_engine_prices_preemption_only_from_a_profile(profile: str) -> None:
+    cfg = dataclasses.replace(TINY, policy="cacheopt")
+    assert build_engine(cfg).engine.policy.preemption_costs is None  # the policy's fallback
+    costs = build_engine(dataclasses.replace(cfg, profile=profile)).engine.policy.preemption_costs
+    model = get_config("tiny-llama")
+    assert costs == preemption_costs_from_cost_model(
+        CalibratedCostModel.load(profile), block_bytes(model, 1, 4), get_hardware("a100-80g").pcie_bandwidth)
+
+
+def test_simulated_engine_from_the_same_config() -> None:
+    cfg = EngineConfig(runner="sim", model="opt-13b", policy="cacheopt")
+    built = build_engine(cfg)
+    assert isinstance(built.runner, SimRunner) and isinstance(built.clock, VirtualClock)
+    assert built.loaded is None and built.runner.pad is None  # the roofline pads nothing
+    model, hw = get_config("opt-13b"), get_hardware("a100-80g")
+    assert built.engine.policy.preemption_costs == preemption_costs_from_cost_model(
+        RooflineCostModel(model, hw), model.kv_bytes_per_token, hw.pcie_bandwidth)
+    assert built.engine.state.limits == cfg.limits
+    assert _tokens_of_one_request(build_engine(dataclasses.replace(cfg, num_blocks=64)).engine) == 4
+
+
+def test_simulator_with_a_profile_pads_like_the_jax_runner(profile: str) -> None:
+    built = build_engine(EngineConfig(runner="sim", model="tiny-llama", profile=profile))
+    assert isinstance(built.runner.cost_model, CalibratedCostModel) and built.runner.pad(5) == 8
+
+
+def test_a_policy_keeps_the_costs_it_was_given() -> None:
+    own = PreemptionCosts(a=1e-6, b=2.0, k=0.0, e=1e-3, g=2e-5, d=2e-3)
+    cfg = EngineConfig(runner="sim", model="opt-13b", policy=CacheOptPolicy(preemption_costs=own))
+    assert build_engine(cfg).engine.policy.preemption_costs is own
+
+
+def test_llm_takes_keywords_or_a_whole_config(tiny_loaded) -> None:
+    llm = LLM(tiny_loaded, num_blocks=16, max_model_len=64, warmup=False)
+    assert llm.engine_config == EngineConfig(model=tiny_loaded, num_blocks=16, max_model_len=64,
+                                             warmup=False)
+    assert LLM(llm.engine_config).engine.state.blocks.num_blocks == 16
+    with pytest.raises(TypeError, match="takes no other options"):
+        LLM(llm.engine_config, policy="s3")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_block'"):
+        LLM(tiny_loaded, num_block=16)
+    with pytest.raises(ValueError, match="runner='real'"):
+        LLM(EngineConfig(runner="sim", model="tiny-llama"))
