@@ -56,7 +56,7 @@ class RequestArrays:
 
     def with_status(self, status: int) -> np.ndarray:
         """Indices of entries in `status`, oldest arrival first (FCFS order)."""
-        idx = np.flatnonzero(self.status == status)
+        idx = np.flatnonzero(self.status == int(status))  # an IntEnum would slow numpy down
         return idx[np.argsort(self.arrival_time[idx], kind="stable")]
 
 
