@@ -179,11 +179,14 @@ class EngineState:
         """Record the step's progress and new tokens; finished requests release everything.
 
         Returns the requests that gained a token (live objects: read, don't keep mutating)."""
-        self._applied = None
+        applied, self._applied = self._applied, None
         self._moves = ((), ())
-        if batch.num_seqs:
-            self.load.record_step(now - self._applied_at)
-        return self._commit.commit(batch, out, now)
+        if not batch.num_seqs:
+            return []
+        if applied is None or len(applied.run_rows) != batch.num_seqs:
+            raise RuntimeError("commit() of a batch that is not the applied plan's")
+        self.load.record_step(now - self._applied_at)
+        return self._commit.commit(batch, applied.run_rows, out, now)
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""

@@ -38,12 +38,10 @@ class TokenCommit:
     eos_token_id: int | None
     reuse: PrefixReuse | None
 
-    def commit(self, batch: Batch, out: StepOutput, now: float) -> list[Request]:
-        """Returns the requests that gained a token, in batch order (finished ones too)."""
-        if not batch.num_seqs:
-            return []
+    def commit(self, batch: Batch, rows: np.ndarray, out: StepOutput, now: float) -> list[Request]:
+        """`rows`: the batch's table rows. Returns the requests that gained a token, in
+        batch order (finished ones too)."""
         cols = self.live.cols
-        rows = self.live.rows(batch.seq_ids.tolist())
         cols.num_computed[rows] += batch.query_lens
         sampled = np.flatnonzero(batch.sample)
         rows, seq_ids = rows[sampled], batch.seq_ids[sampled].tolist()
