@@ -42,6 +42,7 @@ class CheckedPlan:
     reserve_counts: np.ndarray
 
 
+_NO_ROWS = np.zeros(0, np.int64)
 Check = tuple[np.ndarray, Callable[[int], str]]  # (offends, message for the i-th entry)
 
 
@@ -111,6 +112,8 @@ class PlanChecker:
 
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
         """Rows of the requests it preempts, and how many blocks go to the host."""
+        if not plan.preempt:
+            return _NO_ROWS, 0
         seq_ids, rows = list(plan.preempt), self.live.rows(plan.preempt)
         swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
         _refuse_first(seq_ids, [
@@ -123,6 +126,8 @@ class PlanChecker:
         return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
 
     def _check_swap_ins(self, plan: Plan) -> None:
+        if not plan.swap_in:
+            return
         seq_ids, rows = list(plan.swap_in), self.live.rows(plan.swap_in)
         _refuse_first(seq_ids, [
             _not_live(seq_ids, rows, "swap in"),
@@ -165,9 +170,9 @@ class PlanChecker:
         return rows, counts
 
     def _check_reservations(self, plan: Plan, preempt_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not plan.reserve:
+            return _NO_ROWS, _NO_ROWS
         seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), _values(plan.reserve)
-        if not seq_ids:
-            return rows, counts
         preempted = _member(seq_ids, plan.preempt)
         _refuse_first(seq_ids, [
             _not_live(seq_ids, rows, "reserve for"),
@@ -210,6 +215,8 @@ class PlanChecker:
     def _swapped_in_blocks(self, plan: Plan) -> int:
         """Host blocks the plan brings back (a seq that is not live counts 0: `check`
         refuses the plan with the reason)."""
+        if not plan.swap_in:
+            return 0
         rows = self.live.rows(plan.swap_in)
         return int(self.live.cols.num_host_blocks[rows[rows >= 0]].sum())
 
