@@ -50,17 +50,26 @@ class TokenCommit:
         _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
         _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
         _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        self._first_tokens(reqs, rows, now)
+        cols.num_tokens[rows] += 1
+        cols.last_token_time[rows] = now
+        stopped = self._stops(reqs, seq_ids, tokens)
+        for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
+            self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
+        return reqs
+
+    def _first_tokens(self, reqs: list[Request], rows: np.ndarray, now: float) -> None:
+        cols = self.live.cols
         first = np.isnan(cols.first_token_time[rows])
+        cols.first_token_time[rows[first]] = now
         for i in np.flatnonzero(first).tolist():
             reqs[i].metrics.first_token_time = now
             if self.reuse is not None:
                 self.reuse.record_first_token(reqs[i], now)
-        cols.num_tokens[rows] += 1
-        cols.last_token_time[rows] = now
-        cols.first_token_time[rows[first]] = now
+
+    def _stops(self, reqs: list[Request], seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """Which requests the new token ends, of those whose tokens are read one by one."""
         stopped = np.zeros(len(reqs), bool)
         for i in np.flatnonzero(self.live.token_checked_mask(seq_ids)).tolist():
             stopped[i] = stops_at(reqs[i], tokens[i], self.eos_token_id)
-        for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
-            self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
-        return reqs
+        return stopped
