@@ -1,5 +1,5 @@
 """How fast the simulator replays a large trace: 10,000 ShareGPT requests under vllm on
-opt-13b / a100-80g (issue goal: < 30 s on one core). Trace sampling (tokenizing ShareGPT)
+opt-13b / a100-80g (goal: < 10 s on one core, issue 12). Trace sampling (tokenizing ShareGPT)
 is timed apart from the simulation itself.
 
     python bench/sim_speed.py [--num-requests 10000] [--policy vllm] [--rate 20]
@@ -20,7 +20,7 @@ from jserve.benchmarking.replay import replay
 from jserve.builder import build_engine
 from jserve.config import EngineConfig
 
-GOAL_S = 30.0
+GOAL_S = 10.0
 
 
 def main() -> None:

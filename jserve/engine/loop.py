@@ -63,7 +63,8 @@ class Engine:
         predicted_len: int = 0, predicted_dir: int = 0, conversation_id: str | None = None,
     ) -> None:
         """`predicted_len` / `predicted_dir`: an output-length prediction and its expected
-        error direction, for policies that allocate by prediction (see `EngineState.add`).
+        error direction, for policies that allocate by prediction (see `RequestOptions` in
+        `jserve.engine.admission`).
         `conversation_id`: the chat this turn belongs to, for the prefix cache."""
         now = self.clock() if arrival_time is None else arrival_time
         self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,

@@ -20,6 +20,15 @@ class RequestStatus(enum.IntEnum):
     SWAPPED = 3  # preempted by swapping: its KV waits in host memory, none on the device
 
 
+# The statuses as plain ints, for the status column in hot loops: comparing numpy values
+# with an IntEnum member makes numpy probe the enum class for array hooks, each probe a
+# failed `EnumType.__getattr__` (about a microsecond).
+WAITING = int(RequestStatus.WAITING)
+RUNNING = int(RequestStatus.RUNNING)
+FINISHED = int(RequestStatus.FINISHED)
+SWAPPED = int(RequestStatus.SWAPPED)
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, or the context/cache length cap

@@ -49,15 +49,19 @@ class RequestArrays:
         return cls(**{f.name: np.zeros(n, f.metadata["dtype"]) for f in dataclasses.fields(cls)})
 
     def take(self, rows: np.ndarray) -> RequestArrays:
-        return RequestArrays(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+        # ndarray.take: half the time of fancy indexing, and a snapshot takes every column
+        return RequestArrays(*[getattr(self, name).take(rows) for name in _FIELDS])
 
     def __len__(self) -> int:
         return len(self.seq_id)
 
     def with_status(self, status: int) -> np.ndarray:
         """Indices of entries in `status`, oldest arrival first (FCFS order)."""
-        idx = np.flatnonzero(self.status == status)
+        idx = np.flatnonzero(self.status == int(status))  # an IntEnum would slow numpy down
         return idx[np.argsort(self.arrival_time[idx], kind="stable")]
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(RequestArrays))
 
 
 class RequestTable:

@@ -18,7 +18,7 @@ preempted by recompute (the lowest priority under FCFS).
 from __future__ import annotations
 
 from jserve.engine.plan import Plan, PreemptMode
-from jserve.engine.request import RequestStatus
+from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 
 
@@ -36,7 +36,7 @@ def schedule_chunked(
         """Blocks request `i` must add to hold `end` tokens."""
         return max(0, view.blocks_for(end) - int(r.num_blocks[i]))
 
-    running = list(r.with_status(RequestStatus.RUNNING))  # oldest first
+    running = list(r.with_status(RUNNING))  # oldest first
     victims = list(running)  # preempted from the latest end
     order = {int(v): k for k, v in enumerate(running)}
     remaining = r.num_tokens - r.num_computed
@@ -73,8 +73,8 @@ def schedule_chunked(
     ongoing = [i for i in running if remaining[i] > 1 and int(r.seq_id[i]) not in preempt]
     # Requests holding KV count against max_num_seqs even in a step they sit out.
     live = len(running) - len(preempt)
-    for i in ongoing + list(r.with_status(RequestStatus.WAITING)):
-        fresh = r.status[i] == RequestStatus.WAITING
+    for i in ongoing + list(r.with_status(WAITING)):
+        fresh = r.status[i] == WAITING
         if budget < 1 or len(run) >= lim.max_num_seqs or (fresh and live >= lim.max_num_seqs):
             break
         chunk = min(int(remaining[i]), budget)

@@ -15,10 +15,13 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
+import numpy as np
+
 from jserve.engine.plan import Plan, PreemptMode
-from jserve.engine.request import RequestStatus
+from jserve.engine.request import RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerView
 
 
@@ -34,14 +37,14 @@ class VLLMPolicy:
 
     def _prefills(self, view: SchedulerView) -> Plan | None:
         r, lim = view.requests, view.limits
-        if (r.status == RequestStatus.SWAPPED).any():
+        if (r.status == SWAPPED).any():
             return None
-        running = int((r.status == RequestStatus.RUNNING).sum())
+        running = int((r.status == RUNNING).sum())
         watermark = int(self.watermark * view.num_blocks) if running else 0
         free, budget = view.num_free_blocks, lim.max_num_batched_tokens
         run: dict[int, int] = {}
         allocate: dict[int, int] = {}
-        for i in r.with_status(RequestStatus.WAITING):
+        for i in r.with_status(WAITING):
             tokens = int(r.num_tokens[i] - r.num_computed[i])
             need = view.blocks_for(int(r.num_tokens[i])) - int(r.num_blocks[i])
             if tokens > budget or running + len(run) >= lim.max_num_seqs or free - need < watermark:
@@ -54,7 +57,11 @@ class VLLMPolicy:
 
     def _decodes(self, view: SchedulerView) -> Plan:
         r = view.requests
-        queue = list(r.with_status(RequestStatus.RUNNING))  # oldest first
+        running = r.with_status(RUNNING)  # oldest first
+        needs = view.blocks_for(r.num_computed[running] + 1) - r.num_blocks[running]
+        if (np.cumsum(needs) <= view.num_free_blocks).all():
+            return self._decode_all(view, running, needs)
+        queue = collections.deque(running.tolist())
         free = view.num_free_blocks
         run: dict[int, int] = {}
         allocate: dict[int, int] = {}
@@ -69,7 +76,7 @@ class VLLMPolicy:
             host_free -= held if swap else 0
 
         while queue:
-            i = queue.pop(0)
+            i = queue.popleft()
             need = view.blocks_for(int(r.num_computed[i]) + 1) - int(r.num_blocks[i])
             while need > free and queue:
                 victim = queue.pop()  # latest arrival
@@ -86,13 +93,25 @@ class VLLMPolicy:
         swap_in = set() if preempt else self._swap_ins(view, free, len(run), run, allocate)
         return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=swap_in)
 
+    def _decode_all(self, view: SchedulerView, running: np.ndarray, needs: np.ndarray) -> Plan:
+        """What `_decodes` plans when the free blocks cover every running request's next
+        block, oldest first: each decodes, nobody is preempted."""
+        r = view.requests
+        seq_ids = r.seq_id[running]
+        run = dict(zip(seq_ids.tolist(), (r.num_tokens - r.num_computed)[running].tolist()))
+        grows = needs != 0
+        allocate = dict(zip(seq_ids[grows].tolist(), needs[grows].tolist()))
+        free = view.num_free_blocks - int(needs.sum())
+        swap_in = self._swap_ins(view, free, len(run), run, allocate)
+        return Plan(run=run, allocate=allocate, swap_in=swap_in)
+
     def _swap_ins(self, view: SchedulerView, free: int, running: int, run: dict[int, int],
                   allocate: dict[int, int]) -> set[int]:
         """Swapped requests back in, oldest first, while blocks and sequence slots allow;
         each also decodes this step (adding to `run` / `allocate`)."""
         r = view.requests
         swap_in: set[int] = set()
-        for i in r.with_status(RequestStatus.SWAPPED):
+        for i in r.with_status(SWAPPED):
             held = int(r.num_host_blocks[i])
             grow = view.blocks_for(int(r.num_computed[i]) + 1) - held
             if held + grow > free or running + len(swap_in) >= view.limits.max_num_seqs:

@@ -1,0 +1,107 @@
+"""Admitting a request: everything a user can get wrong is refused here with
+`InvalidRequestError` and the reason, before the request touches any engine state, so a
+rejected request leaves nothing behind and the engine keeps serving."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.load_meter import LoadMeter
+from jserve.engine.prefix_reuse import PrefixReuse
+from jserve.engine.request import WAITING, Request, RequestMetrics
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.stopping import watches_tokens
+from jserve.engine.view import SchedulerLimits
+from jserve.errors import InvalidRequestError
+from models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestOptions(TypedDict, total=False):
+    """What a request may carry beyond its prompt and sampling settings."""
+
+    prompt: str | None  # the text, when the prompt came as text
+    # The client's targets in seconds; policies read them from the view's columns (nan
+    # where none was given).
+    ttft_slo: float | None
+    tbt_slo: float | None
+    # An output-length predictor's estimate and its expected error direction (+1 over,
+    # -1 under, 0 unknown), for policies that allocate by prediction.
+    predicted_len: int
+    predicted_dir: int
+    conversation_id: str | None  # the chat it is a turn of, for the prefix cache
+
+
+@dataclass(frozen=True)
+class Admission:
+    live: LiveRequests
+    limits: SchedulerLimits
+    vocab_size: int
+    capacity_tokens: int  # the whole device KV cache
+    tokenizer: Tokenizer | None
+    eos_token_id: int | None
+    load: LoadMeter
+    reuse: PrefixReuse | None
+
+    def admit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float,
+        prompt: str | None = None,
+        ttft_slo: float | None = None,
+        tbt_slo: float | None = None,
+        predicted_len: int = 0,
+        predicted_dir: int = 0,
+        conversation_id: str | None = None,
+    ) -> Request:
+        """The request, waiting (its options: `RequestOptions`)."""
+        ids = [int(t) for t in prompt_token_ids]
+        self._validate(request_id, ids, params)
+        for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
+            if slo is not None and not (math.isfinite(slo) and slo > 0):
+                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}")
+        cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        req = Request(
+            request_id=request_id, seq_id=self.live.new_seq_id(), prompt=prompt,
+            prompt_token_ids=ids, params=params, max_len=cap, metrics=RequestMetrics(arrival_time),
+            detokenizer=detok, conversation_id=conversation_id,
+        )
+        self.live.add(
+            req, watches_tokens(req, self.eos_token_id), status=WAITING, arrival_time=arrival_time,
+            prompt_len=len(ids), num_tokens=len(ids), max_len=cap, first_token_time=math.nan,
+            ttft_slo=math.nan if ttft_slo is None else ttft_slo,
+            tbt_slo=math.nan if tbt_slo is None else tbt_slo,
+            predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
+        )
+        if self.reuse is not None:
+            self.reuse.record_arrival(req)
+        self.load.record_arrival(arrival_time)
+        return req
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params)}")
+        if self.live.by_request_id(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        limit = self.limits.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context limit is {limit} "
+                f"(prompt + at least one output token)"
+            )
+        if len(ids) >= self.capacity_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the whole KV cache holds {self.capacity_tokens}"
+            )

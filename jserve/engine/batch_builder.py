@@ -1,0 +1,62 @@
+"""The runner's work list for an applied plan: which sequences compute which tokens, which
+of them yield a token, the block copies to make first, and (for a runner that runs a
+model) the token ids, block tables and sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jserve.cache.blocks import BlockManager
+from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan_apply import Moves
+from jserve.engine.plan_check import CheckedPlan
+from jserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class BatchBuilder:
+    live: LiveRequests
+    blocks: BlockManager
+
+    def build(self, checked: CheckedPlan, moves: Moves, host_dropped: tuple[int, ...],
+              with_inputs: bool) -> Batch:
+        """The plan's runs in plan order; `with_inputs` adds what a real runner reads."""
+        cols, run = self.live.cols, checked.plan.run
+        seq_ids = np.fromiter(run.keys(), np.int64, len(run))
+        query_lens = checked.run_lens.astype(np.int32)
+        start = cols.num_computed[checked.run_rows].astype(np.int32)
+        sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
+        inputs = self._inputs(seq_ids, start, query_lens) if with_inputs else None
+        swap_out, swap_in = moves
+        return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
+                     inputs=inputs, swap_out=swap_out, swap_in=swap_in, host_dropped=host_dropped)
+
+    def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray) -> BatchInputs:
+        reqs = [self.live.requests[int(s)] for s in seq_ids]
+        tokens = [_slice(r, b, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist())]
+        params = [r.params for r in reqs]
+        return BatchInputs(
+            token_ids=np.fromiter((t for chunk in tokens for t in chunk), np.int32, int(query_lens.sum())),
+            block_tables=tuple(np.asarray(self.blocks.table(int(s)), np.int32) for s in seq_ids),
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int32),
+            seeds=np.array([_seed(r) for r in reqs], np.uint32),
+            output_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
+        )
+
+
+def _slice(req: Request, start: int, n: int) -> list[int]:
+    prompt = req.prompt_token_ids
+    if start + n <= len(prompt):
+        return prompt[start : start + n]
+    return req.all_token_ids[start : start + n]
+
+
+def _seed(req: Request) -> int:
+    """Per-request RNG seed: the user's, or one derived from the engine's seq id."""
+    seed = req.params.seed if req.params.seed is not None else req.seq_id * 2654435761
+    return seed & 0xFFFFFFFF

@@ -1,0 +1,101 @@
+"""Carrying out a checked plan, in the order `Plan` documents: preemptions release KV
+(dropped, or moved to the host tier), evictions drop cached blocks, swap-ins bring KV
+back, allocations grow tables (a started request first taking over its cached prefix),
+then the requests that run and the reservations are booked.
+
+Nothing here checks anything: `PlanChecker` has, and a checked plan always applies.
+What comes out is the block copies the runner must make before the step's compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jserve.cache.blocks import BlockManager
+from jserve.engine.batch import BlockMove
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan import PreemptMode
+from jserve.engine.plan_check import CheckedPlan
+from jserve.engine.prefix_reuse import PrefixReuse
+from jserve.engine.request import RUNNING, SWAPPED, WAITING
+
+Moves = tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]  # (swap-outs, swap-ins)
+
+
+@dataclass(frozen=True)
+class PlanApplier:
+    live: LiveRequests
+    blocks: BlockManager
+    host_blocks: BlockManager | None
+    reuse: PrefixReuse | None
+
+    def apply(self, checked: CheckedPlan, now: float) -> Moves:
+        plan = checked.plan
+        swap_out = self._preempt(checked, now)
+        if plan.evict:
+            swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
+        swap_in = self._swap_in(sorted(plan.swap_in))
+        swap_in += self._allocate(checked)
+        self._start_runs(checked, now)
+        self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
+        return tuple(swap_out), tuple(swap_in)
+
+    def _preempt(self, checked: CheckedPlan, now: float) -> list[BlockMove]:
+        cols, swap_out = self.live.cols, []
+        for (seq_id, mode), row in zip(checked.plan.preempt.items(), checked.preempt_rows.tolist()):
+            held = np.asarray(self.blocks.table(seq_id), np.int32)
+            self.blocks.free(seq_id)
+            cols.num_blocks[row] = 0
+            cols.reserved_blocks[row] = 0
+            if mode is PreemptMode.SWAP:
+                self.host_blocks.allocate(seq_id, len(held))
+                cols.num_host_blocks[row] = len(held)
+                cols.status[row] = SWAPPED
+                swap_out.append(BlockMove(seq_id, held))
+            else:
+                cols.num_computed[row] = 0
+                cols.status[row] = WAITING
+            cols.num_preemptions[row] += 1
+            metrics = self.live.requests[seq_id].metrics
+            metrics.num_preemptions += 1
+            metrics.last_preempted_at = now
+            self.live.awaiting_run.add(seq_id)
+        return swap_out
+
+    def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:
+        cols, swap_in = self.live.cols, []
+        for seq_id in seq_ids:
+            row = self.live.row(seq_id)
+            n = self.host_blocks.free(seq_id)
+            self.blocks.allocate(seq_id, n)
+            cols.num_host_blocks[row] = 0
+            cols.num_blocks[row] = n
+            cols.status[row] = RUNNING
+            swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
+        return swap_in
+
+    def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
+        """Grow the tables; returns the copies that load host-tier cached blocks."""
+        loads = []
+        for seq_id, n in checked.plan.allocate.items():
+            hit = checked.hits.get(seq_id)
+            if hit is None:
+                self.blocks.allocate(seq_id, n)
+            else:
+                loads += self.reuse.take_over(seq_id, hit, n)
+        self.live.cols.num_blocks[checked.allocate_rows] += checked.allocate_counts
+        return loads
+
+    def _start_runs(self, checked: CheckedPlan, now: float) -> None:
+        self.live.cols.status[checked.run_rows] = RUNNING
+        started = self.live.awaiting_run.intersection(checked.plan.run)
+        for seq_id in started:
+            metrics = self.live.requests[seq_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if metrics.last_preempted_at is not None:
+                metrics.preempted_time += now - metrics.last_preempted_at
+                metrics.last_preempted_at = None
+        self.live.awaiting_run -= started

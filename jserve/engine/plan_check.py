@@ -1,0 +1,228 @@
+"""Refusing a plan the state cannot honour, before anything changes.
+
+A plan that names a request that is not live, preempts one that is not running, runs
+tokens nobody holds blocks for, or takes more blocks than are free is a policy bug: it
+raises `PlanError` naming the first offender in plan order, never trimmed. The checks are
+whole-array comparisons over the requests' columns (a plan runs up to a few hundred
+requests every step), and the table rows they find are handed on, so applying the plan
+and building its batch look nothing up again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+
+from jserve.cache.blocks import BlockManager
+from jserve.cache.prefix import PrefixHit
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.prefix_reuse import PrefixReuse
+from jserve.engine.request import RUNNING, SWAPPED
+from jserve.engine.view import SchedulerLimits
+from jserve.errors import PlanError
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """A plan that passed, with the table rows of the requests it names (in the order of
+    the plan's mappings) and the cached prefixes the requests it starts take over."""
+
+    plan: Plan
+    hits: dict[int, PrefixHit]
+    preempt_rows: np.ndarray
+    allocate_rows: np.ndarray
+    allocate_counts: np.ndarray
+    run_rows: np.ndarray
+    run_lens: np.ndarray
+    reserve_rows: np.ndarray
+    reserve_counts: np.ndarray
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+Check = tuple[np.ndarray, Callable[[int], str]]  # (offends, message for the i-th entry)
+
+
+def _refuse_first(seq_ids: Sequence[int], checks: Sequence[Check]) -> None:
+    """Raise for the first entry (in plan order) that fails any check, with the message
+    of the first check it fails."""
+    bad = np.zeros(len(seq_ids), bool)
+    for offends, _ in checks:
+        bad |= offends
+    if bad.any():
+        i = int(np.argmax(bad))
+        message = next(message for offends, message in checks if offends[i])
+        raise PlanError(message(i))
+
+
+def _not_live(seq_ids: Sequence[int], rows: np.ndarray, verb: str) -> Check:
+    return rows < 0, lambda i: f"plan tries to {verb} seq {seq_ids[i]}, which is not a live request"
+
+
+def _values(mapping: Mapping[int, int]) -> np.ndarray:
+    return np.fromiter(mapping.values(), np.int64, len(mapping))
+
+
+def _member(keys: Collection[int], of: Collection[int]) -> np.ndarray:
+    if not of:
+        return np.zeros(len(keys), bool)
+    return np.fromiter(map(of.__contains__, keys), bool, len(keys))
+
+
+@dataclass(frozen=True)
+class PlanChecker:
+    live: LiveRequests
+    blocks: BlockManager
+    host_blocks: BlockManager | None
+    limits: SchedulerLimits
+    reuse: PrefixReuse | None
+
+    def check(self, plan: Plan) -> CheckedPlan:
+        """The plan with its rows, or `PlanError` for the first thing it gets wrong."""
+        preempt_rows, to_host = self._check_preemptions(plan)
+        self._check_swap_ins(plan)
+        if to_host and to_host > self.host_blocks.num_free:
+            raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
+                            "on the host")
+        released = self.blocks.released_by(list(plan.preempt))
+        hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
+        self._check_evictions(plan, released, hits)
+        allocate_rows, allocate_counts = self._check_allocations(plan, hits)
+        wanted = self.fresh_blocks(plan, hits)
+        available = self.blocks.num_free + self._uncached(released) + len(plan.evict)
+        if wanted > available:
+            from_host = self._swapped_in_blocks(plan)
+            swapping = f" ({from_host} of them to swap in)" if from_host else ""
+            raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
+        lim = self.limits
+        if len(plan.run) > lim.max_num_seqs:
+            raise PlanError(f"plan runs {len(plan.run)} sequences, max_num_seqs is {lim.max_num_seqs}")
+        if plan.num_batched_tokens > lim.max_num_batched_tokens:
+            raise PlanError(
+                f"plan runs {plan.num_batched_tokens} tokens, max_num_batched_tokens is "
+                f"{lim.max_num_batched_tokens}"
+            )
+        reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows)
+        run_rows, run_lens = self._check_runs(plan)
+        return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
+                           run_rows, run_lens, reserve_rows, reserve_counts)
+
+    def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
+        """Rows of the requests it preempts, and how many blocks go to the host."""
+        if not plan.preempt:
+            return _NO_ROWS, 0
+        seq_ids, rows = list(plan.preempt), self.live.rows(plan.preempt)
+        swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "preempt"),
+            (self.live.cols.status[rows] != RUNNING,
+             lambda i: f"seq {seq_ids[i]}: only running requests can be preempted"),
+            (swap & (self.host_blocks is None),
+             lambda i: f"seq {seq_ids[i]}: swap preemption needs a host KV tier (num_host_blocks > 0)"),
+        ])
+        return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
+
+    def _check_swap_ins(self, plan: Plan) -> None:
+        if not plan.swap_in:
+            return
+        seq_ids, rows = list(plan.swap_in), self.live.rows(plan.swap_in)
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "swap in"),
+            (self.live.cols.status[rows] != SWAPPED,
+             lambda i: f"seq {seq_ids[i]}: only swapped requests can be swapped in"),
+        ])
+
+    def _check_evictions(self, plan: Plan, released: np.ndarray, hits: dict[int, PrefixHit]) -> None:
+        if not plan.evict:
+            return
+        if self.reuse is None:
+            raise PlanError("plan evicts blocks but the engine has no prefix cache")
+        evict = np.fromiter(plan.evict, np.int64, len(plan.evict))
+        if evict.min() < 0 or evict.max() >= self.blocks.num_blocks:
+            raise PlanError(f"plan evicts block ids outside [0, {self.blocks.num_blocks})")
+        cached = self.reuse.index.cached
+        unreferenced = self.blocks.ref_counts == 0
+        unreferenced[released] = True
+        bad = evict[~(cached[evict] & unreferenced[evict])]
+        if len(bad):
+            raise PlanError(f"plan evicts blocks {sorted(bad.tolist())[:8]} that are not cached "
+                            "or that a request still uses")
+        pinned = {b for hit in hits.values() for b in hit.device}
+        if pinned & plan.evict:
+            raise PlanError(f"plan evicts blocks {sorted(pinned & plan.evict)[:8]} that a request "
+                            "it starts takes from the cache")
+
+    def _check_allocations(self, plan: Plan, hits: dict[int, PrefixHit]) -> tuple[np.ndarray, np.ndarray]:
+        seq_ids, rows, counts = list(plan.allocate), self.live.rows(plan.allocate), _values(plan.allocate)
+        cached = {s: hit.num_blocks for s, hit in hits.items()}
+        least = np.fromiter(map(cached.get, seq_ids, repeat(0)), np.int64, len(seq_ids))
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "allocate to"),
+            (counts < least, lambda i: f"seq {seq_ids[i]}: allocates {counts[i]} blocks, fewer than "
+                                       f"the {least[i]} cached ones its table starts with"),
+            (counts < 0, lambda i: f"seq {seq_ids[i]}: cannot allocate {counts[i]} blocks"),
+            (_member(seq_ids, plan.preempt),
+             lambda i: f"seq {seq_ids[i]}: allocated to and preempted in the same plan"),
+        ])
+        return rows, counts
+
+    def _check_reservations(self, plan: Plan, preempt_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not plan.reserve:
+            return _NO_ROWS, _NO_ROWS
+        seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), _values(plan.reserve)
+        preempted = _member(seq_ids, plan.preempt)
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "reserve for"),
+            ((counts < 0) | preempted, lambda i: f"seq {seq_ids[i]}: cannot reserve {counts[i]} blocks"
+                                                 + (" and preempt it" if preempted[i] else "")),
+        ])
+        promised = self.live.cols.reserved_blocks.copy()
+        promised[rows] = counts
+        promised[preempt_rows] = 0
+        total = int(promised[self.live.table.live_mask].sum())
+        if total > self.blocks.num_blocks:
+            raise PlanError(f"plan reserves {total} blocks in all, the cache has {self.blocks.num_blocks}")
+        return rows, counts
+
+    def _check_runs(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        cols, bs = self.live.cols, self.blocks.block_size
+        seq_ids, rows, n = list(plan.run), self.live.rows(plan.run), _values(plan.run)
+        computed, total = cols.num_computed[rows], cols.num_tokens[rows]
+        end = computed + n
+        allocated = np.fromiter(map(plan.allocate.get, seq_ids, repeat(0)), np.int64, len(seq_ids))
+        held = cols.num_blocks[rows] + cols.num_host_blocks[rows] + allocated
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "run"),
+            (_member(seq_ids, plan.preempt), lambda i: f"seq {seq_ids[i]}: run and preempted in the same plan"),
+            ((cols.status[rows] == SWAPPED) & ~_member(seq_ids, plan.swap_in),
+             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in before running it"),
+            ((n < 1) | (end > total), lambda i: f"seq {seq_ids[i]}: cannot run {n[i]} tokens with "
+                                                f"{computed[i]} of {total[i]} computed"),
+            (held * bs < end, lambda i: f"seq {seq_ids[i]}: holds {held[i]} blocks, needs "
+                                        f"{self.blocks.blocks_for(int(end[i]))} for {end[i]} tokens"),
+        ])
+        return rows, n
+
+    def fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit]) -> int:
+        """Blocks the plan takes off the free list: its allocations less the cached blocks
+        they take over, plus its swap-ins."""
+        return (sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values())
+                + self._swapped_in_blocks(plan))
+
+    def _swapped_in_blocks(self, plan: Plan) -> int:
+        """Host blocks the plan brings back (a seq that is not live counts 0: `check`
+        refuses the plan with the reason)."""
+        if not plan.swap_in:
+            return 0
+        rows = self.live.rows(plan.swap_in)
+        return int(self.live.cols.num_host_blocks[rows[rows >= 0]].sum())
+
+    def _uncached(self, released: np.ndarray) -> int:
+        return len(released) if self.reuse is None else self.reuse.uncached(released)
+
+    def shortfall(self, plan: Plan, released: np.ndarray, hits: dict[int, PrefixHit]) -> int:
+        """Blocks the plan needs beyond those free now or freed by its preemptions."""
+        return self.fresh_blocks(plan, hits) - self.blocks.num_free - self._uncached(released)

@@ -1,0 +1,42 @@
+"""When a generated token ends a request before its length does: EOS, a stop token id or
+a stop string (vLLM's rules). Reading a token means Python per token, so only requests
+that can end this way, or whose text is streamed, are read (`watches_tokens`); the
+others (every request the simulator runs) end by length, checked over the columns."""
+
+from __future__ import annotations
+
+from jserve.engine.request import Request
+
+
+def watches_tokens(req: Request, eos_token_id: int | None) -> bool:
+    """Whether each of the request's tokens must be read: for its text, or because it
+    can end the request."""
+    params = req.params
+    return (req.detokenizer is not None or bool(params.stop) or bool(params.stop_token_ids)
+            or (eos_token_id is not None and not params.ignore_eos))
+
+
+def stops_at(req: Request, token: int, eos_token_id: int | None) -> bool:
+    """Add the new token's text; whether the token ends the request. A stop id or string
+    is kept as its `stop_reason`, and a stop string is cut from the text (kept with
+    `include_stop_str_in_output`)."""
+    params = req.params
+    if req.detokenizer is not None:
+        req.text += req.detokenizer.push(token)
+    if token == eos_token_id and not params.ignore_eos:
+        return True
+    if token in params.stop_token_ids:
+        req.stop_reason = token
+        return True
+    return bool(params.stop) and _hit_stop_string(req)
+
+
+def _hit_stop_string(req: Request) -> bool:
+    for stop in req.params.stop:
+        at = req.text.find(stop)
+        if at >= 0:
+            end = at + len(stop) if req.params.include_stop_str_in_output else at
+            req.text = req.text[:end]
+            req.stop_reason = stop
+            return True
+    return False

@@ -1,0 +1,75 @@
+"""Recording a step's results: progress, new tokens, first-token times, and the requests
+they end.
+
+Everything that is the same for every request is one column operation over the step's
+rows, and the tokens, log-probabilities and times go onto the requests' lists through
+C-level `map`s, so a step of requests that end by length alone (the simulator's) runs no
+Python per token. Only requests that `stopping.watches_tokens` are read token by token.
+Requests end in batch order, which decides the order their blocks return to the free
+list, and so which blocks later requests get.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+
+import numpy as np
+
+from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.prefix_reuse import PrefixReuse
+from jserve.engine.release import Finisher
+from jserve.engine.request import FinishReason, Request
+from jserve.engine.stopping import stops_at
+
+_consume = collections.deque(maxlen=0).extend  # runs an iterator to its end, in C
+_OUTPUT_IDS = attrgetter("output_token_ids")
+_LOGPROBS = attrgetter("output_logprobs")
+_TOKEN_TIMES = attrgetter("metrics.token_times")
+
+
+@dataclass(frozen=True)
+class TokenCommit:
+    live: LiveRequests
+    finisher: Finisher
+    eos_token_id: int | None
+    reuse: PrefixReuse | None
+
+    def commit(self, batch: Batch, rows: np.ndarray, out: StepOutput, now: float) -> list[Request]:
+        """`rows`: the batch's table rows. Returns the requests that gained a token, in
+        batch order (finished ones too)."""
+        cols = self.live.cols
+        cols.num_computed[rows] += batch.query_lens
+        sampled = np.flatnonzero(batch.sample)
+        rows, seq_ids = rows[sampled], batch.seq_ids[sampled].tolist()
+        tokens = out.next_tokens[sampled].tolist()
+        reqs = list(map(self.live.requests.__getitem__, seq_ids))
+        _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
+        _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
+        _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        self._first_tokens(reqs, rows, now)
+        cols.num_tokens[rows] += 1
+        cols.last_token_time[rows] = now
+        stopped = self._stops(reqs, seq_ids, tokens)
+        for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
+            self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
+        return reqs
+
+    def _first_tokens(self, reqs: list[Request], rows: np.ndarray, now: float) -> None:
+        cols = self.live.cols
+        first = np.isnan(cols.first_token_time[rows])
+        cols.first_token_time[rows[first]] = now
+        for i in np.flatnonzero(first).tolist():
+            reqs[i].metrics.first_token_time = now
+            if self.reuse is not None:
+                self.reuse.record_first_token(reqs[i], now)
+
+    def _stops(self, reqs: list[Request], seq_ids: list[int], tokens: list[int]) -> np.ndarray:
+        """Which requests the new token ends, of those whose tokens are read one by one."""
+        stopped = np.zeros(len(reqs), bool)
+        for i in np.flatnonzero(self.live.token_checked_mask(seq_ids)).tolist():
+            stopped[i] = stops_at(reqs[i], tokens[i], self.eos_token_id)
+        return stopped
