@@ -27,9 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from jserve.benchmarking.bench import BenchConfig, sim_engine
-from jserve.benchmarking.conversations import ScheduledConversation, ScheduledTurn, conversation_futures
-from jserve.cache.prefix import ConversationFutures
+from jserve import builder
+from jserve.benchmarking.conversations import (
+    ScheduledConversation,
+    ScheduledTurn,
+    conversation_futures,
+)
+from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.config import EngineConfig
 from jserve.engine.batch import Batch, StepOutput
 from jserve.engine.clock import VirtualClock
 from jserve.engine.loop import Engine
@@ -61,16 +66,18 @@ class Setting:
 
 def build_engine(policy: str, setting: Setting,
                  futures: ConversationFutures | None = None) -> tuple[Engine, VirtualClock]:
-    """The simulated engine (opt-13b on an a100-80g, roofline costs) through its public
-    constructor: the one place to change when engines get another builder."""
-    cfg = BenchConfig(
-        engine="sim", policy=policy, model="opt-13b", hardware="a100-80g",
-        num_blocks=setting.num_blocks, max_total_len=setting.max_model_len,
-        max_num_seqs=setting.max_num_seqs, swap_space=setting.swap_space,
-        prefix_cache=setting.prefix_cache, cache_capacity=setting.cache_capacity,
-        cache_isolation=setting.cache_isolation, host_cache_capacity=setting.host_cache_capacity,
+    """The simulated engine (opt-13b on an a100-80g, roofline costs) through the one
+    builder every front end uses."""
+    cache = None if setting.prefix_cache == "none" else PrefixCacheConfig(
+        setting.prefix_cache, setting.cache_capacity, setting.cache_isolation,
+        host_capacity_tokens=setting.host_cache_capacity)
+    config = EngineConfig(
+        runner="sim", policy=policy, model="opt-13b", hardware="a100-80g",
+        num_blocks=setting.num_blocks, max_model_len=setting.max_model_len,
+        max_num_seqs=setting.max_num_seqs, swap_space=setting.swap_space, prefix_cache=cache,
     )
-    return sim_engine(cfg, futures)
+    built = builder.build_engine(config, futures)
+    return built.engine, built.clock
 
 
 class TokenRunner:
