@@ -156,14 +156,10 @@ class JaxRunner:
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
-        # Every layer attends with the same shapes, so as a nested jit attention is traced and
-        # lowered once per step instead of once per layer (most of the step's tracing time);
-        # XLA inlines it again, so the compiled step is unchanged.
-        attend = jax.jit(attention_fn, static_argnames="scale")
 
         def step(params: Any, cache: KVCache, x: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
             m = nnx.merge(graphdef, params)
-            hidden, cache = m(x.token_ids, cache, x.meta, attend)
+            hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
             logits = m.logits(hidden[x.sample_index])
             tokens, logprobs = sample_tokens(
                 logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index
