@@ -156,9 +156,13 @@ class JaxRunner:
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
+        # The step takes the weights as a flat list: flattening the nnx.State tree on every
+        # call cost ~0.25 ms.
+        self._weights, treedef = jax.tree.flatten(self.params)
 
-        def step(params: Any, cache: KVCache, x: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
-            m = nnx.merge(graphdef, params)
+        def step(weights: list[jax.Array], cache: KVCache, x: StepInputs
+                 ) -> tuple[jax.Array, jax.Array, KVCache]:
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
             logits = m.logits(hidden[x.sample_index])
             tokens, logprobs = sample_tokens(
@@ -200,7 +204,7 @@ class JaxRunner:
         return time.perf_counter() - t0
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
-        return self._step.lower(self.params, self.cache, x)
+        return self._step.lower(self._weights, self.cache, x)
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use."""
@@ -244,7 +248,7 @@ class JaxRunner:
             self.host_kv.drop(seq_id)
 
     def _run(self, x: StepInputs) -> tuple[jax.Array, jax.Array]:
-        tokens, logprobs, self.cache = self._executable(x)(self.params, self.cache, x)
+        tokens, logprobs, self.cache = self._executable(x)(self._weights, self.cache, x)
         return tokens, logprobs
 
     @property
