@@ -152,7 +152,7 @@ def main() -> None:
                                          runner.scratch_block, runner.mark_decode))
 
     def device_step():
-        tokens, _, runner.cache = runner._step(runner.params, runner.cache, x)
+        tokens, _ = runner._run(x)
         return tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)

@@ -94,10 +94,28 @@ class LlamaWeights:
 GGUFSource = str | pathlib.Path | gguf.GGUFReader
 
 
+class _PlainArrayReader(gguf.GGUFReader):
+    """A `GGUFReader` that parses through a plain ndarray view of its memory map.
+
+    The reader slices its buffer once or more per metadata value, and SmolLM2's vocabulary
+    and merges are ~250k values: on the `np.memmap` subclass every slice runs Python
+    (`__array_finalize__`, `__getitem__`), which made opening the file take 2-3 s. The view
+    shares the same read-only mapping, so tensors still read straight from the file.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def open_gguf(source: GGUFSource) -> gguf.GGUFReader:
-    """Reading a file's metadata takes seconds, so callers that need both the weights and
-    the tokenizer open it once and pass the reader to both."""
-    return source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
+    """Reading a file's metadata takes about a second, so callers that need both the
+    weights and the tokenizer open it once and pass the reader to both."""
+    return source if isinstance(source, gguf.GGUFReader) else _PlainArrayReader(str(source))
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

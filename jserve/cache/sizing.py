@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 import numpy as np
 
 from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
@@ -22,14 +25,24 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype_bytes: int, b
 def device_kv_budget(weight_bytes: int, utilization: float = 0.9, host_fraction: float = 0.25,
                      host_cap: float = 2 * 2**30) -> float:
     """Bytes left for KV: on an accelerator `utilization * memory - weights` (vLLM's
-    gpu_memory_utilization, activations ignored); on CPU a share of free RAM, capped, since
-    the process shares the machine."""
+    gpu_memory_utilization, activations ignored); on CPU a share of the machine's RAM,
+    capped, since the process shares the machine.
+
+    Both read a total, never what happens to be free: the cache's size is a shape of the
+    jit step, so a size that followed free memory changed the step's compile-cache keys from
+    one start to the next and every start compiled again.
+    """
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         return utilization * stats["bytes_limit"] - weight_bytes
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(host_fraction * available, host_cap)
+    page = os.sysconf("SC_PAGE_SIZE")
+    budget = min(host_fraction * os.sysconf("SC_PHYS_PAGES") * page, host_cap)
+    available = os.sysconf("SC_AVPHYS_PAGES") * page
+    if budget > available:
+        log.warning("the KV cache takes %.1f GiB but only %.1f GiB of RAM is free; pass "
+                    "num_blocks for a smaller one", budget / 2**30, available / 2**30)
+    return budget
 
 
 def dtype_bytes(dtype: object) -> int:

@@ -3,7 +3,9 @@
 Shapes are padded to buckets so the step compiles a bounded number of times: tokens `T`
 and sequences `S` are powers of two (at least 8) up to `max_num_batched_tokens` and
 `max_num_seqs`. Context length is data, not shape (block tables are always
-`max_blocks_per_seq` wide). `warmup()` compiles the buckets a vLLM-style schedule meets
+`max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time (`jit(...).lower(...)
+.compile()`), which finds it in JAX's persistent compile cache when an earlier start built it,
+without executing anything. `warmup()` does that for the buckets a vLLM-style schedule meets
 (all-prefill steps with few sequences, all-decode steps with `T == S`); anything else
 compiles on first use. The KV pages are donated to the step, so XLA writes new K/V in place.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,10 @@ from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
+
+
+# A compiled step's key: tokens T, sequences S, and whether it is an all-decode step.
+Shape = tuple[int, int, bool]
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -84,6 +91,10 @@ class Buckets:
         tokens = sorted({self.tokens(2**i) for i in range(3, 20)})
         seqs = sorted({self.seqs(2**i) for i in range(3, 20)})
         return [(t, s) for t in tokens for s in seqs if s <= t]
+
+
+def _shape_of(x: StepInputs) -> Shape:
+    return x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only
 
 
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
@@ -145,9 +156,13 @@ class JaxRunner:
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
+        # The step takes the weights as a flat list: flattening the nnx.State tree on every
+        # call cost ~0.25 ms.
+        self._weights, treedef = jax.tree.flatten(self.params)
 
-        def step(params: Any, cache: KVCache, x: StepInputs) -> tuple[jax.Array, jax.Array, KVCache]:
-            m = nnx.merge(graphdef, params)
+        def step(weights: list[jax.Array], cache: KVCache, x: StepInputs
+                 ) -> tuple[jax.Array, jax.Array, KVCache]:
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
             hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
             logits = m.logits(hidden[x.sample_index])
             tokens, logprobs = sample_tokens(
@@ -156,26 +171,56 @@ class JaxRunner:
             return tokens, logprobs, cache
 
         self._step = jax.jit(step, donate_argnums=(1,))
-        self._compiled: set[tuple[int, int, bool]] = set()
+        self._executables: dict[Shape, jax.stages.Compiled] = {}
         self.warmed_up = False
 
     # ------------------------------------------------------------------ compile
     def warmup(self, progress: bool = False, shapes: list[tuple[int, int]] | None = None) -> float:
-        """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses);
-        returns the seconds it took."""
+        """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses), or
+        load them from the persistent compile cache; returns the seconds it took.
+
+        Nothing runs: executing a padding batch per bucket cost more than loading its step.
+        Tracing and lowering (Python) happen here while a worker thread compiles or loads the
+        buckets already lowered (XLA, which releases the GIL), so the two overlap.
+        """
         shapes = self.buckets.warmup_shapes() if shapes is None else shapes
         t0 = time.perf_counter()
-        it = shapes
-        if progress:
-            from tqdm import tqdm
+        with ThreadPoolExecutor(1, thread_name_prefix="jserve-compile") as pool:
+            pending: dict[Shape, Future[jax.stages.Compiled]] = {}
+            for t, s, decode_only in self._variants(shapes):
+                x = self._padding_inputs(t, s, decode_only)
+                shape = _shape_of(x)
+                if shape not in self._executables and shape not in pending:
+                    pending[shape] = pool.submit(self._lower(x).compile)
+            done = as_completed(pending.values())
+            if progress:
+                from tqdm import tqdm
 
-            it = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for t, s in it:
-            self._run(self._padding_inputs(t, s))
-            if self.mark_decode and t == s:  # a T = S step is all decodes or mixed (short chunks)
-                self._run(self._padding_inputs(t, s, decode_only=True))
+                done = tqdm(done, total=len(pending), desc="compiling step buckets", unit="shape")
+            for _ in done:
+                pass
+        self._executables.update((shape, f.result()) for shape, f in pending.items())
         self.warmed_up = True
         return time.perf_counter() - t0
+
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
+        """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
+        either all decodes or mixed (decodes plus short chunks), and each compiles apart."""
+        return [(t, s, d) for t, s in shapes
+                for d in ((False, True) if self.mark_decode and t == s else (False,))]
+
+    def _lower(self, x: StepInputs) -> jax.stages.Lowered:
+        return self._step.lower(self._weights, self.cache, x)
+
+    def _executable(self, x: StepInputs) -> jax.stages.Compiled:
+        """The compiled step for `x`'s bucket, built ahead of time on its first use."""
+        shape = _shape_of(x)
+        exe = self._executables.get(shape)
+        if exe is None:
+            if self.warmed_up:
+                log.warning("compiling step for new bucket (T, S, decode_only)=%s while serving", shape)
+            exe = self._executables[shape] = self._lower(x).compile()
+        return exe
 
     def _padding_inputs(self, t: int, s: int, decode_only: bool = False) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
@@ -209,15 +254,10 @@ class JaxRunner:
             self.host_kv.drop(seq_id)
 
     def _run(self, x: StepInputs) -> tuple[jax.Array, jax.Array]:
-        shape = (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only)
-        if shape not in self._compiled:
-            if self.warmed_up:
-                log.warning("compiling step for new bucket (T, S, decode_only)=%s while serving", shape)
-            self._compiled.add(shape)
-        tokens, logprobs, self.cache = self._step(self.params, self.cache, x)
+        tokens, logprobs, self.cache = self._executable(x)(self._weights, self.cache, x)
         return tokens, logprobs
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled)
+        return len(self._executables)
 
