@@ -60,9 +60,9 @@ STAGES = [
     ("runner set-up (KV cache allocation)", "jserve.runners.jax_runner", "JaxRunner.__init__"),
     ("warm-up", "jserve.runners.jax_runner", "JaxRunner.warmup"),
 ]
-STEP_NAMES = {"step", "jit(step)"}  # the runner's jitted step in JAX's compile events
-COMPILE_EVENTS = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration",
-                  "backend_compile_duration")
+STEP_NAME = "step"  # the runner's jitted step in JAX's compile events
+PHASES = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
+          "backend_compile_duration": "compile"}
 
 
 # ------------------------------------------------------------------------------ child
@@ -101,24 +101,23 @@ def _child_llm(model: str, num_blocks: int | None) -> None:
     times: dict[str, float] = {}
     present = {label: _wrap(importlib.import_module(mod), attr, times, label)
                for label, mod, attr in STAGES}
-    compiles: list[dict[str, Any]] = []
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES.values()}
+    cache = collections.Counter()
     other = collections.Counter()
 
     def on_duration(event: str, seconds: float, **kw: Any) -> None:
-        if kw.get("fun_name") not in STEP_NAMES:
-            if event.endswith(COMPILE_EVENTS):
-                other[event.rsplit("/", 1)[-1]] += seconds
+        phase = PHASES.get(event.rsplit("/", 1)[-1])
+        name = kw.get("fun_name", "").removeprefix("jit(").removesuffix(")")
+        if phase is None:
             return
-        if event.endswith("jaxpr_trace_duration"):
-            compiles.append({"trace": seconds})
-        elif compiles and event.endswith("jaxpr_to_mlir_module_duration"):
-            compiles[-1]["lower"] = seconds
-        elif compiles and event.endswith("backend_compile_duration"):
-            compiles[-1]["compile"] = seconds
+        if name == STEP_NAME:  # warm-up lowers the buckets in order and compiles them so
+            phases[phase].append(seconds)
+        else:
+            other[phase] += seconds
 
     def on_event(event: str, **_: Any) -> None:
-        if compiles and event.endswith(("cache_hits", "cache_misses")):
-            compiles[-1]["cache"] = "hit" if event.endswith("hits") else "miss"
+        if event.endswith(("cache_hits", "cache_misses")):
+            cache["hit" if event.endswith("hits") else "miss"] += 1
 
     monitoring.register_event_duration_secs_listener(on_duration)
     monitoring.register_event_listener(on_event)
@@ -129,10 +128,12 @@ def _child_llm(model: str, num_blocks: int | None) -> None:
     # they finish, and the first request would wait for them.
     jax.block_until_ready(llm.runner.cache)
     t_drain = time.perf_counter() - t0 - t_llm
+    compiles = [{"trace": trace, "lower": lower, "compile": compile_} for trace, lower, compile_
+                in zip(phases["trace"], phases["lower"], phases["compile"])]
     shapes = llm.runner.buckets.warmup_shapes()
     for record, shape in zip(compiles, shapes if len(shapes) == len(compiles) else []):
-        record["shape"] = list(shape)
-    in_warmup = sum(c.get("trace", 0) + c.get("lower", 0) + c.get("compile", 0) for c in compiles)
+        record["bucket"] = list(shape)
+    in_warmup = sum(c["trace"] + c["lower"] + c["compile"] for c in compiles)
     report = {
         "import": t_import, "llm_init": t_llm, "drain": t_drain,
         "in_process": time.perf_counter() - t_start,
@@ -140,8 +141,9 @@ def _child_llm(model: str, num_blocks: int | None) -> None:
                    for label, _, _ in STAGES},
         "buckets": compiles,
         "warmup_trace_lower_compile": in_warmup,
+        # Negative where warm-up overlaps lowering with compiling.
         "warmup_execute": times.get("warm-up", 0.0) - in_warmup + t_drain,
-        "other_compiles": dict(other),
+        "other_compiles": dict(other), "cache_hits": cache["hit"], "cache_misses": cache["miss"],
         "num_blocks": llm.engine.state.blocks.num_blocks,
         "compile_cache_entries": len(os.listdir(jax.config.jax_compilation_cache_dir)),
     }
@@ -256,18 +258,17 @@ def _print_start(name: str, which: str, r: dict[str, Any]) -> None:
         if label == load_parts[-1]:
             print(f"  {'  model build, the rest':38s} {build:6.2f} s")
     buckets = r["buckets"]
-    hits = sum(b.get("cache") == "hit" for b in buckets)
-    total = {k: sum(b.get(k, 0.0) for b in buckets) for k in ("trace", "lower", "compile")}
+    total = {k: sum(b[k] for b in buckets) for k in ("trace", "lower", "compile")}
     print(f"  {'waiting for warm-up batches to finish':38s} {r['drain']:6.2f} s")
-    print(f"  warm-up: {len(buckets)} step buckets ({hits} from the compile cache): "
-          f"trace {total['trace']:.2f} s, lower {total['lower']:.2f} s, "
-          f"compile/load {total['compile']:.2f} s, executing padding batches (what is not "
-          f"hidden behind tracing) {r['warmup_execute']:.2f} s")
+    print(f"  warm-up: {len(buckets)} step buckets ({r['cache_hits']} compile-cache hits, "
+          f"{r['cache_misses']} misses in all): trace {total['trace']:.2f} s, lower "
+          f"{total['lower']:.2f} s, compile or load {total['compile']:.2f} s (these overlap "
+          f"where warm-up pipelines them); the rest, executing padding batches: "
+          f"{max(0.0, r['warmup_execute']):.2f} s")
     for b in buckets:
-        shape = "x".join(map(str, b.get("shape", ["?"])))
-        print(f"    T x S {shape:>10s}: trace {b.get('trace', 0):5.2f}  lower "
-              f"{b.get('lower', 0):5.2f}  {'load' if b.get('cache') == 'hit' else 'compile'} "
-              f"{b.get('compile', 0):5.2f}")
+        bucket = "x".join(map(str, b.get("bucket", ["?"])))
+        print(f"    T x S {bucket:>10s}: trace {b['trace']:5.2f}  lower {b['lower']:5.2f}  "
+              f"compile/load {b['compile']:5.2f}")
     print(f"  other compiles: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["other_compiles"].items()))
 
 

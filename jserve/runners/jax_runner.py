@@ -72,16 +72,20 @@ class Buckets:
     def tokens(self, n: int) -> int:
         return min(_pow2_at_least(n, 8), self.max_tokens)
 
-    def seqs(self, n: int) -> int:
-        return min(_pow2_at_least(n, 8), self.max_seqs)
+    def seqs(self, n: int, tokens: int) -> int:
+        """Sequence bucket of an `n`-sequence step of `tokens` tokens: from 256 tokens on
+        at least 16. ShareGPT prefill steps that size average 9 prompts, and an 8-sequence
+        variant of each large token bucket cost a start-up a compile or cache load of a
+        whole-model step for at most 8 rows of sampling saved."""
+        floor = 16 if tokens >= 256 else 8
+        return min(_pow2_at_least(n, floor), self.max_seqs)
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
-        """(T, S) pairs of all-prefill steps (up to 8 prompts, and up to 16 from 256 tokens:
-        ShareGPT prefill steps average 9 prompts) and all-decode steps (T=S)."""
+        """(T, S) pairs of all-prefill steps with few sequences (up to 8 prompts, 16 from
+        256 tokens) and all-decode steps (T=S)."""
         sizes = sorted({self.tokens(2**i) for i in range(3, 20)})
-        prefill = sorted({(t, s) for t in sizes
-                          for s in (self.seqs(1), self.seqs(16) if t >= 256 else self.seqs(1))})
-        decode = [(s, s) for s in sorted({self.seqs(2**i) for i in range(3, 20)})
+        prefill = [(t, self.seqs(1, t)) for t in sizes]
+        decode = [(s, s) for s in sorted({self.seqs(2**i, 2**i) for i in range(3, 20)})
                   if s <= self.max_tokens and (s, s) not in prefill]
         return prefill + decode
 
@@ -89,8 +93,8 @@ class Buckets:
         """Every (T, S) bucket a batch can fall in (S <= T: each sequence has a token), for
         loads whose prefill steps pack many prompts, such as a burst of short requests."""
         tokens = sorted({self.tokens(2**i) for i in range(3, 20)})
-        seqs = sorted({self.seqs(2**i) for i in range(3, 20)})
-        return [(t, s) for t in tokens for s in seqs if s <= t]
+        seqs = sorted({min(2**i, self.max_seqs) for i in range(3, 20)})
+        return [(t, s) for t in tokens for s in seqs if s <= t and self.seqs(s, t) == s]
 
 
 def _shape_of(x: StepInputs) -> Shape:
@@ -103,7 +107,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
     backends with a decode kernel."""
     n, t_real = batch.num_seqs, batch.num_tokens
-    t, s = b.tokens(t_real), b.seqs(n)
+    t = b.tokens(t_real)
+    s = b.seqs(n, t)
     q = batch.query_lens
     x = batch.inputs
     if x is None:
