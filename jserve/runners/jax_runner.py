@@ -2,12 +2,13 @@
 
 Shapes are padded to buckets so the step compiles a bounded number of times: tokens `T`
 and sequences `S` are powers of two (at least 8, and `S` at least 16 from `T` = 256) up to
-`max_num_batched_tokens` and `max_num_seqs`. Context length is data, not shape (block tables are always
-`max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time (`jit(...).lower(...)
-.compile()`), which finds it in JAX's persistent compile cache when an earlier start built it,
-without executing anything. `warmup()` does that for the buckets a vLLM-style schedule meets
-(all-prefill steps with few sequences, all-decode steps with `T == S`); anything else
-compiles on first use. The KV pages are donated to the step, so XLA writes new K/V in place.
+`max_num_batched_tokens` and `max_num_seqs`. Context length is data, not shape (block
+tables are always `max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time
+(`jit(...).lower(...).compile()`), which finds it in JAX's persistent compile cache when an
+earlier start built it, without executing anything. `warmup()` does that for the buckets a
+vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
+`T == S`); anything else compiles on first use. The KV pages are donated to the step, so
+XLA writes new K/V in place.
 """
 
 from __future__ import annotations
