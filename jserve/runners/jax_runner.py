@@ -1,18 +1,20 @@
 """Runs a `Batch` through the model in one jit step on the device.
 
 Shapes are padded to buckets so the step compiles a bounded number of times: tokens `T`
-and sequences `S` are powers of two (at least 8) up to `max_num_batched_tokens` and
-`max_num_seqs`. Context length is data, not shape (block tables are always
-`max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time (`jit(...).lower(...)
-.compile()`), which finds it in JAX's persistent compile cache when an earlier start built it,
-without executing anything. `warmup()` does that for the buckets a vLLM-style schedule meets
-(all-prefill steps with few sequences, all-decode steps with `T == S`); anything else
-compiles on first use. The KV pages are donated to the step, so XLA writes new K/V in place.
+and sequences `S` are powers of two (at least 8, and `S` at least 16 from `T` = 256) up to
+`max_num_batched_tokens` and `max_num_seqs`. Context length is data, not shape (block
+tables are always `max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time
+(`jit(...).lower(...).compile()`), which finds it in JAX's persistent compile cache when an
+earlier start built it, without executing anything. `warmup()` does that for the buckets a
+vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
+`T == S`); anything else compiles on first use. The KV pages are donated to the step, so
+XLA writes new K/V in place.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -33,6 +35,10 @@ from pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
 
+
+# Threads that compile or load warm-up buckets beside the one lowering them: XLA releases the
+# GIL, and loading 14 cached steps took 5.7 s with two threads on two cores, 8.3 s with one.
+COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 # A compiled step's key: tokens T, sequences S, and whether it is an all-decode step.
 Shape = tuple[int, int, bool]
@@ -185,12 +191,12 @@ class JaxRunner:
         load them from the persistent compile cache; returns the seconds it took.
 
         Nothing runs: executing a padding batch per bucket cost more than loading its step.
-        Tracing and lowering (Python) happen here while a worker thread compiles or loads the
-        buckets already lowered (XLA, which releases the GIL), so the two overlap.
+        Tracing and lowering (Python) happen here while worker threads compile or load the
+        buckets already lowered (XLA, which releases the GIL), so they overlap.
         """
         shapes = self.buckets.warmup_shapes() if shapes is None else shapes
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(1, thread_name_prefix="jserve-compile") as pool:
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
             for t, s, decode_only in self._variants(shapes):
                 x = self._padding_inputs(t, s, decode_only)
