@@ -82,6 +82,8 @@ def run_blocks(
     """Thread the residual stream through every block, each with its own layer's pages.
 
     Families differ inside their blocks, not in how the cache is threaded, so they share this.
+    Blocks are stateless nnx Modules, each run as a nested jit (`_run_block`); `attention`
+    is a static argument of it, so it must be hashable.
     """
     k_out, v_out = [], []
     for block, k_pages, v_pages in zip(blocks, cache.k, cache.v, strict=True):
