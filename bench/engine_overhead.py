@@ -30,7 +30,8 @@ import statistics
 import time
 from datetime import date
 
-from jserve.benchmarking.bench import BenchConfig, sim_engine
+from jserve.builder import build_engine
+from jserve.config import EngineConfig
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
 
@@ -45,10 +46,10 @@ MAX_MODEL_LEN = 2048
 def decoding_engine(policy: str, running: int):
     """A simulated engine with `running` requests all past their prompts, decoding."""
     blocks_each = -(-MAX_MODEL_LEN // 16)
-    cfg = BenchConfig(engine="sim", policy=policy, model="opt-13b", hardware="a100-80g",
-                      num_blocks=running * blocks_each, max_num_seqs=running,
-                      max_total_len=MAX_MODEL_LEN)
-    engine, clock = sim_engine(cfg)
+    built = build_engine(EngineConfig(runner="sim", policy=policy, model="opt-13b",
+                                      hardware="a100-80g", num_blocks=running * blocks_each,
+                                      max_num_seqs=running, max_model_len=MAX_MODEL_LEN))
+    engine, clock = built.engine, built.clock
     max_tokens = MAX_MODEL_LEN - PROMPT_LEN
     for i in range(running):  # a millisecond apart, as a burst of clients would send them
         engine.add_request(f"r{i}", [7] * PROMPT_LEN,

@@ -4,6 +4,7 @@ clock: it sleeps through idle gaps) and the simulator (virtual clock: it jumps t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 from jserve.benchmarking.metrics import RequestRecord
@@ -62,7 +63,8 @@ def replay(
         if not engine.has_unfinished:
             clock.wait_until(start + pending[i].arrival_time)
             continue
-        for req in engine.step():
+        until = start + pending[i].arrival_time if i < len(pending) else math.inf
+        for req in engine.step(until):
             if req.finished:
                 record = record_of(req, specs[req.request_id])
                 records.append(record)

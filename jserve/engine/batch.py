@@ -84,3 +84,17 @@ class StepOutput:
     @classmethod
     def empty(cls) -> StepOutput:
         return cls(np.zeros(0, np.int32), np.zeros(0, np.float32))
+
+
+@dataclass(frozen=True)
+class RepeatedSteps:
+    """What a runner hands back for repeated decode steps of one batch (`Plan.repeat`):
+    step `j` ended at `end_times[j]` and gave sequence `i` the token `next_tokens[j, i]`."""
+
+    end_times: tuple[float, ...]
+    next_tokens: np.ndarray  # [steps, S] int32
+    logprobs: np.ndarray  # [steps, S] float32
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.end_times)

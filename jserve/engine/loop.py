@@ -6,10 +6,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from jserve.cache.prefix import EvictionRule
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
 from jserve.engine.request import Request
@@ -23,6 +23,17 @@ class Runner(Protocol):
     needs_inputs: bool
 
     def execute(self, batch: Batch) -> StepOutput: ...
+
+
+@runtime_checkable
+class RepeatingRunner(Runner, Protocol):
+    """A runner that can run several decode steps of one batch in a call (the simulator's
+    prices them all at once; see `Plan.repeat`)."""
+
+    def repeat_decodes(self, batch: Batch, steps: int, until: float) -> RepeatedSteps:
+        """Up to `steps` more steps of `batch`'s decodes, each sequence one token further
+        each time, stopping before a step that would start at or after `until`."""
+        ...
 
 
 @dataclass
@@ -55,6 +66,7 @@ class Engine:
         self.clock = clock
         self.eviction = eviction
         self.stats = EngineStats()
+        self._repeats = isinstance(runner, RepeatingRunner)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -78,8 +90,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.state.has_unfinished
 
-    def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that produced a token (or finished)."""
+    def step(self, until: float | None = None) -> list[Request]:
+        """Run one iteration; returns the requests that produced a token (or finished).
+
+        `until`: the time the next request arrives, where the caller knows it (a trace
+        replay). Given it, a plan that repeats (`Plan.repeat`) on a runner that can run
+        repeated decodes at once (the simulator's) runs its later steps in one go: those
+        that start before `until`, up to the one that ends the first request by length.
+        They are the steps, tokens and times that as many `step()`s would give; only the
+        Python per step is saved. The serving loops never pass it (their arrivals are not
+        known in advance) and so run one step per call."""
         view = self.state.snapshot(self.clock())
         plan = self.policy.schedule(view)
         if self.eviction is not None:
@@ -101,7 +121,22 @@ class Engine:
         out = self.runner.execute(batch)
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.num_tokens
-        return self.state.commit(batch, out, self.clock())
+        gained = self.state.commit(batch, out, self.clock())
+        if plan.repeat > 1 and until is not None and self._repeats:
+            return self._repeat(batch, plan.repeat - 1, until) or gained
+        return gained
+
+    def _repeat(self, batch: Batch, wanted: int, until: float) -> list[Request]:
+        steps = self.state.repeat_room(batch, wanted)
+        if not steps:
+            return []
+        started = self.clock()
+        done = self.runner.repeat_decodes(batch, steps, until)
+        if not done.num_steps:
+            return []
+        self.stats.num_steps += done.num_steps
+        self.stats.num_batched_tokens += batch.num_tokens * done.num_steps
+        return self.state.commit_repeated(batch, done, started)
 
     def _with_evictions(self, plan: Plan, now: float) -> Plan:
         need = self.state.eviction_request(plan, now)
@@ -110,4 +145,5 @@ class Engine:
         n, snapshot = need
         evict = self.eviction.evict(snapshot, n)
         self.stats.num_evicted_blocks += len(evict)
-        return dataclasses.replace(plan, evict=frozenset(evict.tolist()))
+        # Evicting is the rule's choice step by step: such a step is never repeated.
+        return dataclasses.replace(plan, evict=frozenset(evict.tolist()), repeat=1)

@@ -39,6 +39,14 @@ class Plan:
 
     Blocks a preemption frees may serve a swap-in or an allocation of the same plan: the
     runner copies swapped-out blocks before anything writes to them.
+
+    `repeat`: how many steps in a row, this one included, the policy would plan the same
+    decodes: every request in `run` computes its one new token, growing its table by a
+    block when it fills one. It is a promise about the policy's own next plans (that the
+    free blocks cover the growth, and that nothing else would be admitted, swapped in or
+    preempted), valid while no request arrives, finishes or is aborted; the engine checks
+    those events and may run fewer (see `Engine.step`). Only a plan that runs nothing but
+    one-token decodes, and preempts, swaps and evicts nothing, may repeat.
     """
 
     run: Mapping[int, int] = field(default_factory=dict)
@@ -47,6 +55,7 @@ class Plan:
     swap_in: frozenset[int] = frozenset()
     reserve: Mapping[int, int] = field(default_factory=dict)
     evict: frozenset[int] = frozenset()  # physical block ids
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         for name in ("run", "allocate", "preempt", "reserve"):

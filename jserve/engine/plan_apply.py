@@ -20,6 +20,7 @@ from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import RUNNING, SWAPPED, WAITING
+from jserve.errors import PlanError
 
 Moves = tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]  # (swap-outs, swap-ins)
 
@@ -87,6 +88,31 @@ class PlanApplier:
                 loads += self.reuse.take_over(seq_id, hit, n)
         self.live.cols.num_blocks[checked.allocate_rows] += checked.allocate_counts
         return loads
+
+    def decode_growth(self, rows: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """For `steps` more one-token decodes of `rows`: how many blocks each fills, and
+        at which step (1-based) each row takes its first new one (then one every
+        `block_size` steps). Step `j` computes position `num_computed + j - 1`."""
+        cols, bs = self.live.cols, self.blocks.block_size
+        first = cols.num_blocks[rows] * bs - cols.num_computed[rows] + 1
+        return np.maximum(0, (steps - first) // bs + 1), first
+
+    def grow_decodes(self, seq_ids: list[int], rows: np.ndarray, steps: int) -> None:
+        """Allocate the blocks `steps` more one-token decodes fill, as that many plans
+        would (`Plan.repeat`): step by step, in batch order within a step."""
+        counts, first = self.decode_growth(rows, steps)
+        total = int(counts.sum())
+        if total > self.blocks.num_free:
+            raise PlanError(f"{steps} repeated decode steps need {total} blocks, "
+                            f"{self.blocks.num_free} free: the policy's repeat was wrong")
+        if not total:
+            return
+        who = np.repeat(np.arange(len(rows)), counts)
+        nth = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        step = first[who] + nth * self.blocks.block_size
+        for i in who[np.lexsort((who, step))].tolist():
+            self.blocks.allocate(seq_ids[i], 1)
+        self.live.cols.num_blocks[rows] += counts
 
     def _start_runs(self, checked: CheckedPlan, now: float) -> None:
         self.live.cols.status[checked.run_rows] = RUNNING

@@ -107,6 +107,8 @@ class PlanChecker:
             )
         reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows)
         run_rows, run_lens = self._check_runs(plan)
+        if plan.repeat != 1:
+            self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
                            run_rows, run_lens, reserve_rows, reserve_counts)
 
@@ -205,6 +207,17 @@ class PlanChecker:
                                         f"{self.blocks.blocks_for(int(end[i]))} for {end[i]} tokens"),
         ])
         return rows, n
+
+    def _check_repeat(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
+        """Only steps of plain decodes repeat (`Plan.repeat`)."""
+        if plan.repeat < 1:
+            raise PlanError(f"plan repeats {plan.repeat} times; at least once")
+        if plan.preempt or plan.swap_in or plan.evict:
+            raise PlanError("a plan that preempts, swaps in or evicts cannot repeat")
+        decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
+        if not decoding.all():
+            seq = list(plan.run)[int(np.argmin(decoding))]
+            raise PlanError(f"seq {seq}: a repeated plan runs only one-token decodes")
 
     def fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit]) -> int:
         """Blocks the plan takes off the free list: its allocations less the cached blocks

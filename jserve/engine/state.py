@@ -24,7 +24,7 @@ from typing import Unpack
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixIndex
 from jserve.engine.admission import Admission, RequestOptions
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
 from jserve.engine.live_requests import LiveRequests
@@ -39,6 +39,7 @@ from jserve.engine.request_table import RequestTable
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.token_commit import TokenCommit
 from jserve.engine.view import SchedulerLimits, SchedulerView
+from jserve.errors import PlanError
 from models.tokenizer import Tokenizer
 
 
@@ -187,6 +188,38 @@ class EngineState:
             raise RuntimeError("commit() of a batch that is not the applied plan's")
         self.load.record_step(now - self._applied_at)
         return self._commit.commit(batch, applied.run_rows, out, now)
+
+    def repeat_room(self, batch: Batch, wanted: int) -> int:
+        """How many of `wanted` more steps of the just-committed `batch`'s decodes
+        (`Plan.repeat`) the state lets run at once: up to the step at which the first of
+        them reaches its length. None when a request ended or reads its tokens (EOS, stop
+        strings, streamed text), when the step moved blocks, or with a prefix cache (whose
+        evictions a rule chooses step by step). `PlanError` if the free blocks do not
+        cover the growth the policy promised."""
+        if wanted < 1 or self._reuse is not None or batch.moves_blocks:
+            return 0
+        seq_ids = batch.seq_ids.tolist()
+        rows = self.live.rows(seq_ids)
+        if (rows < 0).any() or self.live.token_checked_mask(seq_ids).any():
+            return 0
+        cols = self.live.cols
+        steps = min(wanted, int((cols.max_len[rows] - cols.num_tokens[rows]).min()))
+        need = int(self._applier.decode_growth(rows, steps)[0].sum())
+        if need > self.blocks.num_free:
+            raise PlanError(f"policy promised {wanted + 1} decode steps; {steps + 1} need {need} "
+                            f"more blocks, {self.blocks.num_free} free")
+        return steps
+
+    def commit_repeated(self, batch: Batch, steps: RepeatedSteps, started: float) -> list[Request]:
+        """Book repeated decode steps of `batch` (at most `repeat_room`'s), the first of
+        which started at `started`: blocks, tokens, step times and the requests they end."""
+        seq_ids = batch.seq_ids.tolist()
+        rows = self.live.rows(seq_ids)
+        self._applier.grow_decodes(seq_ids, rows, steps.num_steps)
+        for t in steps.end_times:
+            self.load.record_step(t - started)
+            started = t
+        return self._commit.commit_repeated(rows, seq_ids, steps)
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""

@@ -18,7 +18,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.release import Finisher
@@ -56,6 +56,23 @@ class TokenCommit:
         stopped = self._stops(reqs, seq_ids, tokens)
         for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
             self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
+        return reqs
+
+    def commit_repeated(self, rows: np.ndarray, seq_ids: list[int], steps: RepeatedSteps) -> list[Request]:
+        """Record repeated decode steps of requests that all hold their first token and
+        end by length alone (`EngineState.repeat_room` saw to both): what as many `commit`s
+        would record, with the requests that reach their length ended at the last step."""
+        cols, k = self.live.cols, steps.num_steps
+        reqs = list(map(self.live.requests.__getitem__, seq_ids))
+        _consume(map(list.extend, map(_OUTPUT_IDS, reqs), steps.next_tokens.T.tolist()))
+        _consume(map(list.extend, map(_LOGPROBS, reqs), steps.logprobs.T.tolist()))
+        _consume(map(list.extend, map(_TOKEN_TIMES, reqs), repeat(steps.end_times, len(reqs))))
+        cols.num_computed[rows] += k
+        cols.num_tokens[rows] += k
+        now = steps.end_times[-1]
+        cols.last_token_time[rows] = now
+        for i in np.flatnonzero(cols.num_tokens[rows] >= cols.max_len[rows]).tolist():
+            self.finisher.finish(reqs[i], FinishReason.LENGTH, now)
         return reqs
 
     def _first_tokens(self, reqs: list[Request], rows: np.ndarray, now: float) -> None:

@@ -7,6 +7,11 @@
 - Decodes grow each running request block by block; when the cache runs out, the
   latest-arrived running request is preempted by recompute (it returns to the waiting set,
   and as the earliest waiting arrival it is readmitted first).
+- Between arrivals and finishes, a step that decodes every running request with nothing
+  swapped out is planned again and again until the free blocks no longer cover the
+  growth: the plan says how many times (`Plan.repeat`, the simulator's fast path). A
+  waiting request that could not be admitted stays so meanwhile, since admission needs
+  free blocks, and decodes only take them.
 - With `preemption_mode=SWAP` (vLLM's `--preemption-mode swap`, policy `vllm-swap`) victims
   go to host memory while it has room. As in vLLM v0, swapped requests come back before
   anything new is admitted: no prefills run while any are swapped, and they are swapped in
@@ -101,9 +106,11 @@ class VLLMPolicy:
         run = dict(zip(seq_ids.tolist(), (r.num_tokens - r.num_computed)[running].tolist()))
         grows = needs != 0
         allocate = dict(zip(seq_ids[grows].tolist(), needs[grows].tolist()))
-        free = view.num_free_blocks - int(needs.sum())
-        swap_in = self._swap_ins(view, free, len(run), run, allocate)
-        return Plan(run=run, allocate=allocate, swap_in=swap_in)
+        if (r.status == SWAPPED).any():
+            free = view.num_free_blocks - int(needs.sum())
+            swap_in = self._swap_ins(view, free, len(run), run, allocate)
+            return Plan(run=run, allocate=allocate, swap_in=swap_in)
+        return Plan(run=run, allocate=allocate, repeat=decode_repeat(view, running))
 
     def _swap_ins(self, view: SchedulerView, free: int, running: int, run: dict[int, int],
                   allocate: dict[int, int]) -> set[int]:
@@ -123,3 +130,26 @@ class VLLMPolicy:
                 allocate[seq] = grow
             free -= held + grow
         return swap_in
+
+
+def decode_repeat(view: SchedulerView, running: np.ndarray) -> int:
+    """How many steps in a row, this one included, the free blocks cover every running
+    request's decode: the largest J whose growth, sum_i ceil(max(0, J - slack_i) / B)
+    blocks (slack_i: token slots left in the blocks request i holds), fits the free ones.
+    Searched up to the step that ends the first request by length, after which the
+    running set changes anyway."""
+    r, bs = view.requests, view.block_size
+    if not len(running):
+        return 1
+    slack = r.num_blocks[running] * bs - r.num_computed[running]
+
+    def growth(steps: int) -> int:
+        return int(((np.maximum(0, steps - slack) + bs - 1) // bs).sum())
+
+    lo, hi = 1, int((r.max_len[running] - r.num_tokens[running]).min())
+    if growth(hi) <= view.num_free_blocks:
+        return hi
+    while lo + 1 < hi:  # growth(lo) fits, growth(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if growth(mid) <= view.num_free_blocks else (lo, mid)
+    return lo

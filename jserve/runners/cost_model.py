@@ -103,6 +103,16 @@ class StepShape:
         padded = pad(shape.num_tokens)
         return dataclasses.replace(shape, padded_tokens=padded, page_walk=padded * int(batch.start.max()))
 
+    def one_token_on(self) -> StepShape:
+        """The next step of the same decodes, every sequence one token further on (for
+        repeated steps, `Plan.repeat`): each attends to, and reads, one more token, and the
+        padded page walk reaches one position further."""
+        if self.num_prefill_tokens or self.swap_bytes or self.host_layer_tokens or self.hidden_tokens:
+            raise ValueError(f"only a step of plain decodes repeats, not {self}")
+        return dataclasses.replace(self, attended=self.attended + self.num_seqs,
+                                   kv_read_tokens=self.kv_read_tokens + self.num_seqs,
+                                   page_walk=self.page_walk + self.padded_tokens)
+
     @classmethod
     def prefill(cls, num_tokens: int, start: int = 0) -> StepShape:
         """One sequence computing `num_tokens` tokens after `start` cached ones."""

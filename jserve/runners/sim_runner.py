@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.clock import VirtualClock
 from jserve.runners.cost_model import CostModel, StepShape
 
@@ -37,3 +37,20 @@ class SimRunner:
         self.busy_time += dt
         n = batch.num_seqs
         return StepOutput(np.full(n, self.token_id, np.int32), np.zeros(n, np.float32))
+
+    def repeat_decodes(self, batch: Batch, steps: int, until: float) -> RepeatedSteps:
+        """Steps of `batch`'s decodes after the one just run, each priced as `execute`
+        would price it, while they start before `until`."""
+        shape = StepShape.of(batch, self.pad, self.bytes_per_block)
+        times: list[float] = []
+        for _ in range(steps):
+            if self.clock.now() >= until:
+                break
+            shape = shape.one_token_on()
+            dt = self.cost_model.step_time(shape)
+            self.clock.advance(dt)
+            self.busy_time += dt
+            times.append(self.clock.now())
+        k, n = len(times), batch.num_seqs
+        return RepeatedSteps(tuple(times), np.full((k, n), self.token_id, np.int32),
+                             np.zeros((k, n), np.float32))
