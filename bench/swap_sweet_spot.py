@@ -12,7 +12,7 @@ does it: profile recompute and swap (out and back in) latency over sequence leng
 Prints both fits and the sweet spots beside the paper's ~4k tokens, with what a sweet spot
 means against OPT-13B's 2,048-token context; writes bench/results/swap_sweet_spot.json/.md.
 
-    python bench/swap_sweet_spot.py [--cpu-sizes 16 32 64 128 256 512] [--repeats 3]
+    python bench/swap_sweet_spot.py [--cpu-sizes 16 32 64 128 256 512 1024] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-cpu", action="store_true", help="only the cost-model rows")
     ap.add_argument("--output", default=str(RESULTS / "swap_sweet_spot.json"))
     args = ap.parse_args()

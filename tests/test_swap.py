@@ -109,3 +109,19 @@ def test_simulator_charges_both_directions_and_every_copy() -> None:
     state.apply(Plan(swap_in={a}, run={a: 1}), 2.0)
     back = StepShape.of(state.batch(), bytes_per_block=bytes_per_block)
     assert (back.swap_bytes, back.swap_blocks, back.swap_moves) == (2 * bytes_per_block, 2, 1)
+
+
+def test_preemption_is_measured_through_the_runners_own_paths(tiny_loaded) -> None:
+    """Recompute = a prefill step, swap = the host store's out and back in, on the real
+    runner; every swapped request comes back (the host store ends empty)."""
+    from jserve.builder import build_engine
+    from jserve.config import EngineConfig
+    from jserve.runners.profiling import measure_preemption
+
+    config = EngineConfig(model=tiny_loaded, num_blocks=16, block_size=4, max_model_len=16,
+                          max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    runner = build_engine(config).runner
+    profile = measure_preemption(runner, [4, 4, 8, 8], repeats=1)
+    assert profile.sizes == (4, 4, 8, 8) and min(profile.recompute_s + profile.swap_s) > 0
+    assert len(runner.host_kv) == 0
+    assert profile.fit().solve().kind in ("crossing", "always", "never")
