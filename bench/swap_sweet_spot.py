@@ -27,7 +27,7 @@ import numpy as np
 
 from jserve.cache.sizing import block_bytes
 from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
-from jserve.runners.cost_model import RooflineCostModel, SwapPath
+from jserve.runners.cost_model import RooflineCostModel, SwapPath, recompute_time
 from jserve.runners.hardware import get_hardware
 from jserve.runners.preemption_cost import PreemptionProfile, profile_cost_model
 from models.registry import get_config
@@ -38,7 +38,7 @@ OPT13B_CONTEXT = 2048  # OPT's max_position_embeddings; the paper cuts BookCorpu
 CPU_BLOCK_SIZE = 16
 
 
-def row(label: str, profile: PreemptionProfile, context: int) -> dict[str, Any]:
+def row(label: str, profile: PreemptionProfile, context: int, kv_bytes_per_token: int) -> dict[str, Any]:
     costs = profile.fit()
     spot = costs.solve()
     s = np.asarray(profile.sizes, np.float64)
@@ -49,7 +49,9 @@ def row(label: str, profile: PreemptionProfile, context: int) -> dict[str, Any]:
             "sweet_spot": {"kind": spot.kind, "tokens": spot.tokens},
             "within_profile": spot.kind != "crossing" or spot.tokens <= max(profile.sizes),
             "profile_swap_faster_at": [n for n, r, w in zip(profile.sizes, profile.recompute_s, profile.swap_s) if w < r],
-            "context": context, "meaning": meaning(spot, costs, context)}
+            "context": context, "meaning": meaning(spot, costs, context),
+            # the K/V of the longest profiled request, out and in, over its swap time
+            "effective_swap_gb_s": 2 * max(profile.sizes) * kv_bytes_per_token / max(profile.swap_s) / 1e9}
 
 
 def meaning(spot: SweetSpot, costs: PreemptionCosts, context: int) -> str:
@@ -70,7 +72,13 @@ def cost_model_rows() -> list[dict[str, Any]]:
         model = RooflineCostModel(cfg, get_hardware(hw), swap_path=SwapPath.PER_BLOCK_LAYER)
         for bs in (32, 16, 8):
             profile = profile_cost_model(model, bs, block_bytes(cfg, bs, 2))
-            rows.append(row(f"OPT-13B, {hw}, block {bs}, cost model (vLLM v0 swap)", profile, OPT13B_CONTEXT))
+            rows.append(row(f"OPT-13B, {hw}, block {bs}, cost model (vLLM v0 swap)", profile, OPT13B_CONTEXT,
+                            cfg.kv_bytes_per_token))
+        # The swap rate at which swapping 4k tokens out and in takes as long as recomputing
+        # them on this model: what the paper's Figure 8 crossing implies.
+        implied = 2 * PAPER_SWEET_SPOT * cfg.kv_bytes_per_token / recompute_time(model, PAPER_SWEET_SPOT)
+        for r in rows[-3:]:
+            r["paper_implied_swap_gb_s"] = implied / 1e9
     return rows
 
 
@@ -91,17 +99,18 @@ def cpu_row(sizes: list[int], repeats: int) -> dict[str, Any]:
     profile = measure_preemption(runner, sizes, repeats)
     context = built.model_config.max_position
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
-    return row(f"SmolLM2-135M, {device}, block {CPU_BLOCK_SIZE}, measured (JAX runner)", profile, context)
+    kv = block_bytes(built.model_config, 1, runner.cache.k[0].dtype.itemsize)
+    return row(f"SmolLM2-135M, {device}, block {CPU_BLOCK_SIZE}, measured (JAX runner)", profile, context, kv)
 
 
 def describe(r: dict[str, Any]) -> str:
     f, p = r["fit"], r["profile"]
     spot = SweetSpot(r["sweet_spot"]["kind"], r["sweet_spot"]["tokens"])
     lines = [r["setting"],
-             f"  L_r(S) = {f['a']:.3e}*S^{f['b']:g} + {f['k']:.3e}*S + {f['e']:.3e} s"
-             f"   (max rel. error {r['fit_max_rel_error']['recompute']:.1%})",
-             f"  L_s(S) = {f['g']:.3e}*S + {f['d']:.3e} s"
-             f"   (max rel. error {r['fit_max_rel_error']['swap']:.1%})",
+             (f"  L_r(S) = {f['a']:.3e}*S^{f['b']:g} + {f['k']:.3e}*S + {f['e']:.3e} s"
+              f"   (max rel. error {r['fit_max_rel_error']['recompute']:.1%})"),
+             (f"  L_s(S) = {f['g']:.3e}*S + {f['d']:.3e} s"
+              f"   (max rel. error {r['fit_max_rel_error']['swap']:.1%})"),
              "  S      " + " ".join(f"{n:>8d}" for n in p["sizes"]),
              "  rec ms " + " ".join(f"{t * 1e3:8.2f}" for t in p["recompute_s"]),
              "  swap ms" + " ".join(f"{t * 1e3:8.2f}" for t in p["swap_s"]),
@@ -109,24 +118,30 @@ def describe(r: dict[str, Any]) -> str:
              + ("" if r["within_profile"] else " [extrapolated past the profiled lengths]")
              + f"; paper (Figure 8): ~{PAPER_SWEET_SPOT} tokens",
              f"  profile itself: swap faster at S = {r['profile_swap_faster_at'] or 'none'}",
+             f"  effective swap rate (out + in bytes / time) at S = {max(p['sizes'])}: "
+             f"{r['effective_swap_gb_s']:.1f} GB/s"
+             + (f"; the paper's 4k crossing would need {r['paper_implied_swap_gb_s']:.1f} GB/s on this model"
+                if "paper_implied_swap_gb_s" in r else ""),
              f"  with a {r['context']}-token context: {r['meaning']}"]
     return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["# CacheOpt swap-vs-recompute sweet spot", "",
-           "Written by `python bench/swap_sweet_spot.py`. `L_r(S) = a*S^2 + k*S + e`, "
-           "`L_s(S) = g*S + d` (seconds; swap = out and back in), fitted to the profile; the "
-           f"paper's Figure 8 puts the crossing at about {PAPER_SWEET_SPOT} tokens (OPT-13B, A100, "
-           f"block 32). OPT-13B's context is {OPT13B_CONTEXT} tokens.", "",
-           "| setting | a | k | e | g | d | sweet spot | in profiled range | profile: swap faster at S = | with the model's context |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           ("Written by `python bench/swap_sweet_spot.py`. `L_r(S) = a*S^2 + k*S + e`, "
+            "`L_s(S) = g*S + d` (seconds; swap = out and back in), fitted to the profile; the "
+            f"paper's Figure 8 puts the crossing at about {PAPER_SWEET_SPOT} tokens (OPT-13B, A100, "
+            f"block 32). OPT-13B's context is {OPT13B_CONTEXT} tokens."), "",
+           "| setting | a | k | e | g | d | sweet spot | in profiled range | profile: swap faster at S = | swap GB/s (paper's 4k needs) | with the model's context |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["fit"]
         spot = SweetSpot(r["sweet_spot"]["kind"], r["sweet_spot"]["tokens"])
         out.append(f"| {r['setting']} | {f['a']:.2e} | {f['k']:.2e} | {f['e']:.2e} | {f['g']:.2e} | "
                    f"{f['d']:.2e} | {spot.describe()} | {'yes' if r['within_profile'] else 'no'} | "
                    f"{', '.join(map(str, r['profile_swap_faster_at'])) or 'none'} | "
+                   f"{r['effective_swap_gb_s']:.1f}"
+                   + (f" ({r['paper_implied_swap_gb_s']:.1f})" if "paper_implied_swap_gb_s" in r else "") + " | "
                    f"{r['meaning']} |")
     return "\n".join(out) + "\n"
 

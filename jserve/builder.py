@@ -33,7 +33,12 @@ from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
-from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel, SwapPath
+from jserve.runners.cost_model import (
+    CalibratedCostModel,
+    CostModel,
+    RooflineCostModel,
+    SwapPath,
+)
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model

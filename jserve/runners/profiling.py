@@ -19,8 +19,8 @@ import numpy as np
 
 from jserve.engine.batch import Batch, BatchInputs, BlockMove
 from jserve.runners.cost_model import CalibratedCostModel, StepShape
-from jserve.runners.preemption_cost import PreemptionProfile
 from jserve.runners.jax_runner import JaxRunner
+from jserve.runners.preemption_cost import PreemptionProfile
 
 
 def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
