@@ -18,6 +18,7 @@ means against OPT-13B's 2,048-token context; writes bench/results/swap_sweet_spo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -80,6 +81,27 @@ def cost_model_rows() -> list[dict[str, Any]]:
         for r in rows[-3:]:
             r["paper_implied_swap_gb_s"] = implied / 1e9
     return rows
+
+
+def latency_sensitivity() -> list[dict[str, Any]]:
+    """The OPT-13B sweet spots across DualPath's 5-7 us per copy call (hardware.py)."""
+    cfg = get_config("opt-13b")
+    out = []
+    for hw in ("a100-80g", "a100-40g"):
+        for latency in (5e-6, 6e-6, 7e-6):
+            model = RooflineCostModel(cfg, dataclasses.replace(get_hardware(hw), copy_latency=latency))
+            spots = {bs: profile_cost_model(model, bs, block_bytes(cfg, bs, 2)).fit().solve() for bs in (32, 16, 8)}
+            out.append({"hardware": hw, "copy_latency_us": latency * 1e6,
+                        "sweet_spot_by_block": {bs: {"kind": sp.kind, "tokens": sp.tokens} for bs, sp in spots.items()}})
+    return out
+
+
+def describe_sensitivity(rows: list[dict[str, Any]]) -> str:
+    lines = ["OPT-13B sweet spot vs the per-copy latency (block 32 / 16 / 8):"]
+    for r in rows:
+        spots = [SweetSpot(v["kind"], v["tokens"]).describe() for v in r["sweet_spot_by_block"].values()]
+        lines.append(f"  {r['hardware']}, {r['copy_latency_us']:.0f} us: " + " / ".join(spots))
+    return "\n".join(lines)
 
 
 def cpu_row(sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -158,11 +180,14 @@ def main() -> None:
         rows.append(cpu_row(args.cpu_sizes, args.repeats))
     for r in rows:
         print(describe(r), end="\n\n")
+    sensitivity = latency_sensitivity()
+    print(describe_sensitivity(sensitivity), end="\n\n")
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "paper_sweet_spot": PAPER_SWEET_SPOT,
-                               "opt13b_context": OPT13B_CONTEXT, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows))
+                               "opt13b_context": OPT13B_CONTEXT, "rows": rows,
+                               "copy_latency_sensitivity": sensitivity}, indent=1))
+    out.with_suffix(".md").write_text(markdown(rows) + "\n```\n" + describe_sensitivity(sensitivity) + "\n```\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
