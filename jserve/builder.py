@@ -33,7 +33,12 @@ from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
-from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
+from jserve.runners.cost_model import (
+    CalibratedCostModel,
+    CostModel,
+    RooflineCostModel,
+    SwapPath,
+)
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
@@ -119,8 +124,11 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     # policy keeps its documented fallback.
     policy = config.make_policy()
     if config.profile is not None:
-        policy = _with_preemption_costs(policy, lambda: _fitted_costs(
-            CalibratedCostModel.load(config.profile), model, dbytes, config.hardware))
+        swaps = RooflineCostModel(model, get_hardware(config.hardware), dtype_bytes=dbytes,
+                                  swap_path=SwapPath.GATHERED)
+        policy = _with_preemption_costs(policy, lambda: preemption_costs_from_cost_model(
+            CalibratedCostModel.load(config.profile, extras=swaps), config.block_size,
+            block_bytes(model, config.block_size, dbytes)))
     clock = WallClock()
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
@@ -147,19 +155,21 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     model = config.model_config()
     hw = get_hardware(config.hardware)
     dbytes = dtype_bytes(jnp.bfloat16 if config.dtype == "auto" else jnp.dtype(config.dtype))
-    roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes)
+    # A profile was measured on the JAX runner: model its gathered swaps (and, below, its
+    # padding); the roofline alone models vLLM v0, whose swaps copy block by block.
+    swap_path = SwapPath.GATHERED if config.profile else SwapPath.PER_BLOCK_LAYER
+    roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes, swap_path=swap_path)
     cost: CostModel = (CalibratedCostModel.load(config.profile, extras=roofline)
                        if config.profile else roofline)
     limits = config.limits
     num_blocks = config.num_blocks or kv_capacity_blocks(
         model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization)
     clock = VirtualClock()
-    # A profile was measured on the bucketed JAX runner: model its padding too.
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    policy = _with_preemption_costs(config.make_policy(),
-                                    lambda: _fitted_costs(cost, model, dbytes, config.hardware))
+    policy = _with_preemption_costs(config.make_policy(), lambda: preemption_costs_from_cost_model(
+        cost, config.block_size, block))
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache,
@@ -167,12 +177,6 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
                                               config.swap_space * 2**30),
     )
     return BuiltEngine(engine, clock, model)
-
-
-def _fitted_costs(cost: CostModel, model: ModelConfig, dbytes: int, hardware: str) -> PreemptionCosts:
-    """Recompute priced by the runner's cost model, swap by the hardware's host link."""
-    return preemption_costs_from_cost_model(cost, block_bytes(model, 1, dbytes),
-                                            get_hardware(hardware).pcie_bandwidth)
 
 
 def _with_preemption_costs(policy: Policy, costs: Callable[[], PreemptionCosts]) -> Policy:

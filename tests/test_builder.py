@@ -15,7 +15,7 @@ from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine
 from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.policies.cacheopt import CacheOptPolicy
-from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel
+from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel, SwapPath
 from jserve.runners.hardware import get_hardware
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
@@ -66,8 +66,9 @@ def test_real_engine_prices_preemption_only_from_a_profile(profile: str) -> None
     assert build_engine(cfg).engine.policy.preemption_costs is None  # the policy's fallback
     costs = build_engine(dataclasses.replace(cfg, profile=profile)).engine.policy.preemption_costs
     model = get_config("tiny-llama")
+    swaps = RooflineCostModel(model, get_hardware("a100-80g"), dtype_bytes=4, swap_path=SwapPath.GATHERED)
     assert costs == preemption_costs_from_cost_model(
-        CalibratedCostModel.load(profile), block_bytes(model, 1, 4), get_hardware("a100-80g").pcie_bandwidth)
+        CalibratedCostModel.load(profile, extras=swaps), 4, block_bytes(model, 4, 4))
 
 
 def test_simulated_engine_from_the_same_config() -> None:
@@ -77,7 +78,7 @@ def test_simulated_engine_from_the_same_config() -> None:
     assert built.loaded is None and built.runner.pad is None  # the roofline pads nothing
     model, hw = get_config("opt-13b"), get_hardware("a100-80g")
     assert built.engine.policy.preemption_costs == preemption_costs_from_cost_model(
-        RooflineCostModel(model, hw), model.kv_bytes_per_token, hw.pcie_bandwidth)
+        RooflineCostModel(model, hw), cfg.block_size, block_bytes(model, cfg.block_size, 2))
     assert built.engine.state.limits == cfg.limits
     assert _tokens_of_one_request(build_engine(dataclasses.replace(cfg, num_blocks=64)).engine) == 4
 

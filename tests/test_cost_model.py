@@ -9,17 +9,21 @@ import numpy as np
 import pytest
 
 from jserve.engine.batch import Batch
+from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
 from jserve.runners.cost_model import (
     FEATURES,
+    JAX_PUT_LATENCY,
     CalibratedCostModel,
     RooflineCostModel,
     StepShape,
+    SwapPath,
     features,
     nnls,
     recompute_time,
     swap_time,
 )
 from jserve.runners.hardware import HARDWARE, Hardware, get_hardware, kv_capacity_blocks
+from jserve.runners.preemption_cost import fit_preemption_costs, profile_cost_model
 from models.registry import get_config
 
 OPT13B = get_config("opt-13b")
@@ -135,9 +139,37 @@ def test_extras_are_charged():
     hidden = dataclasses.replace(prefill, hidden_tokens=2048)
     extra = 4 * OPT13B.hidden_size * OPT13B.hidden_size * OPT13B.num_layers * 2048 / (A100.peak_flops * A100.mfu)
     assert model.step_time(hidden) - model.step_time(prefill) == pytest.approx(extra, rel=1e-6)
-    assert swap_time(2e9, A100) == pytest.approx(2e9 / A100.pcie_bandwidth)
     assert recompute_time(model, 2048) == model.step_time(StepShape.prefill(2048))
     assert recompute_time(model, 0) == 0.0
+
+
+def test_a_vllm_v0_swap_pays_a_copy_per_block_per_layer_for_k_and_v():
+    model = RooflineCostModel(OPT13B, A100)  # the default: vLLM v0's swap_blocks
+    bpb = 16 * OPT13B.kv_bytes_per_token
+    copies = 3 * 2 * OPT13B.num_layers  # 3 blocks, K and V of each of 40 layers
+    expected = copies * A100.copy_latency + 3 * bpb / A100.pcie_bandwidth
+    assert model.step_time(StepShape.swap(3, bpb)) == pytest.approx(expected)
+    # the step waits for its swaps: a decode step that also swaps costs both
+    decode = StepShape.decode([512] * 8)
+    both = dataclasses.replace(decode, swap_bytes=3 * bpb, swap_blocks=3, swap_moves=1)
+    assert model.step_time(both) == pytest.approx(model.step_time(decode) + expected)
+
+
+def test_a_gathered_swap_pays_one_put_per_request_and_the_device_gather():
+    model = RooflineCostModel(OPT13B, A100, swap_path=SwapPath.GATHERED)
+    bpb = 16 * OPT13B.kv_bytes_per_token
+    expected = (2 * JAX_PUT_LATENCY + 6 * bpb / A100.pcie_bandwidth
+                + 2 * 6 * bpb / (A100.hbm_bandwidth * A100.mbu))
+    assert model.step_time(StepShape.swap(6, bpb, moves=2)) == pytest.approx(expected)
+
+
+def test_swap_time_is_a_requests_blocks_out_and_back_in():
+    model = RooflineCostModel(OPT13B, A100)
+    bpb = 16 * OPT13B.kv_bytes_per_token
+    assert swap_time(model, 0, 16, bpb) == 0.0
+    # 33 tokens fill 3 blocks of 16; each goes out and comes back
+    assert swap_time(model, 33, 16, bpb) == pytest.approx(model.step_time(StepShape.swap(6, bpb, moves=2)))
+    assert swap_time(model, 33, 16, bpb) == pytest.approx(2 * model.step_time(StepShape.swap(3, bpb)))
 
 
 # -- calibrated ---------------------------------------------------------------------------
@@ -298,3 +330,52 @@ def test_step_shape_models_a_bucketed_runner_when_given_its_padding():
     padded = StepShape.of(batch, pad=lambda n: 16)
     assert (padded.padded_tokens, padded.page_walk) == (16, 16 * 40)
     assert dataclasses.replace(padded, padded_tokens=0, page_walk=0) == plain
+
+
+# -- preemption costs: the paper's L_r / L_s fits and their crossing ------------------------
+
+KNOWN = PreemptionCosts(a=2e-9, b=2.0, k=1e-4, e=0.01, g=1.5e-4, d=0.002)
+
+
+def test_fit_recovers_known_polynomials_and_their_crossing():
+    sizes = [16, 64, 256, 1024, 2048, 4096, 8192]
+    fitted = fit_preemption_costs(sizes, [KNOWN.recompute(n) for n in sizes], [KNOWN.swap(n) for n in sizes])
+    for got, want in zip(dataclasses.astuple(fitted), dataclasses.astuple(KNOWN)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    # 2e-9 S^2 - 5e-5 S + 0.008 = 0: roots (5e-5 +- sqrt(2.5e-9 - 6.4e-11)) / 4e-9
+    upper = (5e-5 + np.sqrt(5e-5**2 - 4 * 2e-9 * 0.008)) / 4e-9
+    assert fitted.solve() == SweetSpot("crossing", int(np.ceil(upper)))
+    assert fitted.prefers_swap(1)  # swap also wins at one token, yet the sweet spot is the crossing
+    assert not fitted.prefers_swap(fitted.sweet_spot() - 1) and fitted.prefers_swap(fitted.sweet_spot())
+
+
+def test_fit_with_a_free_exponent_finds_it():
+    sizes = [16, 64, 256, 1024, 2048, 4096]
+    true = dataclasses.replace(KNOWN, a=3e-7, b=1.5)
+    fitted = fit_preemption_costs(sizes, [true.recompute(n) for n in sizes], [true.swap(n) for n in sizes],
+                                  exponent=None)
+    assert fitted.b == pytest.approx(1.5) and fitted.a == pytest.approx(3e-7, rel=1e-6)
+
+
+def test_sweet_spot_kinds_are_data():
+    always = PreemptionCosts(a=0.0, b=1.0, k=2e-4, e=0.01, g=1e-4, d=0.0)
+    assert always.solve() == SweetSpot("always", 0) and always.sweet_spot() == 0
+    never = PreemptionCosts(a=0.0, b=1.0, k=1e-4, e=0.01, g=2e-4, d=0.0)
+    assert never.solve(limit=4096) == SweetSpot("never", 4096) and never.sweet_spot(4096) == 4096
+    one_root = PreemptionCosts(a=1e-6, b=2.0, k=0.0, e=1e-3, g=2e-5, d=2e-3)  # recompute wins at 1
+    assert one_root.solve() == SweetSpot("crossing", 44)
+    with pytest.raises(ValueError, match="b >= 1"):
+        PreemptionCosts(a=1.0, b=0.5, k=0.0, e=0.0, g=0.0, d=0.0)
+
+
+def test_fit_of_the_cost_model_agrees_with_its_profile():
+    """OPT-13B on A100-80G, vLLM v0 swap: at block 32 swap beats recompute at every profiled
+    length and the fit says always; at block 8 it loses from 128 tokens on and the fitted
+    crossing lies past the 2,048-token context."""
+    model = RooflineCostModel(OPT13B, A100)
+    for block, kind in ((32, "always"), (8, "crossing")):
+        profile = profile_cost_model(model, block, block * OPT13B.kv_bytes_per_token)
+        spot = profile.fit().solve()
+        assert spot.kind == kind
+        faster = [w < r for r, w in zip(profile.recompute_s, profile.swap_s)]
+        assert all(faster) if kind == "always" else (not any(faster[3:]) and spot.tokens > 2048)

@@ -4,6 +4,8 @@ swaps: test_engine_greedy.py and the vllm-swap property tests.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from policy_harness import FakeClock, FakeRunner
@@ -87,12 +89,39 @@ def test_abort_while_swapped_frees_the_host_and_tells_the_runner() -> None:
     state.check_invariants()
 
 
-def test_simulator_charges_swapped_bytes_over_pcie() -> None:
+def test_simulator_charges_both_directions_and_every_copy() -> None:
+    """The swap-out step and the swap-in step each wait for their request's blocks: bytes
+    over the link plus one copy per block, layer and K/V (vLLM v0)."""
     cfg, hw = get_config("opt-13b"), get_hardware("a100-80g")
     cost = RooflineCostModel(cfg, hw)
+    bytes_per_block = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 2
+    per_direction = 2 * bytes_per_block / hw.pcie_bandwidth + 2 * 2 * cfg.num_layers * hw.copy_latency
     state, a, _ = _two_running(num_host_blocks=8)
     state.apply(Plan(preempt={a: PreemptMode.SWAP}), 1.0)
-    bytes_per_block = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * 2
-    shape = StepShape.of(state.batch(), bytes_per_block=bytes_per_block)
-    assert shape.swap_bytes == 2 * bytes_per_block
-    assert cost.step_time(shape) == pytest.approx(2 * bytes_per_block / hw.pcie_bandwidth)
+    out = state.batch()
+    shape = StepShape.of(out, bytes_per_block=bytes_per_block)
+    assert (shape.swap_bytes, shape.swap_blocks, shape.swap_moves) == (2 * bytes_per_block, 2, 1)
+    assert cost.step_time(dataclasses.replace(shape, num_seqs=0, num_decode_tokens=0, attended=0,
+                                              kv_read_tokens=0)) == pytest.approx(per_direction)
+    assert cost.step_time(shape) == pytest.approx(
+        cost.step_time(dataclasses.replace(shape, swap_bytes=0, swap_blocks=0, swap_moves=0)) + per_direction)
+    state.commit(out, batch_output(out), 1.0)
+    state.apply(Plan(swap_in={a}, run={a: 1}), 2.0)
+    back = StepShape.of(state.batch(), bytes_per_block=bytes_per_block)
+    assert (back.swap_bytes, back.swap_blocks, back.swap_moves) == (2 * bytes_per_block, 2, 1)
+
+
+def test_preemption_is_measured_through_the_runners_own_paths(tiny_loaded) -> None:
+    """Recompute = a prefill step, swap = the host store's out and back in, on the real
+    runner; every swapped request comes back (the host store ends empty)."""
+    from jserve.builder import build_engine
+    from jserve.config import EngineConfig
+    from jserve.runners.profiling import measure_preemption
+
+    config = EngineConfig(model=tiny_loaded, num_blocks=16, block_size=4, max_model_len=16,
+                          max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    runner = build_engine(config).runner
+    profile = measure_preemption(runner, [4, 4, 8, 8], repeats=1)
+    assert profile.sizes == (4, 4, 8, 8) and min(profile.recompute_s + profile.swap_s) > 0
+    assert len(runner.host_kv) == 0
+    assert profile.fit().solve().kind in ("crossing", "always", "never")

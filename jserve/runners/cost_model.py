@@ -10,12 +10,15 @@ that decide a step's cost; two models turn it into seconds:
   to step times profiled on a real device, saved as a JSON profile.
 
 `swap_time` and `recompute_time` price the two ways of preempting a request (CacheOpt's
-swap-vs-recompute choice).
+swap-vs-recompute choice). A swap is priced as the runner being modelled moves K/V
+(`SwapPath`): vLLM v0 copies every block of every layer's K and V separately, jserve gathers
+a request's blocks into one buffer and moves that; either way the step waits for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -48,7 +51,10 @@ class StepShape:
       tokens starting at position `s` contributes `sum_{j<q} (s+j+1) = q*s + q*(q+1)/2`.
     - `kv_read_tokens`: sum over sequences of their context length `s + q`: the K/V each
       sequence streams from memory once per layer.
-    - `swap_bytes`: bytes moved between host and device this step (swap in/out).
+    - `swap_bytes`: bytes moved between host and device this step (swap in/out);
+      `swap_blocks`: the blocks they fill (each direction counted), `swap_moves`: the
+      requests moved (a swap-out and a swap-in are one each). The fixed costs of the copies
+      depend on these (`SwapPath`).
     - `host_layer_tokens`: KV token-layers read from host memory over PCIe (LayerKV).
     - `hidden_tokens`: context tokens (a subset of `kv_read_tokens`) held in Apt-Serve's
       hidden-state cache, whose K/V are recomputed from the stored layer inputs this step.
@@ -67,6 +73,8 @@ class StepShape:
     hidden_tokens: int = 0
     padded_tokens: int = 0
     page_walk: int = 0
+    swap_blocks: int = 0
+    swap_moves: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -94,10 +102,12 @@ class StepShape:
            bytes_per_block: int = 0) -> StepShape:
         """Shape of a runner's `Batch` (a few numpy reductions: called every simulated step);
         `pad` maps a token count to the runner's bucket when padding is modelled;
-        `bytes_per_block` prices the batch's swapped blocks (all layers' K and V)."""
+        `bytes_per_block` prices the batch's swapped blocks (all layers' K and V), out and in."""
         shape = cls.from_lens(batch.start, batch.query_lens)
         if batch.num_swapped_blocks:
-            shape = dataclasses.replace(shape, swap_bytes=batch.num_swapped_blocks * bytes_per_block)
+            blocks = batch.num_swapped_blocks
+            shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
+                                        swap_moves=len(batch.swap_out) + len(batch.swap_in))
         if pad is None or batch.num_seqs == 0:
             return shape
         padded = pad(shape.num_tokens)
@@ -117,6 +127,12 @@ class StepShape:
     def prefill(cls, num_tokens: int, start: int = 0) -> StepShape:
         """One sequence computing `num_tokens` tokens after `start` cached ones."""
         return cls.from_lens([start], [num_tokens])
+
+    @classmethod
+    def swap(cls, num_blocks: int, bytes_per_block: int, moves: int = 1) -> StepShape:
+        """A step that only moves `num_blocks` blocks of `moves` requests (no compute)."""
+        return cls(0, 0, 0, 0, 0, swap_bytes=num_blocks * bytes_per_block, swap_blocks=num_blocks,
+                   swap_moves=moves)
 
     @classmethod
     def decode(cls, context_lens: np.ndarray | Sequence[int]) -> StepShape:
@@ -143,6 +159,37 @@ class CostModel(Protocol):
 
 
 # ---------------------------------------------------------------------------------------
+# Swap paths
+# ---------------------------------------------------------------------------------------
+
+# jserve's gathered swap moves one buffer per request with `jax.device_put`; its fixed cost
+# is the intercept of a line through bench/results/host_transfer_NVIDIA-H100-80GB-HBM3.json
+# (16 MiB - 1 GiB pinned-host copies, 2026-11-22): 0.228 ms device->host, 0.211 ms
+# host->device (slopes 54.3 / 54.6 GB/s). Measured on H100 only; used for every device.
+JAX_PUT_LATENCY = 0.22e-3
+
+
+class SwapPath(enum.Enum):
+    """How the modelled runner moves one request's K/V between device and host.
+
+    - `PER_BLOCK_LAYER` (vLLM v0, which CacheOpt modified): `CacheEngine.swap_in/out` calls
+      `swap_blocks` for each layer's K and V cache, and that issues one `cudaMemcpyAsync`
+      per block, on the stream the next forward pass runs on. A request of n blocks costs
+      `n * 2 * layers` copies, each paying `Hardware.copy_latency`, plus its bytes over the
+      host link. For OPT-13B (10 KB per token per layer's K or V) this moves 9-17 GB/s at
+      block sizes 8-32. A published cross-check, whose page size we could not find: vLLM
+      PR #11531 measured v0's `swap_blocks` at 3.1 GB/s on A100-40GB-SXM for 1,250 pages
+      (1.2 GB/s for one); at that rate swapping would lose to recompute at every length.
+    - `GATHERED` (jserve's `HostKVStore`): a jit gathers the request's blocks of every
+      layer into one device buffer (device memory read and written once), one `device_put`
+      moves it (`JAX_PUT_LATENCY`), and the swap-in scatters it back the same way.
+    """
+
+    PER_BLOCK_LAYER = "per-block-layer"
+    GATHERED = "gathered"
+
+
+# ---------------------------------------------------------------------------------------
 # Roofline
 # ---------------------------------------------------------------------------------------
 
@@ -165,18 +212,23 @@ class RooflineCostModel:
     - memory = bytes / (hbm * mbu * tp): all weights once + K/V of `kv_read_tokens` (hidden
       tokens read `hidden` values per layer instead of `2 * kv_dim`); activations ignored.
     - transfers = (`swap_bytes` + `host_layer_tokens * 2 * kv_dim * dtype_bytes`) / (pcie *
-      tp), added serially: no overlap with compute is assumed (a pessimistic bound; each GPU
-      of a TP group has its own link). Tensor-parallel communication is ignored.
+      tp) plus the swap's fixed costs by `swap_path` (`SwapPath`), added serially: the step
+      waits for its swaps, as in vLLM v0 where the copies run on the compute stream before
+      the forward pass (LayerKV's layer reads are assumed not to overlap either, a
+      pessimistic bound). Each GPU of a TP group has its own link and issues its own copies
+      in parallel. Tensor-parallel communication is ignored.
     """
 
     def __init__(self, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
-                 tensor_parallel: int = 1, step_overhead: float = DEFAULT_STEP_OVERHEAD) -> None:
+                 tensor_parallel: int = 1, step_overhead: float = DEFAULT_STEP_OVERHEAD,
+                 swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER) -> None:
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         if step_overhead < 0:
             raise ValueError(f"step_overhead must be >= 0, got {step_overhead}")
         self.cfg, self.hw = cfg, hw
         self.dtype_bytes, self.tensor_parallel, self.step_overhead = dtype_bytes, tensor_parallel, step_overhead
+        self.swap_path = swap_path
         kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.flops_per_token = 2.0 * cfg.num_params
         self.flops_per_attended = 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers
@@ -191,7 +243,8 @@ class RooflineCostModel:
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.cfg.name}, {self.hw.name}, tp={self.tensor_parallel}, "
-                f"dtype_bytes={self.dtype_bytes}, step_overhead={self.step_overhead})")
+                f"dtype_bytes={self.dtype_bytes}, step_overhead={self.step_overhead}, "
+                f"swap_path={self.swap_path.value})")
 
     def compute_time(self, shape: StepShape) -> float:
         flops = (self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
@@ -207,7 +260,13 @@ class RooflineCostModel:
 
     def transfer_time(self, shape: StepShape) -> float:
         moved = shape.swap_bytes + shape.host_layer_tokens * self.kv_bytes_per_token_layer
-        return moved / self.pcie_rate
+        return moved / self.pcie_rate + self.swap_fixed_time(shape)
+
+    def swap_fixed_time(self, shape: StepShape) -> float:
+        """What a swap costs beyond its bytes on the link (see `SwapPath`)."""
+        if self.swap_path is SwapPath.PER_BLOCK_LAYER:
+            return shape.swap_blocks * 2 * self.cfg.num_layers * self.hw.copy_latency
+        return shape.swap_moves * JAX_PUT_LATENCY + 2 * shape.swap_bytes / self.byte_rate
 
     def hidden_recompute_time(self, shape: StepShape) -> float:
         """Compute time of the hidden-cache K/V recompute alone."""
@@ -426,9 +485,13 @@ class CalibratedCostModel:
 # ---------------------------------------------------------------------------------------
 
 
-def swap_time(num_bytes: float, hw: Hardware, tensor_parallel: int = 1) -> float:
-    """Seconds to move `num_bytes` one way over PCIe (each TP GPU moves its shard)."""
-    return num_bytes / (hw.pcie_bandwidth * tensor_parallel)
+def swap_time(model: CostModel, num_tokens: int, block_size: int, bytes_per_block: int) -> float:
+    """Seconds to swap a request of `num_tokens` cached tokens out and back in (its blocks
+    each way; CacheOpt's Figure 8 counts both): what the steps that move it wait for."""
+    if num_tokens <= 0:
+        return 0.0
+    blocks = -(-num_tokens // block_size)
+    return model.step_time(StepShape.swap(2 * blocks, bytes_per_block, moves=2))
 
 
 def recompute_time(model: CostModel, num_tokens: int) -> float:

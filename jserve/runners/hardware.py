@@ -4,7 +4,8 @@ Figures are per GPU, from the vendors' datasheets (cited next to each entry). `m
 is the capacity the device reports to the framework (what vLLM's `gpu_memory_utilization`
 multiplies), which for HBM parts is the datasheet "GB" read as GiB. `pcie_bandwidth` is the
 *effective* one-direction host<->device rate of pinned-memory copies, about 75-80% of the
-link's theoretical rate. `mfu` / `mbu` are the fractions of peak FLOP/s and HBM bandwidth
+link's theoretical rate. `copy_latency` is the fixed cost of one host<->device copy call,
+what a swap that copies block by block pays per block (see `cost_model.SwapPath`). `mfu` / `mbu` are the fractions of peak FLOP/s and HBM bandwidth
 that large bf16 GEMMs / streaming reads achieve in practice; 0.6 / 0.8 are conventional
 planning figures, not measurements: fit a `CalibratedCostModel` where accuracy matters.
 """
@@ -21,6 +22,11 @@ GiB = 2**30
 MiB = 2**20
 TFLOPS = 1e12
 
+# Fixed cost of one `cudaMemcpyAsync` call: "approximately 5-7 us" per copy of a small chunk,
+# measured by DualPath (Wu et al., arXiv 2602.21548, Section 5.2); the middle of that range.
+# A published figure, not measured here: no GPU of ours ran vLLM's per-block copies.
+CUDA_MEMCPY_LATENCY = 6e-6
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -31,6 +37,7 @@ class Hardware:
     hbm_bandwidth: float  # device memory bandwidth, B/s
     pcie_bandwidth: float  # host<->device, one direction, effective, B/s
     memory_bytes: float  # device memory capacity as the device reports it, B
+    copy_latency: float = CUDA_MEMCPY_LATENCY  # fixed seconds per host<->device copy call
     mfu: float = 0.6  # achievable fraction of peak_flops for large matmuls
     mbu: float = 0.8  # achievable fraction of hbm_bandwidth
 
@@ -38,6 +45,8 @@ class Hardware:
         for field in ("peak_flops", "hbm_bandwidth", "pcie_bandwidth", "memory_bytes"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{self.name}: {field} must be > 0, got {getattr(self, field)}")
+        if self.copy_latency < 0:
+            raise ValueError(f"{self.name}: copy_latency must be >= 0, got {self.copy_latency}")
         for field in ("mfu", "mbu"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"{self.name}: {field} must be in (0, 1], got {getattr(self, field)}")
@@ -56,7 +65,9 @@ HARDWARE: dict[str, Hardware] = {
     for hw in [
         # NVIDIA A100 Tensor Core GPU datasheet: BF16 tensor 312 TFLOPS dense (624 with
         # sparsity); A100 40GB SXM HBM2 1,555 GB/s; reported capacity 40960 MiB.
-        # PCIe 4.0 x16: 31.5 GB/s per direction theoretical, ~25 GB/s effective pinned copies.
+        # PCIe 4.0 x16: 31.5 GB/s per direction theoretical (16 GT/s x 16 lanes, 128b/130b);
+        # 25 GB/s effective pinned copies is 79% of it, the fraction our H100 measured of
+        # its link (53 of 63 GB/s, below). Not measured on an A100.
         Hardware("a100-40g", peak_flops=312 * TFLOPS, hbm_bandwidth=1555 * GB,
                  pcie_bandwidth=25 * GB, memory_bytes=40 * GiB),
         # Same datasheet, A100 80GB SXM: HBM2e 2,039 GB/s; reported capacity 81920 MiB.

@@ -5,18 +5,22 @@ builds the engine); `jserve bench --engine sim --profile FILE` then charges ever
 step from the fitted model. The grid spans
 what the features need to be told apart: prefills of one and of several prompts, chunks
 that start after a cached prefix, decodes at several batch sizes and context lengths.
+
+`measure_preemption` times the two ways of preempting a request on the real runner, for
+CacheOpt's swap-vs-recompute sweet spot (`jserve.runners.preemption_cost`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.batch import Batch, BatchInputs, BlockMove
 from jserve.runners.cost_model import CalibratedCostModel, StepShape
 from jserve.runners.jax_runner import JaxRunner
+from jserve.runners.preemption_cost import PreemptionProfile
 
 
 def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -81,3 +85,43 @@ def fit_profile(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], mo
     samples = list(it)
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
     return CalibratedCostModel.fit(samples, model_name=model_name, device=device)
+
+
+def _timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` (which waits for its results) after `warmup` untimed runs:
+    the first compiles, and the second meets the cache as the swap jits return it (a
+    different layout from the step's, compiled once more)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_preemption(runner: JaxRunner, sizes: list[int], repeats: int = 3) -> PreemptionProfile:
+    """Real latencies of preempting a request of each length, through the engine's own paths:
+    recompute = a prefill step of S tokens (`execute`, outputs fetched); swap = S tokens'
+    blocks swapped out and back in by the runner's host store (`execute` of a batch that only
+    moves them, the device cache ready afterwards), as the paper's Figure 8 counts both."""
+    import jax
+
+    empty = np.zeros(0, np.int64)
+    recompute, swap = [], []
+    for n in sizes:
+        prefill = _batch([0], [n], runner.block_size)
+        recompute.append(_timed(lambda b=prefill: runner.execute(b), repeats))
+        blocks = prefill.inputs.block_tables[0]
+        moves = (BlockMove(0, blocks),)
+        out = Batch(empty, empty.astype(np.int32), empty.astype(np.int32), empty.astype(bool), swap_out=moves)
+        back = Batch(empty, empty.astype(np.int32), empty.astype(np.int32), empty.astype(bool), swap_in=moves)
+
+        def out_and_in(out: Batch = out, back: Batch = back) -> None:
+            runner.execute(out)
+            runner.execute(back)
+            jax.block_until_ready(runner.cache)
+
+        swap.append(_timed(out_and_in, repeats))
+    return PreemptionProfile(tuple(sizes), tuple(recompute), tuple(swap))
