@@ -22,6 +22,12 @@ length from the error distribution that the trained predictor showed on held-out
   distribution of its probability among over-predicted prompts when the drawn length
   over-predicts, and among the others otherwise. This keeps the classifier's measured
   accuracy and confidence without modelling its dependence on the prompt.
+- For CacheOpt, the predicted range [lo, hi] is drawn around the drawn length: in log
+  space its two sides, log(length / lo) and log(hi / length), from their held-out
+  distributions in the same true-length bin, with one shared level (a request with a
+  wide lower side has a wide upper side too; both come from the same layer). The
+  held-out coverage of the true length by [lo, hi] is what the simulator should see;
+  `tests/test_predictor.py` checks that draws reproduce it.
 
 Lengths are rounded and clipped to [1, max_length] like the real predictor's. The model
 is written next to the checkpoint as `noise.json` (see `NoiseModel.to_json`).
@@ -76,7 +82,9 @@ class NoiseModel:
     `bin_edges[i]` is the largest true length of bin `i` (the last bin is unbounded);
     `error_quantiles[i]` are the error quantiles of bin `i` at `QUANTILE_LEVELS`;
     `over_prob_quantiles` (CacheOpt only) maps "over" / "not_over" to the quantiles of the
-    direction classifier's probability among held-out prompts of that actual direction.
+    direction classifier's probability among held-out prompts of that actual direction;
+    `range_quantiles` (CacheOpt only) holds, per bin, the quantiles of log(length / lo)
+    and of log(hi / length).
     """
 
     kind: Kind
@@ -87,12 +95,14 @@ class NoiseModel:
     error_quantiles: tuple[tuple[float, ...], ...]
     over_prob_quantiles: dict[str, tuple[float, ...]] | None
     num_calibration: int
+    range_quantiles: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] | None = None
 
     @classmethod
     def fit(cls, kind: Kind, true: np.ndarray, pred: np.ndarray, *, max_length: int,
-            bucket_width: int, over_prob: np.ndarray | None = None,
-            num_bins: int = 4) -> NoiseModel:
-        """Calibrate on held-out true and predicted lengths (and CacheOpt's probabilities)."""
+            bucket_width: int, over_prob: np.ndarray | None = None, lo: np.ndarray | None = None,
+            hi: np.ndarray | None = None, num_bins: int = 4) -> NoiseModel:
+        """Calibrate on held-out true and predicted lengths (and CacheOpt's probabilities
+        and ranges)."""
         true, pred = np.asarray(true), np.asarray(pred)
         if true.shape != pred.shape or true.size < num_bins:
             raise ValueError(f"need matching arrays of at least {num_bins} lengths")
@@ -109,9 +119,15 @@ class NoiseModel:
             over_prob = np.asarray(over_prob)
             over_quantiles = {_OVER: _quantiles(over_prob[over]),
                               _NOT_OVER: _quantiles(over_prob[~over])}
+        range_quantiles = None
+        if lo is not None and hi is not None:
+            below = np.log(pred / np.asarray(lo, np.float64))
+            above = np.log(np.asarray(hi, np.float64) / pred)
+            range_quantiles = tuple((_quantiles(below[bins == b]), _quantiles(above[bins == b]))
+                                    for b in range(len(edges) + 1))
         return cls(kind, space, max_length, bucket_width, tuple(float(e) for e in edges),
                    tuple(_quantiles(errors[bins == b]) for b in range(len(edges) + 1)),
-                   over_quantiles, int(true.size))
+                   over_quantiles, int(true.size), range_quantiles)
 
     def sample(self, true_lengths: Sequence[int] | np.ndarray,
                rng: np.random.Generator) -> list[Prediction]:
@@ -132,7 +148,22 @@ class NoiseModel:
         over_prob = np.where(lengths > true,
                              np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_OVER]),
                              np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_NOT_OVER]))
-        return to_predictions(lengths, over_prob)
+        if self.range_quantiles is None:
+            return to_predictions(lengths, over_prob)
+        lo, hi = self._sample_range(lengths, bins, rng.random(true.size))
+        return to_predictions(lengths, over_prob, lo, hi)
+
+    def _sample_range(self, lengths: np.ndarray, bins: np.ndarray,
+                      levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[lo, hi] around drawn `lengths`, both sides at one level per request; rounded
+        and clipped like the real head's, so lo <= length <= hi."""
+        below, above = np.empty(lengths.size), np.empty(lengths.size)
+        for b, (q_below, q_above) in enumerate(self.range_quantiles or ()):
+            below[bins == b] = np.interp(levels[bins == b], QUANTILE_LEVELS, q_below)
+            above[bins == b] = np.interp(levels[bins == b], QUANTILE_LEVELS, q_above)
+        lo = np.clip(np.round(lengths * np.exp(-below)), 1, lengths)
+        hi = np.clip(np.round(lengths * np.exp(above)), lengths, self.max_length)
+        return lo.astype(np.int64), hi.astype(np.int64)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "levels": list(QUANTILE_LEVELS)}
@@ -143,10 +174,13 @@ class NoiseModel:
         if tuple(data.pop("levels")) != QUANTILE_LEVELS:
             raise ValueError("noise model stored at other quantile levels than this version uses")
         over = data["over_prob_quantiles"]
+        ranges = data.get("range_quantiles")
         return cls(**{**data, "bin_edges": tuple(data["bin_edges"]),
                       "error_quantiles": tuple(tuple(q) for q in data["error_quantiles"]),
                       "over_prob_quantiles": None if over is None
-                      else {k: tuple(v) for k, v in over.items()}})
+                      else {k: tuple(v) for k, v in over.items()},
+                      "range_quantiles": None if ranges is None
+                      else tuple((tuple(a), tuple(b)) for a, b in ranges)})
 
 
 def write_noise_models(directory: Path, models: dict[str, NoiseModel]) -> None:
