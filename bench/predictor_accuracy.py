@@ -3,19 +3,22 @@
 On real ShareGPT prompts (the `jserve train-predictor` split: seed 0, the first
 `--num-test` prompts of the seeded shuffle held out, the next `--num-train` for training;
 features of the frozen SmolLM2-135M base, cached), this trains CacheOpt's head twice per
-seed, differing only in where step 2's direction labels come from:
+seed and variant, from the same step-1 length layer, the variants differing in where
+step 2's direction labels (and the length outputs the classifier reads with them) come
+from and in what the classifier reads:
 
-- `in_sample`: the step-1 length layer's direction on its own training prompts (the first
-  version);
-- `out_of_fold`: each prompt's direction under a step-1 layer trained on the other folds
-  (what `train.py` does now),
+- `in_sample`: the step-1 length layer's directions and outputs on its own training
+  prompts (the first version's labels);
+- `out_of_fold`: each prompt's direction and outputs under a step-1 layer trained on the
+  other folds (what `train.py` does now);
+- `+features`: the classifier also reads the base's 1,152 pooled features, as the paper
+  has it (`HeadConfig.direction_features`); without: the length outputs alone (default),
 
 and prints, beside each other: the labels' class balance and agreement, the length
 layer's in-sample vs held-out MAE (how much it memorises), the classifier's accuracy on
 its own training labels vs held-out accuracy and ROC AUC, the trivial baselines (always
 the training labels' majority direction: accuracy; AUC 0.5; the training median as the
-length: MAE), how many held-out directions step 2 flips by moving the length layer, and
-the predicted range's coverage and width. Writes `bench/results/predictor_accuracy.json`
+length: MAE), and the predicted range's coverage and width. Writes `bench/results/predictor_accuracy.json`
 and `.md`.
 
     PYTHONPATH=$PWD python bench/predictor_accuracy.py [--seeds 0 1 2]
@@ -24,6 +27,8 @@ and `.md`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import platform
 import tempfile
@@ -32,63 +37,66 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jserve.predictor.data import build_dataset, cached_features
 from jserve.predictor.encoder import EncoderConfig, PromptEncoder
 from jserve.predictor.heads import HeadConfig, make_head, predict_features
 from jserve.predictor.metrics import length_metrics, roc_auc
 from jserve.predictor.train import (
-    TrainConfig, out_of_fold_directions, over_predicted, train_direction, train_length,
+    TrainConfig, directions, out_of_fold_directions, train_direction, train_length,
 )
 from models.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = ("in_sample", "in_sample+features", "out_of_fold", "out_of_fold+features")
 
 
 def run_seed(seed: int, x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_te: np.ndarray,
              head_cfg: HeadConfig, work: Path) -> dict[str, dict[str, float]]:
     cfg = TrainConfig(seed=seed)
     out: dict[str, dict[str, float]] = {}
-    step1 = make_head("cacheopt", head_cfg, seed=seed)
+    step1 = make_head("cacheopt", head_cfg, seed=seed)  # its direction classifier is unused
     train_length(step1.length, x_tr, y_tr, cfg, work / f"s{seed}" / "length", "step 1", False)
-    step1_state = nnx.to_pure_dict(nnx.state(step1))
-    labels = {
-        "in_sample": over_predicted(step1.length, x_tr, y_tr, head_cfg.max_length),
+    collected = {
+        "in_sample": directions(step1.length, x_tr, y_tr, head_cfg.max_length),
         "out_of_fold": out_of_fold_directions(head_cfg, step1.length.levels, x_tr, y_tr, cfg,
                                               work / f"s{seed}", progress=False),
     }
-    step1_held_out = over_predicted(step1.length, x_te, y_te, head_cfg.max_length).astype(bool)
     step1_tr_pred = np.asarray(predict_features(step1, x_tr).lengths)
     step1_te = jax.tree.map(np.asarray, predict_features(step1, x_te))
-    for name, over in labels.items():
-        head = make_head("cacheopt", head_cfg, seed=seed)
-        state = nnx.state(head)  # step 2 starts from the same step-1 layer
-        nnx.replace_by_pure_dict(state, step1_state)
-        nnx.update(head, state)
-        train_direction(head, x_tr, y_tr, over, cfg, work / f"s{seed}" / name, False)
-        tr = jax.tree.map(np.asarray, predict_features(head, x_tr))
+    for (name, data), features in itertools.product(collected.items(), (False, True)):
+        variant = f"{name}{'+features' if features else ''}"
+        head = make_head("cacheopt", dataclasses.replace(head_cfg, direction_features=features),
+                         seed=seed)
+        head.length = step1.length  # step 2 starts from the same step-1 layer and keeps it
+        head.calibrate_range(collected["out_of_fold"].log_quantiles, y_tr)
+        train_direction(head, x_tr, data, cfg, work / f"s{seed}" / variant, False)
+        logit = head.direction(head.length.norm(jax.numpy.asarray(x_tr)), data.log_quantiles)
         te = jax.tree.map(np.asarray, predict_features(head, x_te))
         held = length_metrics(te.lengths, y_te, over_prob=te.over_prob, lo=te.lo, hi=te.hi,
-                              majority_over=bool(over.mean() > 0.5))
-        out[name] = {
-            "label_over_rate": float(over.mean()),
-            "classifier_train_acc": float(np.mean((tr.over_prob > 0.5) == over.astype(bool))),
+                              majority_over=bool(data.over.mean() > 0.5))
+        out[variant] = {
+            "label_over_rate": float(data.over.mean()),
+            # on the very inputs and labels it was trained with
+            "classifier_train_acc": float(np.mean((np.asarray(logit) > 0) == data.over.astype(bool))),
             "held_out_acc": held.direction_acc,
             "held_out_auc": held.direction_auc,
             "majority_acc": held.direction_majority_acc,
             "held_out_over_rate": held.over_rate,
-            "step2_flipped_held_out_directions": float(np.mean((te.lengths > y_te) != step1_held_out)),
             "final_mae": held.mae,
             "range_coverage": held.range_coverage,
             "range_width": held.range_width,
         }
-    out["labels"] = {
-        "agreement_in_sample_vs_out_of_fold": float(np.mean(labels["in_sample"] == labels["out_of_fold"])),
+    out["labels"] = {  # step1's range_margin is 0: the range before widening
+        "range_coverage_before_widening": float(np.mean((step1_te.lo <= y_te) & (y_te <= step1_te.hi))),
+        "range_width_before_widening": float(np.mean(step1_te.hi - step1_te.lo)),
+        "agreement_in_sample_vs_out_of_fold": float(np.mean(
+            collected["in_sample"].over == collected["out_of_fold"].over)),
         "step1_mae_train": float(np.mean(np.abs(step1_tr_pred - y_tr))),
         "step1_mae_held_out": float(np.mean(np.abs(step1_te.lengths - y_te))),
-        # Does the direction depend on the predicted length itself (regression towards the
-        # typical length)? AUC of the step-1 length as a score for "over", held out.
+        # Does the direction depend on the predicted length itself (predictions too extreme,
+        # or shrunk towards the typical length)? AUC of the step-1 length as a score for
+        # "over", held out.
         "held_out_auc_of_predicted_length": roc_auc(step1_te.lengths, step1_te.lengths > y_te),
         "median_baseline_mae": float(np.mean(np.abs(np.median(y_tr) - y_te))),
     }
@@ -107,10 +115,6 @@ def markdown(per_seed: dict[int, dict], meta: dict) -> str:
         ("held-out accuracy of always the labels' majority", "majority_acc"),
         ("held-out direction ROC AUC (trivial: 0.5)", "held_out_auc"),
         ("held-out fraction over-predicted", "held_out_over_rate"),
-        ("held-out directions flipped by step 2", "step2_flipped_held_out_directions"),
-        ("held-out MAE of the final length (tokens)", "final_mae"),
-        ("held-out coverage of [lo, hi] (target 0.90)", "range_coverage"),
-        ("held-out mean width hi - lo (tokens)", "range_width"),
     ]
     seeds = sorted(per_seed)
     lines = [
@@ -120,14 +124,23 @@ def markdown(per_seed: dict[int, dict], meta: dict) -> str:
         f"frozen {meta['base_model']} features, head seeds {seeds} (mean ± sd over seeds). "
         f"Command: `{meta['command']}`.",
         "",
-        "| quantity | in-sample labels (before) | out-of-fold labels (now) |",
-        "|---|---|---|",
+        "Direction classifier (step 2) by where its labels and inputs come from; "
+        "`+features`: it also reads the base's features, as the paper has it. "
+        "Shipped: out_of_fold.",
+        "",
+        f"| quantity | {' | '.join(VARIANTS)} |",
+        "|---|" + "---|" * len(VARIANTS),
     ]
     for label, key in rows:
-        a = _mean_sd([per_seed[s]["in_sample"][key] for s in seeds])
-        b = _mean_sd([per_seed[s]["out_of_fold"][key] for s in seeds])
-        lines.append(f"| {label} | {a} | {b} |")
-    lines += ["", "| label diagnostics (step-1 length layer) | value |", "|---|---|"]
+        cells = [_mean_sd([per_seed[s][v][key] for s in seeds]) for v in VARIANTS]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines += ["", "| length layer (held out) | value |", "|---|---|"]
+    for label, key in (("MAE (tokens)", "final_mae"),
+                       ("coverage of [lo, hi], widened on out-of-fold (target 0.90)", "range_coverage"),
+                       ("mean width hi - lo (tokens)", "range_width")):
+        lines.append(f"| {label} | {_mean_sd([per_seed[s]['out_of_fold'][key] for s in seeds])} |")
+
+    lines += ["", "| diagnostics (step-1 length layer) | value |", "|---|---|"]
     for key in per_seed[seeds[0]]["labels"]:
         lines.append(f"| {key} | {_mean_sd([per_seed[s]['labels'][key] for s in seeds])} |")
     return "\n".join(lines) + "\n"

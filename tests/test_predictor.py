@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -31,7 +32,7 @@ from jserve.predictor import train as train_module
 from jserve.predictor.metrics import length_metrics, roc_auc
 from jserve.predictor.noise import QUANTILE_LEVELS
 from jserve.predictor.train import (
-    TrainConfig, fit, length_loss, out_of_fold_directions, train_head,
+    Directions, TrainConfig, fit, length_loss, out_of_fold_directions, split_validation, train_head,
 )
 from models.loading import LoadedModel
 
@@ -153,7 +154,8 @@ def test_every_kind_learns_synthetic_lengths(tmp_path: Path, kind: str) -> None:
 
 
 def test_cacheopt_range_covers_held_out_lengths(tmp_path: Path) -> None:
-    """The 5%-95% quantile outputs bracket about 90% of unseen lengths."""
+    """The 5%-95% quantile outputs, widened on out-of-fold predictions, bracket about 90%
+    of unseen lengths."""
     x, lengths = _synthetic(1024)
     head = make_head("cacheopt", HeadConfig(feature_dim=FEATURES, hidden=32))
     train_head(head, x, lengths, TrainConfig(epochs=8, lr=1e-2, direction_folds=2), tmp_path,
@@ -172,15 +174,46 @@ def test_direction_labels_come_from_layers_that_never_saw_the_prompt(
     predicted_on: list[set[int]] = []
     monkeypatch.setattr(train_module, "train_length",
                         lambda reg, xs, *a, **k: trained_on.append(set(xs[:, 0].astype(int))))
-    monkeypatch.setattr(train_module, "over_predicted",
+    monkeypatch.setattr(train_module, "directions",
                         lambda reg, xs, ys, m: predicted_on.append(set(xs[:, 0].astype(int)))
-                        or np.zeros(len(xs), np.float32))
-    out_of_fold_directions(HeadConfig(feature_dim=FEATURES), (0.05, 0.5, 0.95), x, lengths,
-                           TrainConfig(direction_folds=5), tmp_path, progress=False)
+                        or Directions(np.tile(xs[:, :1], (1, 3)), np.zeros(len(xs), np.float32)))
+    out = out_of_fold_directions(HeadConfig(feature_dim=FEATURES), (0.05, 0.5, 0.95), x, lengths,
+                                 TrainConfig(direction_folds=5), tmp_path, progress=False)
+    np.testing.assert_array_equal(out.log_quantiles[:, 1], np.arange(50))  # back in row order
     assert len(trained_on) == len(predicted_on) == 5
     assert set().union(*predicted_on) == set(range(50))
     for seen, labelled in zip(trained_on, predicted_on):
         assert not seen & labelled and seen | labelled == set(range(50))
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_direction_classifier_reads_features_only_when_configured(features: bool) -> None:
+    head = make_head("cacheopt", HeadConfig(feature_dim=FEATURES, hidden=8, direction_features=features))
+    assert head.direction.hidden.in_features == 3 + (FEATURES if features else 0)
+    assert np.asarray(predict_features(head, np.ones((2, FEATURES), np.float32)).over_prob).shape == (2,)
+
+
+def test_fit_keeps_the_epoch_with_the_lowest_validation_loss(tmp_path: Path) -> None:
+    """Lengths unrelated to the features: later epochs only fit noise, so the module ends
+    with the best validation epoch's parameters, not the last epoch's (which the resume
+    checkpoint holds)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, FEATURES)).astype(np.float32)
+    batch = {"x": x, "log_len": rng.normal(5, 1, 120).astype(np.float32)}
+    cfg = TrainConfig(epochs=10, batch_size=16, lr=1e-2, val_fraction=0.25)
+    head = make_head("rlp", HeadConfig(feature_dim=FEATURES, hidden=64))
+    head.length.fit_data(x, batch["log_len"])
+    fit(head.length, length_loss, batch, cfg, tmp_path / "ckpt", "test", progress=False)
+    _, val_rows = split_validation(120, cfg)
+    val = {k: v[val_rows] for k, v in batch.items()}
+    saved = ocp.CheckpointManager(tmp_path / "ckpt").restore(cfg.epochs)
+    last = make_head("rlp", HeadConfig(feature_dim=FEATURES, hidden=64))
+    state = nnx.state(last.length)
+    nnx.replace_by_pure_dict(state, saved["model"])
+    nnx.update(last.length, state)
+    kept = float(length_loss(head.length, val))
+    assert kept == pytest.approx(float(saved["best_loss"]), rel=1e-5)
+    assert kept < float(length_loss(last.length, val))
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
