@@ -18,7 +18,10 @@ and prints, beside each other: the labels' class balance and agreement, the leng
 layer's in-sample vs held-out MAE (how much it memorises), the classifier's accuracy on
 its own training labels vs held-out accuracy and ROC AUC, the trivial baselines (always
 the training labels' majority direction: accuracy; AUC 0.5; the training median as the
-length: MAE), and the predicted range's coverage and width. Writes `bench/results/predictor_accuracy.json`
+length: MAE), and the predicted range's coverage and width. Last, the shipped default's
+held-out figures (`jserve/predictor/default/metrics.json`) beside draws of its noise model
+(`--predictions noise` in the simulator) for the same held-out true lengths, to show that
+the simulator sees the same error, direction and range behaviour. Writes `bench/results/predictor_accuracy.json`
 and `.md`.
 
     PYTHONPATH=$PWD python bench/predictor_accuracy.py [--seeds 0 1 2]
@@ -38,6 +41,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jserve.predictor import DEFAULT_DIR, load_noise_model
 from jserve.predictor.data import build_dataset, cached_features
 from jserve.predictor.encoder import EncoderConfig, PromptEncoder
 from jserve.predictor.heads import HeadConfig, make_head, predict_features
@@ -103,11 +107,23 @@ def run_seed(seed: int, x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, y_
     return out
 
 
+def noise_consistency(y_te: np.ndarray) -> dict[str, dict[str, float]]:
+    """The shipped CacheOpt head's held-out metrics beside its noise model's draws."""
+    shipped = json.loads((DEFAULT_DIR / "metrics.json").read_text())["held_out"]["cacheopt"]
+    draws = load_noise_model("cacheopt").sample(y_te, np.random.default_rng(0))
+    drawn = length_metrics(np.array([d.length for d in draws]), y_te,
+                           over_prob=np.array([d.over_prob for d in draws]),
+                           lo=np.array([d.lo for d in draws]), hi=np.array([d.hi for d in draws]))
+    keys = ("mae", "over_rate", "direction_acc", "direction_auc", "range_coverage", "range_width")
+    return {"shipped_head": {k: shipped[k] for k in keys},
+            "noise_model_draws": {k: getattr(drawn, k) for k in keys}}
+
+
 def _mean_sd(values: list[float]) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
-def markdown(per_seed: dict[int, dict], meta: dict) -> str:
+def markdown(per_seed: dict[int, dict], noise: dict[str, dict[str, float]], meta: dict) -> str:
     rows = [
         ("direction labels: fraction 'over'", "label_over_rate"),
         ("classifier accuracy on its own training labels", "classifier_train_acc"),
@@ -143,6 +159,9 @@ def markdown(per_seed: dict[int, dict], meta: dict) -> str:
     lines += ["", "| diagnostics (step-1 length layer) | value |", "|---|---|"]
     for key in per_seed[seeds[0]]["labels"]:
         lines.append(f"| {key} | {_mean_sd([per_seed[s]['labels'][key] for s in seeds])} |")
+    shipped, drawn = noise["shipped_head"], noise["noise_model_draws"]
+    lines += ["", "| shipped cacheopt head, held out | real head | noise model draws |", "|---|---|---|"]
+    lines += [f"| {k} | {shipped[k]:.3f} | {drawn[k]:.3f} |" for k in shipped]
     return "\n".join(lines) + "\n"
 
 
@@ -172,10 +191,11 @@ def main() -> None:
         "num_test": len(data.test), "machine": f"{platform.machine()}, CPU",
         "wall_seconds": round(time.perf_counter() - t0, 1),
     }
+    noise = noise_consistency(y_te)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "predictor_accuracy.json").write_text(
-        json.dumps({**meta, "per_seed": per_seed}, indent=1) + "\n")
-    table = markdown(per_seed, meta)
+        json.dumps({**meta, "per_seed": per_seed, "noise_consistency": noise}, indent=1) + "\n")
+    table = markdown(per_seed, noise, meta)
     (RESULTS / "predictor_accuracy.md").write_text(table)
     print(table)
 

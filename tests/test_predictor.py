@@ -143,7 +143,8 @@ def test_optax_steps_reduce_the_loss(tmp_path: Path) -> None:
 def test_every_kind_learns_synthetic_lengths(tmp_path: Path, kind: str) -> None:
     x, lengths = _synthetic(512)
     head = make_head(kind, HeadConfig(feature_dim=FEATURES, hidden=64))
-    train_head(head, x, lengths, TrainConfig(epochs=6, lr=1e-2), tmp_path, progress=False)
+    train_head(head, x, lengths, TrainConfig(epochs=6, lr=1e-2, direction_folds=2), tmp_path,
+               progress=False)
     x_test, y_test = _synthetic(256, seed=1)
     pred = np.asarray(predict_features(head, x_test).lengths)
     if kind == "rlp":
