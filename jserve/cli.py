@@ -182,16 +182,17 @@ def _train_predictor(args: argparse.Namespace) -> int:
         num_train=args.num_train, num_test=args.num_test,
         encoder=EncoderConfig(max_prompt_len=args.max_prompt_len),
         train=TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                          seed=args.seed),
-        resume=args.resume, finetune_base=args.finetune_base,
+                          seed=args.seed, direction_folds=args.direction_folds),
+        resume=args.resume,
     )
     try:
         result = train_predictors(options)
-    except (NotImplementedError, ValueError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"held-out metrics ({result.num_test} prompts; trained on {result.num_train}; "
-          f"{MEDIAN_BASELINE}: the training median guessed for every prompt):")
+          f"{MEDIAN_BASELINE}: the training median guessed for every prompt; majority: the "
+          f"direction classifier's trivial baseline; range: CacheOpt's [lo, hi]):")
     print(format_metrics_table(result.metrics))
     print(f"wrote {options.output} (metrics in {options.output / METRICS_FILE})", file=sys.stderr)
     return 0
@@ -220,10 +221,11 @@ def _add_train_predictor_parser(sub: argparse._SubParsersAction) -> None:
                    help="seed of the data sample, split, initialisation and batch order")
     t.add_argument("--output", default=str(defaults.output),
                    help="directory for checkpoints, metrics.json and noise.json (default: %(default)s)")
+    t.add_argument("--direction-folds", type=int, default=train.direction_folds,
+                   help="folds over which CacheOpt's direction labels are collected out of "
+                        "fold (default: %(default)s)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --output from its last epoch checkpoints")
-    t.add_argument("--finetune-base", action="store_true",
-                   help="also fine-tune the base model (not implemented; the base stays frozen)")
     t.set_defaults(func=_train_predictor)
 
 

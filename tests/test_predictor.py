@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -27,9 +28,12 @@ from jserve.predictor.data import (
 )
 from jserve.predictor.encoder import EncoderConfig, PromptEncoder, truncate_prompt
 from jserve.predictor.heads import HeadConfig, bucket_of, make_head, predict_features
-from jserve.predictor.metrics import length_metrics
+from jserve.predictor import train as train_module
+from jserve.predictor.metrics import length_metrics, roc_auc
 from jserve.predictor.noise import QUANTILE_LEVELS
-from jserve.predictor.train import TrainConfig, fit, length_loss, train_head
+from jserve.predictor.train import (
+    Directions, TrainConfig, fit, length_loss, out_of_fold_directions, split_validation, train_head,
+)
 from models.loading import LoadedModel
 
 FEATURES = 16
@@ -64,6 +68,23 @@ def test_length_metrics_on_hand_made_numbers() -> None:
     assert m.direction_acc == pytest.approx(4 / 5)
 
 
+def test_direction_and_range_metrics_on_hand_made_numbers() -> None:
+    pred, true = np.array([100, 150, 80, 300]), np.array([100, 100, 100, 200])
+    m = length_metrics(pred, true, over_prob=np.array([0.2, 0.9, 0.1, 0.6]), majority_over=False,
+                       lo=np.array([50, 120, 60, 100]), hi=np.array([200, 300, 90, 400]))
+    assert m.direction_auc == pytest.approx(1.0)  # both over-predicted score above the rest
+    assert m.direction_majority_acc == pytest.approx(2 / 4)  # "never over": right on 2 of 4
+    assert m.range_coverage == pytest.approx(2 / 4)  # 100 in [50, 200]; 200 in [100, 400]
+    assert m.range_width == pytest.approx((150 + 180 + 30 + 300) / 4)
+
+
+def test_roc_auc_counts_ties_half() -> None:
+    assert roc_auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert roc_auc(np.array([0.5, 0.5, 0.5]), np.array([1, 0, 1])) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        roc_auc(np.array([0.1, 0.2]), np.array([1, 1]))
+
+
 def test_length_metrics_without_errors_on_one_side() -> None:
     m = length_metrics(np.array([10, 20]), np.array([5, 20]))
     assert (m.under_rate, m.mean_under, m.direction_acc) == (0.0, 0.0, None)
@@ -83,10 +104,12 @@ def test_heads_predict_lengths_in_range(kind: str) -> None:
     assert lengths.shape == (7,)
     assert (lengths >= 1).all() and (lengths <= 300).all() and (lengths == np.round(lengths)).all()
     assert (out.over_prob is None) == (kind != "cacheopt")
+    assert (out.lo is None) == (out.hi is None) == (kind != "cacheopt")
     if kind == "cacheopt":
         assert np.asarray(out.over_prob).shape == (7,)
-        log_len, logit = head(np.zeros((3, FEATURES), np.float32))
-        assert log_len.shape == logit.shape == (3,)
+        assert (np.asarray(out.lo) <= lengths).all() and (lengths <= np.asarray(out.hi)).all()
+        quantiles, logit = head(np.zeros((3, FEATURES), np.float32))
+        assert quantiles.shape == (3, 3) and logit.shape == (3,)
     if kind == "s3":
         assert head.classifier(np.zeros((3, FEATURES), np.float32)).shape == (3, cfg.num_buckets)
         assert set(lengths % 50) <= {0}  # upper bucket edges (300 is one)
@@ -120,7 +143,8 @@ def test_optax_steps_reduce_the_loss(tmp_path: Path) -> None:
 def test_every_kind_learns_synthetic_lengths(tmp_path: Path, kind: str) -> None:
     x, lengths = _synthetic(512)
     head = make_head(kind, HeadConfig(feature_dim=FEATURES, hidden=64))
-    train_head(head, x, lengths, TrainConfig(epochs=6, lr=1e-2), tmp_path, progress=False)
+    train_head(head, x, lengths, TrainConfig(epochs=6, lr=1e-2, direction_folds=2), tmp_path,
+               progress=False)
     x_test, y_test = _synthetic(256, seed=1)
     pred = np.asarray(predict_features(head, x_test).lengths)
     if kind == "rlp":
@@ -128,6 +152,69 @@ def test_every_kind_learns_synthetic_lengths(tmp_path: Path, kind: str) -> None:
     # S3's bucket edges alone cost it 0.3 of this constant guess's error here.
     baseline = length_metrics(np.full_like(y_test, np.median(lengths)), y_test).mae
     assert length_metrics(pred, y_test).mae < 0.7 * baseline
+
+
+def test_cacheopt_range_covers_held_out_lengths(tmp_path: Path) -> None:
+    """The 5%-95% quantile outputs, widened on out-of-fold predictions, bracket about 90%
+    of unseen lengths."""
+    x, lengths = _synthetic(1024)
+    head = make_head("cacheopt", HeadConfig(feature_dim=FEATURES, hidden=32))
+    train_head(head, x, lengths, TrainConfig(epochs=8, lr=1e-2, direction_folds=2), tmp_path,
+               progress=False)
+    x_test, y_test = _synthetic(512, seed=1)
+    out = predict_features(head, x_test)
+    m = length_metrics(np.asarray(out.lengths), y_test, lo=np.asarray(out.lo), hi=np.asarray(out.hi))
+    assert 0.8 <= m.range_coverage <= 0.97
+
+
+def test_direction_labels_come_from_layers_that_never_saw_the_prompt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    x, lengths = _synthetic(50)
+    x[:, 0] = np.arange(50)  # a row id, to see which prompts each fold trained on
+    trained_on: list[set[int]] = []
+    predicted_on: list[set[int]] = []
+    monkeypatch.setattr(train_module, "train_length",
+                        lambda reg, xs, *a, **k: trained_on.append(set(xs[:, 0].astype(int))))
+    monkeypatch.setattr(train_module, "directions",
+                        lambda reg, xs, ys, m: predicted_on.append(set(xs[:, 0].astype(int)))
+                        or Directions(np.tile(xs[:, :1], (1, 3)), np.zeros(len(xs), np.float32)))
+    out = out_of_fold_directions(HeadConfig(feature_dim=FEATURES), (0.05, 0.5, 0.95), x, lengths,
+                                 TrainConfig(direction_folds=5), tmp_path, progress=False)
+    np.testing.assert_array_equal(out.log_quantiles[:, 1], np.arange(50))  # back in row order
+    assert len(trained_on) == len(predicted_on) == 5
+    assert set().union(*predicted_on) == set(range(50))
+    for seen, labelled in zip(trained_on, predicted_on):
+        assert not seen & labelled and seen | labelled == set(range(50))
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_direction_classifier_reads_features_only_when_configured(features: bool) -> None:
+    head = make_head("cacheopt", HeadConfig(feature_dim=FEATURES, hidden=8, direction_features=features))
+    assert head.direction.hidden.in_features == 3 + (FEATURES if features else 0)
+    assert np.asarray(predict_features(head, np.ones((2, FEATURES), np.float32)).over_prob).shape == (2,)
+
+
+def test_fit_keeps_the_epoch_with_the_lowest_validation_loss(tmp_path: Path) -> None:
+    """Lengths unrelated to the features: later epochs only fit noise, so the module ends
+    with the best validation epoch's parameters, not the last epoch's (which the resume
+    checkpoint holds)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, FEATURES)).astype(np.float32)
+    batch = {"x": x, "log_len": rng.normal(5, 1, 120).astype(np.float32)}
+    cfg = TrainConfig(epochs=10, batch_size=16, lr=1e-2, val_fraction=0.25)
+    head = make_head("rlp", HeadConfig(feature_dim=FEATURES, hidden=64))
+    head.length.fit_data(x, batch["log_len"])
+    fit(head.length, length_loss, batch, cfg, tmp_path / "ckpt", "test", progress=False)
+    _, val_rows = split_validation(120, cfg)
+    val = {k: v[val_rows] for k, v in batch.items()}
+    saved = ocp.CheckpointManager(tmp_path / "ckpt").restore(cfg.epochs)
+    last = make_head("rlp", HeadConfig(feature_dim=FEATURES, hidden=64))
+    state = nnx.state(last.length)
+    nnx.replace_by_pure_dict(state, saved["model"])
+    nnx.update(last.length, state)
+    kept = float(length_loss(head.length, val))
+    assert kept == pytest.approx(float(saved["best_loss"]), rel=1e-5)
+    assert kept < float(length_loss(last.length, val))
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
@@ -163,9 +250,10 @@ def test_head_checkpoint_round_trip(tmp_path: Path) -> None:
         load_head(tmp_path, spec, "s3")
 
 
-def test_finetune_base_is_refused_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["train-predictor", "--finetune-base", "--output", str(tmp_path)]) == 2
-    assert "--finetune-base is not implemented" in capsys.readouterr().err
+def test_finetune_base_is_not_an_option(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train-predictor", "--finetune-base", "--output", str(tmp_path)])
+    assert exc.value.code == 2
 
 
 # --------------------------------------------------------------------------- data and encoder
@@ -246,6 +334,8 @@ def test_shipped_default_predicts_positive_lengths(smollm2_loaded: LoadedModel) 
         for p in predictions:
             assert 1 <= p.length <= spec.head.max_length
             assert (p.over_prob is not None) == (kind == "cacheopt")
+            if kind == "cacheopt":
+                assert 1 <= p.lo <= p.length <= p.hi <= spec.head.max_length
     metrics = (DEFAULT_DIR / "metrics.json").read_text()
     assert all(kind in metrics for kind in KINDS)
 
@@ -255,7 +345,8 @@ def test_shipped_noise_models_load(kind: str) -> None:
     model = load_noise_model(kind)
     draws = model.sample([5, 100, 1000], np.random.default_rng(0))
     assert all(1 <= p.length <= model.max_length for p in draws)
-    assert all((p.over_prob is not None) == (kind == "cacheopt") for p in draws)
+    assert all((p.over_prob is not None) == (p.lo is not None) == (kind == "cacheopt")
+               for p in draws)
 
 
 # --------------------------------------------------------------------------- noise model
@@ -283,6 +374,24 @@ def test_noise_model_reproduces_stored_quantiles() -> None:
         np.testing.assert_allclose(np.quantile(probs[over], [0.25, 0.5, 0.75]),
                                    np.interp([0.25, 0.5, 0.75], QUANTILE_LEVELS,
                                              model.over_prob_quantiles["over"]), atol=0.02)
+
+
+def test_noise_model_draws_ranges_with_the_held_out_coverage() -> None:
+    """Ranges drawn around drawn lengths hold the true length about as often as the real
+    predictor's held-out ranges did, and always bracket the drawn length."""
+    rng = np.random.default_rng(0)
+    true = rng.integers(20, 1500, 4000)
+    pred = np.round(true * np.exp(rng.normal(0, 0.6, true.size))).clip(1)
+    width = np.exp(rng.normal(0.9, 0.2, true.size))  # log half-widths around 0.9
+    lo, hi = np.round(pred / width).clip(1), np.round(pred * width)
+    held_out = np.mean((lo <= true) & (true <= hi))
+    model = NoiseModel.fit("cacheopt", true, pred, max_length=100_000, bucket_width=50,
+                           over_prob=rng.random(true.size), lo=lo, hi=hi)
+    model = NoiseModel.from_json(model.to_json())
+    draws = model.sample(true, rng)
+    assert all(1 <= d.lo <= d.length <= d.hi for d in draws)
+    drawn = np.mean([d.lo <= t <= d.hi for d, t in zip(draws, true)])
+    assert abs(drawn - held_out) < 0.05
 
 
 def test_bucket_noise_model_draws_bucket_edges() -> None:

@@ -2,21 +2,35 @@
 
 Three predictors, one per system that the engine compares:
 
-- CacheOpt: a length layer (the "added linear layer": features -> representation ->
-  log-length) and a binary direction classifier fed the base's representation (the
-  pooled features) and the length layer's representation, which predicts whether the
-  length will be over-predicted. The policy pads under-predicted requests.
+- CacheOpt: a length layer (the paper's "added linear layer": features -> log-length) and
+  a binary direction classifier fed the length layer's output (its log-length quantiles),
+  which predicts whether the length will be over-predicted. The paper feeds the classifier
+  the "hidden representation" of the added linear layer and of the base; a linear layer's
+  representation is its output, and we take the output rather than our layer's inner
+  activations because the classifier is trained on the outputs of layers that never saw
+  the prompt (`train.py`), and only outputs mean the same thing across those layers. The
+  base's representation is left out by default (`DirectionClassifier` says why). The length layer also predicts two quantiles of the
+  log-length around its median (levels `range_lo`, `range_hi`: 5% and 95%): the
+  per-request range [a_i, b_i] of the true length that the paper's Hoeffding padding
+  (its Eq. 2-3) takes. The policy pads by that range and the direction.
 - S3: a classifier over 50-token output-length buckets; the predicted length is the
   chosen bucket's upper edge, which is what S3 allocates.
 - RLP: a length regressor whose prediction is padded by 100 tokens, RLP's allocation.
 
-Regressors predict the natural log of the length and are trained with an L1 loss on it
-(see `train.py`): the minimiser of an L1 loss is the conditional median, and the median
-of log-length is the log of the median length, so exp(prediction) estimates the median
-reply length, which is exactly the estimate that minimises the expected absolute error in
-tokens (the MAE reported). Regressing raw lengths with squared error would instead chase
-the mean of a heavy-tailed distribution (ShareGPT replies run from a few tokens to two
-thousand) and let a few long replies dominate the gradient.
+Regressors predict quantiles of the natural log of the length and are trained with the
+pinball (quantile) loss on it (see `train.py`); at level 0.5 that is half the L1 loss,
+whose minimiser is the conditional median. The median of log-length is the log of the
+median length, so exp(prediction) estimates the median reply length, which is exactly the
+estimate that minimises the expected absolute error in tokens (the MAE reported), and
+quantiles of log-length are the logs of the length's quantiles, so the range transfers
+too. Regressing raw lengths with squared error would instead chase the mean of a
+heavy-tailed distribution (ShareGPT replies run from a few tokens to two thousand) and
+let a few long replies dominate the gradient.
+
+A consequence worth knowing: the error of a conditional median is over or under with
+probability 1/2 whatever the prompt, so the direction classifier can only learn where the
+length layer misses the conditional median (e.g. where it regresses towards the typical
+length); `bench/predictor_accuracy.py` measures how much that is.
 
 Every head standardises its input with statistics of the training features, stored as
 non-trainable variables so that a checkpoint is self-contained: the base's final-norm
@@ -25,6 +39,7 @@ hidden states have a few dimensions tens of times larger than the rest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,6 +71,16 @@ class HeadConfig:
     max_length: int = 2048
     bucket_width: int = 50  # S3
     rlp_padding: int = 100  # RLP
+    range_lo: float = 0.05  # CacheOpt: quantile levels of the per-request range [lo, hi]
+    range_hi: float = 0.95
+    # CacheOpt: feed the direction classifier the base's features beside the length layer's
+    # output, as the paper does; off by default (`DirectionClassifier` says why).
+    direction_features: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.range_lo < 0.5 < self.range_hi < 1.0:
+            raise ValueError(f"need 0 < range_lo < 0.5 < range_hi < 1, got "
+                             f"{self.range_lo} and {self.range_hi}")
 
     @property
     def num_buckets(self) -> int:
@@ -65,10 +90,13 @@ class HeadConfig:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class HeadOutput:
-    """Predicted lengths in tokens (integers as float32) and, for CacheOpt, P(over-prediction)."""
+    """Predicted lengths in tokens (integers as float32) and, for CacheOpt, P(over-prediction)
+    and the predicted range [lo, hi] of the true length (its `range_lo`/`range_hi` quantiles)."""
 
     lengths: jax.Array
     over_prob: jax.Array | None = None
+    lo: jax.Array | None = None
+    hi: jax.Array | None = None
 
 
 def bucket_of(lengths: np.ndarray | jax.Array, width: int) -> np.ndarray | jax.Array:
@@ -100,37 +128,69 @@ class FeatureNorm(nnx.Module):
 
 
 class LengthRegressor(nnx.Module):
-    """Features -> (log-length `[N]`, the length layer's representation `[N, hidden]`)."""
+    """Features -> log-length quantiles `[N, len(levels)]`.
 
-    def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs) -> None:
+    `levels` are ascending and hold 0.5 (the median, the point prediction). The other
+    quantiles are the median minus / plus a softplus gap, so they never cross it.
+    """
+
+    def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs, levels: tuple[float, ...] = (0.5,)) -> None:
+        if 0.5 not in levels or list(levels) != sorted(set(levels)):
+            raise ValueError(f"levels must ascend and hold 0.5, got {levels}")
+        self.levels = levels
+        self.median_index = levels.index(0.5)
         self.norm = FeatureNorm(cfg.feature_dim)
         self.hidden = _linear(cfg.feature_dim, cfg.hidden, rngs)
-        self.out = _linear(cfg.hidden, 1, rngs)
+        self.out = _linear(cfg.hidden, len(levels), rngs)
 
     def fit_data(self, x: np.ndarray, log_len: np.ndarray) -> None:
-        """Standardise with `x`'s statistics and start from the median log-length.
+        """Standardise with `x`'s statistics and start from the training quantiles.
 
-        Under the L1 loss Adam moves each parameter by about the learning rate per step, so
-        an output bias starting at 0 would spend hundreds of steps climbing to log-lengths
-        around 5; the median is the best constant prediction under that loss.
+        Under the pinball loss Adam moves each parameter by about the learning rate per
+        step, so output biases starting at 0 would spend hundreds of steps climbing to
+        log-lengths around 5; the unconditional quantiles are the best constant guesses.
         """
         self.norm.fit(x)
-        self.out.bias.set_value(jnp.full((1,), np.median(log_len), jnp.float32))
+        q = np.quantile(log_len, self.levels)
+        m = self.median_index
+        # Each outer quantile's gap to its inner neighbour; softplus^-1 needs it positive.
+        gaps = np.maximum(np.concatenate([q[1:m + 1] - q[:m], [1.0], q[m + 1:] - q[m:-1]]), 1e-3)
+        bias = np.where(np.arange(len(q)) == m, q[m], np.log(np.expm1(gaps)))
+        self.out.bias.set_value(jnp.asarray(bias, jnp.float32))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        rep = jax.nn.gelu(self.hidden(self.norm(x)))
-        return self.out(rep)[:, 0], rep
+    def __call__(self, x: jax.Array) -> jax.Array:
+        raw = self.out(jax.nn.gelu(self.hidden(self.norm(x))))
+        m = self.median_index
+        median = raw[:, m:m + 1]
+        below = median - jnp.cumsum(jax.nn.softplus(raw[:, :m])[:, ::-1], axis=1)[:, ::-1]
+        above = median + jnp.cumsum(jax.nn.softplus(raw[:, m + 1:]), axis=1)
+        return jnp.concatenate([below, median, above], axis=1)
+
+    def median(self, x: jax.Array) -> jax.Array:
+        """Median log-length `[N]` (the point prediction)."""
+        return self(x)[:, self.median_index]
 
 
 class DirectionClassifier(nnx.Module):
-    """(standardised features, length representation) -> logit of over-prediction."""
+    """(standardised features `[N, F]`, log-length quantiles `[N, Q]`) -> logit of
+    over-prediction `[N]`.
 
-    def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs) -> None:
-        self.hidden = _linear(cfg.feature_dim + cfg.hidden, cfg.hidden, rngs)
+    The paper feeds the classifier the base's representation too; we read only the length
+    layer's output unless `cfg.direction_features` is set. With a few thousand labelled
+    prompts the 1,152 feature dimensions let the classifier fit the labels' noise: trained
+    on out-of-fold directions it scored held-out ROC AUC 0.505 +- 0.014 with the features
+    and 0.628 +- 0.034 without them (3 seeds; `bench/predictor_accuracy.py`).
+    """
+
+    def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs, num_quantiles: int = 3) -> None:
+        self.with_features = cfg.direction_features
+        d_in = num_quantiles + (cfg.feature_dim if cfg.direction_features else 0)
+        self.hidden = _linear(d_in, cfg.hidden, rngs)
         self.out = _linear(cfg.hidden, 1, rngs)
 
-    def __call__(self, x: jax.Array, rep: jax.Array) -> jax.Array:
-        return self.out(jax.nn.gelu(self.hidden(jnp.concatenate([x, rep], axis=-1))))[:, 0]
+    def __call__(self, x: jax.Array, log_quantiles: jax.Array) -> jax.Array:
+        inputs = jnp.concatenate([x, log_quantiles], axis=-1) if self.with_features else log_quantiles
+        return self.out(jax.nn.gelu(self.hidden(inputs)))[:, 0]
 
 
 class BucketClassifier(nnx.Module):
@@ -146,22 +206,43 @@ class BucketClassifier(nnx.Module):
 
 
 class CacheOptHead(nnx.Module):
-    """CacheOpt's stack: the length layer, then the direction classifier on top of it."""
+    """CacheOpt's stack: the length layer (median and range quantiles), then the direction
+    classifier on top of it.
+
+    `range_margin` (log-length, set by training) widens (or narrows, when negative) the
+    predicted range on both sides so that it holds `range_hi - range_lo` of the lengths of
+    prompts the layer did not see (conformalised quantile regression on out-of-fold
+    predictions): quantile outputs fitted on a few thousand prompts are too narrow on new
+    ones (0.81 coverage for a 0.90 target, `bench/predictor_accuracy.py`).
+    """
 
     def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
-        self.length = LengthRegressor(cfg, rngs)
+        self.length = LengthRegressor(cfg, rngs, levels=(cfg.range_lo, 0.5, cfg.range_hi))
         self.direction = DirectionClassifier(cfg, rngs)
+        self.range_margin = nnx.BatchStat(jnp.zeros((), jnp.float32))
+
+    def calibrate_range(self, log_quantiles: np.ndarray, lengths: np.ndarray) -> None:
+        """Set `range_margin` from out-of-fold log-quantiles `[N, 3]` and true lengths."""
+        log_len = np.log(lengths)
+        scores = np.maximum(log_quantiles[:, 0] - log_len, log_len - log_quantiles[:, 2])
+        level = min(1.0, math.ceil((len(scores) + 1) * (self.cfg.range_hi - self.cfg.range_lo))
+                    / len(scores))
+        self.range_margin.set_value(jnp.asarray(np.quantile(scores, level), jnp.float32))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(log-length, over-prediction logit)."""
-        log_len, rep = self.length(x)
-        return log_len, self.direction(self.length.norm(x), rep)
+        """(log-length quantiles `[N, 3]`: lo, median, hi; over-prediction logit `[N]`)."""
+        q = self.length(x)
+        return q, self.direction(self.length.norm(x), q)
 
     def predict(self, x: jax.Array) -> HeadOutput:
-        log_len, logit = self(x)
-        return HeadOutput(_clip_lengths(jnp.exp(log_len), self.cfg.max_length),
-                          jax.nn.sigmoid(logit))
+        q, logit = self(x)
+        margin = self.range_margin.get_value()
+        # A negative margin must not move a bound across the median.
+        q = jnp.stack([jnp.minimum(q[:, 0] - margin, q[:, 1]), q[:, 1],
+                       jnp.maximum(q[:, 2] + margin, q[:, 1])], axis=1)
+        lengths = _clip_lengths(jnp.exp(q), self.cfg.max_length)
+        return HeadOutput(lengths[:, 1], jax.nn.sigmoid(logit), lengths[:, 0], lengths[:, 2])
 
 
 class S3Head(nnx.Module):
@@ -184,7 +265,7 @@ class RLPHead(nnx.Module):
         self.length = LengthRegressor(cfg, rngs)
 
     def predict(self, x: jax.Array) -> HeadOutput:
-        log_len, _ = self.length(x)
+        log_len = self.length.median(x)
         return HeadOutput(_clip_lengths(jnp.exp(log_len) + self.cfg.rlp_padding,
                                         self.cfg.max_length))
 

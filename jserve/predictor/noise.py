@@ -22,6 +22,17 @@ length from the error distribution that the trained predictor showed on held-out
   distribution of its probability among over-predicted prompts when the drawn length
   over-predicts, and among the others otherwise. This keeps the classifier's measured
   accuracy and confidence without modelling its dependence on the prompt.
+- For CacheOpt, the predicted range [lo, hi] is drawn around the drawn length: in log
+  space its two sides, log(length / lo) and log(hi / length), from their held-out
+  distributions in the same true-length bin, with one shared level (a request with a
+  wide lower side has a wide upper side too; both come from the same layer), and, like
+  the direction's probability, conditioned on the drawn error: from the held-out prompts
+  of that bin whose absolute error was below its median, or from the others (the real
+  range is wider where the error is larger; on the shipped head's 1,000 held-out prompts
+  its ranges held 0.939 of the true lengths, draws independent of the error 0.875, draws
+  conditioned so 0.890). The held-out coverage of
+  the true length by [lo, hi] is what the simulator should see; `tests/test_predictor.py`
+  and `bench/predictor_accuracy.py` check that draws reproduce it.
 
 Lengths are rounded and clipped to [1, max_length] like the real predictor's. The model
 is written next to the checkpoint as `noise.json` (see `NoiseModel.to_json`).
@@ -69,6 +80,23 @@ def _from_space(values: np.ndarray, space: ErrorSpace, bucket_width: int,
     return np.clip(np.round(lengths), 1, max_length).astype(np.int64)
 
 
+Sides = tuple[tuple[float, ...], tuple[float, ...]]  # quantiles of log(length/lo), log(hi/length)
+
+
+@dataclass(frozen=True)
+class RangeBin:
+    """One true-length bin's range sides, split at its median absolute error."""
+
+    abs_error_split: float
+    small_error: Sides
+    large_error: Sides
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RangeBin:
+        return cls(data["abs_error_split"], *(tuple(tuple(q) for q in data[k])
+                                              for k in ("small_error", "large_error")))
+
+
 @dataclass(frozen=True)
 class NoiseModel:
     """Draws predictions of one kind given true lengths; see the module docstring.
@@ -76,7 +104,10 @@ class NoiseModel:
     `bin_edges[i]` is the largest true length of bin `i` (the last bin is unbounded);
     `error_quantiles[i]` are the error quantiles of bin `i` at `QUANTILE_LEVELS`;
     `over_prob_quantiles` (CacheOpt only) maps "over" / "not_over" to the quantiles of the
-    direction classifier's probability among held-out prompts of that actual direction.
+    direction classifier's probability among held-out prompts of that actual direction;
+    `range_quantiles` (CacheOpt only) holds, per bin, the median absolute error of the bin
+    (in error space) and, for the prompts at or below it and for those above it, the
+    quantiles of log(length / lo) and of log(hi / length).
     """
 
     kind: Kind
@@ -87,12 +118,14 @@ class NoiseModel:
     error_quantiles: tuple[tuple[float, ...], ...]
     over_prob_quantiles: dict[str, tuple[float, ...]] | None
     num_calibration: int
+    range_quantiles: tuple[RangeBin, ...] | None = None
 
     @classmethod
     def fit(cls, kind: Kind, true: np.ndarray, pred: np.ndarray, *, max_length: int,
-            bucket_width: int, over_prob: np.ndarray | None = None,
-            num_bins: int = 4) -> NoiseModel:
-        """Calibrate on held-out true and predicted lengths (and CacheOpt's probabilities)."""
+            bucket_width: int, over_prob: np.ndarray | None = None, lo: np.ndarray | None = None,
+            hi: np.ndarray | None = None, num_bins: int = 4) -> NoiseModel:
+        """Calibrate on held-out true and predicted lengths (and CacheOpt's probabilities
+        and ranges)."""
         true, pred = np.asarray(true), np.asarray(pred)
         if true.shape != pred.shape or true.size < num_bins:
             raise ValueError(f"need matching arrays of at least {num_bins} lengths")
@@ -109,9 +142,25 @@ class NoiseModel:
             over_prob = np.asarray(over_prob)
             over_quantiles = {_OVER: _quantiles(over_prob[over]),
                               _NOT_OVER: _quantiles(over_prob[~over])}
+        range_quantiles = None
+        if lo is not None and hi is not None:
+            below = np.log(pred / np.asarray(lo, np.float64))
+            above = np.log(np.asarray(hi, np.float64) / pred)
+            range_bins = []
+            for b in range(len(edges) + 1):
+                in_bin = bins == b
+                split = float(np.median(np.abs(errors[in_bin])))
+                small = in_bin & (np.abs(errors) <= split)
+                large = in_bin & ~small
+                if not large.any():  # every error equal: one group serves both
+                    large = small
+                range_bins.append(RangeBin(
+                    round(split, 6), (_quantiles(below[small]), _quantiles(above[small])),
+                    (_quantiles(below[large]), _quantiles(above[large]))))
+            range_quantiles = tuple(range_bins)
         return cls(kind, space, max_length, bucket_width, tuple(float(e) for e in edges),
                    tuple(_quantiles(errors[bins == b]) for b in range(len(edges) + 1)),
-                   over_quantiles, int(true.size))
+                   over_quantiles, int(true.size), range_quantiles)
 
     def sample(self, true_lengths: Sequence[int] | np.ndarray,
                rng: np.random.Generator) -> list[Prediction]:
@@ -132,7 +181,27 @@ class NoiseModel:
         over_prob = np.where(lengths > true,
                              np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_OVER]),
                              np.interp(levels, QUANTILE_LEVELS, self.over_prob_quantiles[_NOT_OVER]))
-        return to_predictions(lengths, over_prob)
+        if self.range_quantiles is None:
+            return to_predictions(lengths, over_prob)
+        lo, hi = self._sample_range(lengths, bins, np.abs(errors), rng.random(true.size))
+        return to_predictions(lengths, over_prob, lo, hi)
+
+    def _sample_range(self, lengths: np.ndarray, bins: np.ndarray, abs_errors: np.ndarray,
+                      levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[lo, hi] around drawn `lengths`, both sides at one level per request, from the
+        group of the request's bin that its drawn error falls in; rounded and clipped like
+        the real head's, so lo <= length <= hi."""
+        below, above = np.empty(lengths.size), np.empty(lengths.size)
+        for b, range_bin in enumerate(self.range_quantiles or ()):
+            large = abs_errors > range_bin.abs_error_split
+            for group, (q_below, q_above) in ((~large, range_bin.small_error),
+                                              (large, range_bin.large_error)):
+                rows = (bins == b) & group
+                below[rows] = np.interp(levels[rows], QUANTILE_LEVELS, q_below)
+                above[rows] = np.interp(levels[rows], QUANTILE_LEVELS, q_above)
+        lo = np.clip(np.round(lengths * np.exp(-below)), 1, lengths)
+        hi = np.clip(np.round(lengths * np.exp(above)), lengths, self.max_length)
+        return lo.astype(np.int64), hi.astype(np.int64)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "levels": list(QUANTILE_LEVELS)}
@@ -143,10 +212,13 @@ class NoiseModel:
         if tuple(data.pop("levels")) != QUANTILE_LEVELS:
             raise ValueError("noise model stored at other quantile levels than this version uses")
         over = data["over_prob_quantiles"]
+        ranges = data.get("range_quantiles")
         return cls(**{**data, "bin_edges": tuple(data["bin_edges"]),
                       "error_quantiles": tuple(tuple(q) for q in data["error_quantiles"]),
                       "over_prob_quantiles": None if over is None
-                      else {k: tuple(v) for k, v in over.items()}})
+                      else {k: tuple(v) for k, v in over.items()},
+                      "range_quantiles": None if ranges is None
+                      else tuple(RangeBin.from_json(r) for r in ranges)})
 
 
 def write_noise_models(directory: Path, models: dict[str, NoiseModel]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jserve.predictor.checkpoint import PredictorSpec, load_head
@@ -34,14 +35,19 @@ DEFAULT_DIR = Path(__file__).resolve().parent / "default"
 class Prediction:
     """A predicted output length in tokens, in [1, max_length].
 
-    `length` is what the kind's system allocates for: CacheOpt's raw estimate (its policy
-    pads it), the upper edge of S3's bucket, RLP's estimate already plus 100 tokens.
-    `over_prob` is CacheOpt's P(length > true length), from its direction classifier;
-    None for the other kinds.
+    `length` is what the kind's system allocates for: CacheOpt's raw estimate (the median;
+    its policy pads it), the upper edge of S3's bucket, RLP's estimate already plus 100
+    tokens. `over_prob` is CacheOpt's P(length > true length), from its direction
+    classifier. `lo` and `hi` are CacheOpt's per-request range of the true length (its
+    predicted 5% and 95% quantiles by default, `HeadConfig.range_lo`/`range_hi`), the
+    [a_i, b_i] whose width b_i - a_i the paper's Hoeffding padding (Eq. 3) takes:
+    t_i = (hi - lo) * sqrt(-ln(1 - c) / 2). All three are None for the other kinds.
     """
 
     length: int
     over_prob: float | None = None
+    lo: int | None = None
+    hi: int | None = None
 
     @property
     def columns(self) -> tuple[int, int]:
@@ -53,11 +59,16 @@ class Prediction:
         return self.length, 1 if self.over_prob > 0.5 else -1
 
 
-def to_predictions(lengths: np.ndarray, over_prob: np.ndarray | None = None) -> list[Prediction]:
-    """Predictions from arrays of lengths and (CacheOpt) over-prediction probabilities."""
-    if over_prob is None:
-        return [Prediction(int(n)) for n in lengths]
-    return [Prediction(int(n), float(p)) for n, p in zip(lengths, over_prob)]
+def to_predictions(lengths: np.ndarray, over_prob: np.ndarray | None = None,
+                   lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> list[Prediction]:
+    """Predictions from arrays of lengths and (CacheOpt) over-prediction probabilities and
+    range bounds."""
+    n = len(lengths)
+    over_prob = [None] * n if over_prob is None else [float(p) for p in over_prob]
+    lo = [None] * n if lo is None else [int(v) for v in lo]
+    hi = [None] * n if hi is None else [int(v) for v in hi]
+    return [Prediction(int(length), p, a, b)
+            for length, p, a, b in zip(lengths, over_prob, lo, hi, strict=True)]
 
 
 @functools.lru_cache(maxsize=2)
@@ -103,6 +114,5 @@ class LengthPredictor:
         """One prediction per prompt, encoded together (cheaper than one call per prompt)."""
         if not prompts:
             return []
-        out = predict_features(self.head, self.encoder.encode(prompts))
-        return to_predictions(np.asarray(out.lengths),
-                              None if out.over_prob is None else np.asarray(out.over_prob))
+        out = jax.tree.map(np.asarray, predict_features(self.head, self.encoder.encode(prompts)))
+        return to_predictions(out.lengths, out.over_prob, out.lo, out.hi)
