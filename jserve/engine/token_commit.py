@@ -54,6 +54,8 @@ class TokenCommit:
         cols.num_tokens[rows] += 1
         cols.last_token_time[rows] = now
         stopped = self._stops(reqs, seq_ids, tokens)
+        if out.ended is not None:
+            stopped |= out.ended[sampled]
         for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
             self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
         return reqs
