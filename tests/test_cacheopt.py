@@ -181,14 +181,15 @@ def test_critical_waiting_request_preempts_for_its_basic_demand() -> None:
         dict(status=R, num_tokens=41, reserved_blocks=16, predicted_len=60, tbt_slo=0.05,
              last_token_time=9.9),
         dict(status=R, num_tokens=41, reserved_blocks=16, predicted_len=60, last_token_time=9.9),
-        dict(predicted_len=10, ttft_slo=1.0, arrival_time=5.0),
-    ], num_blocks=32)
-    plan = CacheOptPolicy(padding=False, global_reserve=False).schedule(view)
+        dict(predicted_len=10, ttft_slo=5.2, arrival_time=5.0),  # 0.2 s left < a 0.5 s step
+    ], num_blocks=32, iteration_time=0.5)
+    policy = CacheOptPolicy(padding=False, global_reserve=False)
+    plan = policy.schedule(view)
     assert plan.preempt == {1: PreemptMode.RECOMPUTE}
     assert 2 in plan.run and 0 in plan.run
-    # Not critical: it waits, nobody is preempted.
-    calm = dataclasses.replace(view, now=1.0)
-    assert not CacheOptPolicy(padding=False, global_reserve=False).schedule(calm).preempt
+    # Not critical, or its SLO already missed: it waits, nobody is preempted.
+    assert not policy.schedule(dataclasses.replace(view, now=1.0)).preempt
+    assert not policy.schedule(dataclasses.replace(view, now=10.3)).preempt
 
 
 def test_amortized_shares_by_hand() -> None:

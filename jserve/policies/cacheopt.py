@@ -22,8 +22,8 @@ faithful or our choice and why, is tabled in bench/results/cacheopt_components.m
   far + B). Every admission tries the embedding method first: the running request with
   a_j - (u_j + o_i) - (p_i + o_i) >= b and the least remaining allocation gives the new
   request its estimated demand out of its unused allocation. A critical waiting request
-  that neither embeds nor fits preempts non-critical running requests (PP order) until
-  its basic demand fits. The rest of the pool is shared by the admitted and the PA
+  that neither embeds nor fits (N_w: not started, its TTFT SLO still attainable)
+  preempts non-critical running requests (PP order) until its basic demand fits. The rest of the pool is shared by the admitted and the PA
   top-ups: whole demands if they fit, else amortised shares A' * w_i / sum w with
   w_i = RT_i / sum RT * p_i / sum p; a request that outgrows its share extends from KV
   released meanwhile. Off (/RSA): vLLM's FCFS prefill-first steps, each admission reserved
@@ -349,7 +349,7 @@ class CacheOptPolicy:
             if self._embed(view, ledger, work, i, est):
                 pass
             elif floor <= ledger.pool - keep - taken or (
-                    critical[i] and self._preempt_for(view, ledger, work, floor - (ledger.pool - keep - taken),
+                    self._may_preempt_for(view, i, est) and self._preempt_for(view, ledger, work, floor - (ledger.pool - keep - taken),
                                                       est, victim_key, wants_swap)):
                 picked.append((i, floor, floor if critical[i] else full))
                 taken += floor
@@ -360,6 +360,14 @@ class CacheOptPolicy:
         if not topped:
             picked = self._top_up(view, ledger, est, keep) + picked
         self._grant(view, ledger, work, picked, ledger.pool - keep - taken, est.rt)
+
+    @staticmethod
+    def _may_preempt_for(view: SchedulerView, i: int, est: Estimates) -> bool:
+        """N_w of Section 3.3.2: a waiting request that has not started (its TTFT SLO is
+        at stake; a preempted request waits by its TBT SLO and preempts nobody) and is
+        critical, while its SLO can still be met (RT >= 0: "in order to satisfy" it)."""
+        r = view.requests
+        return bool(est.critical[i] and np.isnan(r.first_token_time[i]) and est.rt[i] >= 0)
 
     def _preempt_for(self, view: SchedulerView, ledger: Ledger, work: Work, short: int,
                      est: Estimates, victim_key, wants_swap) -> bool:
