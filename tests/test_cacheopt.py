@@ -20,10 +20,11 @@ from jserve.policies.cacheopt import (
     CacheOptPolicy,
     amortized_shares,
     confidence,
+    deviation_ranges,
     embedding_host,
     hoeffding_padding,
     is_critical,
-    padded_output,
+    padded_outputs,
     remaining_time,
     swap_preferred,
     tbt_bucket,
@@ -64,17 +65,25 @@ def test_hoeffding_padding_and_confidence_by_hand() -> None:
     assert hoeffding_padding(-100, 100, 0.9) == pytest.approx(math.sqrt(20000 * math.log(10)))
     assert hoeffding_padding(-100, 100, 0.9) == pytest.approx(214.597, abs=1e-3)
     assert hoeffding_padding(0, 10, 0.5) == pytest.approx(math.sqrt(50 * math.log(2)))
-    # c = alpha / (1 + beta * lambda): 0.9 at no load, 0.6 at 10 req/s with beta 0.05
-    assert confidence(0.9, 0.05, 0.0) == pytest.approx(0.9)
-    assert confidence(0.9, 0.05, 10.0) == pytest.approx(0.6)
-    assert hoeffding_padding(-100, 100, confidence(0.9, 0.05, 10.0)) < hoeffding_padding(-100, 100, 0.9)
+    assert hoeffding_padding(0, np.array([10.0, 0.0]), 0.5).tolist() == pytest.approx([math.sqrt(50 * math.log(2)), 0])
+    # c = alpha / (1 + beta * lambda), lambda in requests per ms: 0.9 at no load, and with
+    # the paper's beta = 100, 0.45 at 10 req/s and 0.9 / 3.8 at Table 1's 28 req/s.
+    assert confidence(0.9, 100.0, 0.0) == pytest.approx(0.9)
+    assert confidence(0.9, 100.0, 10.0) == pytest.approx(0.45)
+    assert confidence(0.9, 100.0, 28.0) == pytest.approx(0.9 / 3.8)
+
+
+def test_deviation_ranges_are_per_request_and_per_direction() -> None:
+    # true / predicted within [0.5, 3]: p = 100 may be 50 below or 200 above; the context
+    # room caps the upper end (p = 100 with room 150: 50 above); never below one token.
+    below, above = deviation_ranges(np.array([100, 100, 1]), np.array([1000, 150, 1000]), (0.5, 3.0))
+    assert below.tolist() == [50, 50, 0] and above.tolist() == [200, 50, 2]
 
 
 def test_padding_follows_the_predicted_direction() -> None:
-    assert padded_output(50, +1, 10.4) == 39  # expected over-prediction: pad down
-    assert padded_output(50, -1, 10.4) == 61  # expected under-prediction: pad up
-    assert padded_output(50, 0, 10.4) == 61  # unknown: the safe side
-    assert padded_output(5, +1, 10.0) == 1  # never below one token
+    p, d = np.array([50, 50, 50, 5]), np.array([+1, -1, 0, +1])
+    out = padded_outputs(p, d, np.full(4, 10.4), np.full(4, 20.2))
+    assert out.tolist() == [39, 71, 71, 1]  # over: down; under or unknown: up; >= 1 token
 
 
 def test_demand_is_prompt_plus_padded_prediction_capped_at_max_len() -> None:
@@ -84,13 +93,12 @@ def test_demand_is_prompt_plus_padded_prediction_capped_at_max_len() -> None:
         dict(predicted_len=0, prompt_len=10, max_len=70),
         dict(predicted_len=500, predicted_dir=-1, prompt_len=10),
     ])
-    policy = CacheOptPolicy(error_range=(-4.0, 4.0))
-    pad = policy.padding_tokens(view)
-    assert pad == pytest.approx(math.sqrt(32 * math.log(10)))  # 8.58 tokens
-    assert policy.demand_tokens(view, pad).tolist() == [10 + 29, 10 + 11, 70, 100]
-    no_cka = dataclasses.replace(policy, padding=False)
-    assert no_cka.padding_tokens(view) == 0.0
-    assert no_cka.demand_tokens(view, 0.0).tolist() == [30, 30, 70, 100]
+    policy = CacheOptPolicy(true_to_predicted=(0.5, 2.0))  # no load: c = 0.9
+    f = math.sqrt(math.log(10) / 2)  # t = range * f
+    assert policy.demand_tokens(view).tolist() == [10 + 20 + math.ceil(20 * f),
+                                                   10 + 20 - math.ceil(10 * f), 70, 100]
+    no_cka = dataclasses.replace(policy, padding=False)  # /CKA: 10% of the prediction
+    assert no_cka.demand_tokens(view).tolist() == [32, 32, 70, 100]
     # In blocks: at least the tokens so far plus the next one, at most max_len's.
     assert demand_blocks(view, 0, 39) == 10 and demand_blocks(view, 0, 3) == 3
     assert demand_blocks(view, 2, None) == 18 and demand_blocks(view, 3, 10**6) == 25
@@ -103,6 +111,10 @@ def test_rlp_and_s3_demands() -> None:
     assert RLPPolicy().demand_tokens(view, 0) == 10 + 20  # the predictor adds RLP's 100
     assert RLPPolicy(margin_tokens=100).demand_tokens(view, 0) == 10 + 20 + 100
     assert RLPPolicy().demand_tokens(view, 1) is None  # no prediction: max_len
+    # Preempted after outgrowing it: its tokens so far plus RLP's 100 again.
+    assert RLPPolicy().demand_tokens(view, 2) == 10 + 100
+    again = view_of([dict(prompt_len=10, max_len=1000, predicted_len=20, num_preemptions=1, num_tokens=40)])
+    assert RLPPolicy().demand_tokens(again, 0) == 40 + 100
     assert bucket_upper(20, 50) == 50 and bucket_upper(50, 50) == 50 and bucket_upper(51, 50) == 100
     assert bucket_upper(0, 50) == 50
     assert S3Policy().demand_tokens(view, 0) == 10 + 50
@@ -126,19 +138,19 @@ def test_remaining_time_and_critical() -> None:
 
 def test_embedding_picks_the_host_with_least_remaining_allocation() -> None:
     alloc = np.array([100, 80, 60, 200])  # a_j, tokens
-    used = np.array([10, 10, 10, 150])  # u_j
-    remaining = np.array([20, 20, 20, 0])  # o_j
-    # need p_i + o_i = 20, b = 8: slack a - (u + o) - need = 50, 30, 10, 30 -> all fit;
-    # remaining allocation a - u = 90, 70, 50, 50: the first least one, row 2.
-    assert embedding_host(alloc, used, remaining, 20, 8) == 2
-    # need 25: row 2's slack is 5 < b, so rows 1 and 3 (a - u = 70, 50): row 3.
-    assert embedding_host(alloc, used, remaining, 25, 8) == 3
-    assert embedding_host(alloc, used, remaining, 70, 8) is None
+    used = np.array([10, 10, 10, 180])  # u_j
+    # guest: o_i = 10 output tokens, p_i + o_i = 20, b = 8: a - (u + o_i) - 20 = 60, 40, 20,
+    # -10 -> rows 0-2 fit; remaining allocation a - u = 90, 70, 50: row 2.
+    assert embedding_host(alloc, used, 10, 20, 8) == 2
+    # a guest of 35 tokens: row 2's slack is 5 < b, so rows 0 and 1: row 1.
+    assert embedding_host(alloc, used, 10, 35, 8) == 1
+    assert embedding_host(alloc, used, 10, 80, 8) is None
 
 
 def test_embedding_moves_a_hosts_unused_allocation_to_the_new_request() -> None:
-    # Running seq 0 reserved 20 blocks, predicted to need 4; the pool is empty (reserve off),
-    # so waiting seq 1 (8 + 4 predicted tokens = 3 blocks) is admitted inside seq 0's slack.
+    # Running seq 0 reserved 20 blocks; the pool is empty (reserve off), so waiting seq 1
+    # (8 + 4 predicted tokens + 10% (/CKA) = 13 tokens, 4 blocks) is admitted inside seq
+    # 0's slack: 80 - (9 + 5) - 13 >= 8.
     view = view_of([
         dict(status=R, num_tokens=9, reserved_blocks=20, predicted_len=4, prompt_len=8,
              last_token_time=9.0),
@@ -147,8 +159,37 @@ def test_embedding_moves_a_hosts_unused_allocation_to_the_new_request() -> None:
     policy = CacheOptPolicy(padding=False, global_reserve=False)
     plan = policy.schedule(view)
     assert plan.run == {0: 1, 1: 8}
-    assert plan.reserve == {0: 20 - 3, 1: 3}
+    assert plan.reserve == {0: 20 - 4, 1: 4}
     assert dataclasses.replace(policy, slo_aware=False).schedule(view).run == {0: 1}
+
+
+def test_embedding_is_tried_before_the_pool() -> None:
+    # The pool could take seq 1, but seq 0's unused allocation is tried first.
+    view = view_of([
+        dict(status=R, num_tokens=9, reserved_blocks=20, predicted_len=4, prompt_len=8,
+             last_token_time=9.0),
+        dict(predicted_len=4, predicted_dir=-1),
+    ], num_blocks=64)
+    plan = CacheOptPolicy(padding=False, global_reserve=False).schedule(view)
+    assert plan.reserve == {0: 20 - 4, 1: 4}
+
+
+def test_critical_waiting_request_preempts_for_its_basic_demand() -> None:
+    # A full cache: two running requests hold it all; a waiting request past its TTFT SLO
+    # (critical) needs prompt + B; the loosest running one (no TBT SLO) is preempted.
+    view = view_of([
+        dict(status=R, num_tokens=41, reserved_blocks=16, predicted_len=60, tbt_slo=0.05,
+             last_token_time=9.9),
+        dict(status=R, num_tokens=41, reserved_blocks=16, predicted_len=60, last_token_time=9.9),
+        dict(predicted_len=10, ttft_slo=5.2, arrival_time=5.0),  # 0.2 s left < a 0.5 s step
+    ], num_blocks=32, iteration_time=0.5)
+    policy = CacheOptPolicy(padding=False, global_reserve=False)
+    plan = policy.schedule(view)
+    assert plan.preempt == {1: PreemptMode.RECOMPUTE}
+    assert 2 in plan.run and 0 in plan.run
+    # Not critical, or its SLO already missed: it waits, nobody is preempted.
+    assert not policy.schedule(dataclasses.replace(view, now=1.0)).preempt
+    assert not policy.schedule(dataclasses.replace(view, now=10.3)).preempt
 
 
 def test_amortized_shares_by_hand() -> None:
@@ -177,19 +218,21 @@ def test_critical_requests_get_basic_demand_and_the_rest_is_amortized() -> None:
 
 
 # ------------------------------------------------------------------ PP / PSS
-def test_victim_order_tbt_bucket_then_remaining_then_occupancy() -> None:
-    edges = (0.05, 0.1, 0.2, 0.5, 1.0)
-    assert tbt_bucket(np.array([0.01, 0.05, 0.3, 2.0, np.nan]), edges).tolist() == [0, 1, 3, 5, 5]
+def test_victim_order_tbt_range_then_remaining_then_occupancy_in_ranges() -> None:
+    edges = (0.05, 0.2, 0.5, 2.0)
+    assert tbt_bucket(np.array([0.01, 0.05, 0.3, 2.0, np.nan]), edges).tolist() == [0, 1, 2, 4, 4]
     view = view_of([
         dict(status=R, num_tokens=9, tbt_slo=0.03),  # tight SLO: last
-        dict(status=R, num_tokens=20, tbt_slo=0.3),  # bucket 3, 50 left, 5 blocks
-        dict(status=R, num_tokens=12, tbt_slo=0.3),  # bucket 3, 50 left, 3 blocks
-        dict(status=R, num_tokens=9, tbt_slo=0.3),  # bucket 3, 10 left
+        dict(status=R, num_tokens=300, tbt_slo=0.3),  # range 2, 300 left, 75 blocks (2nd range)
+        dict(status=R, num_tokens=100, tbt_slo=0.3),  # range 2, 260 left, 25 blocks (1st range)
+        dict(status=R, num_tokens=120, tbt_slo=0.3),  # range 2, 100 left
         dict(status=R, num_tokens=9),  # no SLO: loosest, first
-    ])
-    remaining = np.array([90, 50, 50, 10, 0])
+    ], num_blocks=400, limits=SchedulerLimits(8, 512, 512))
+    remaining = np.array([90, 300, 260, 100, 0])
     running = view.requests.with_status(R)
-    assert victim_order(view, running, remaining, edges) == [4, 2, 1, 3, 0]
+    # 300 and 260 left are in one 128-token range (256-384): the smaller KV goes first.
+    assert victim_order(view, running, remaining, edges, 128) == [4, 2, 1, 3, 0]
+    assert victim_order(view, running, remaining, edges, 1) == [4, 1, 2, 3, 0]
 
 
 def test_sweet_spot_chooses_swap_above_and_recompute_below() -> None:
@@ -236,20 +279,25 @@ def test_switches_change_their_component() -> None:
                    num_host_blocks=8, num_free_host_blocks=8, arrival_rate=10.0)
     co = CacheOptPolicy()
     off = {tag: POLICIES[f"cacheopt/{tag}"]() for tag in CACHEOPT_ABLATIONS}
-    # CKA: padding
-    assert co.padding_tokens(view) > 0 and off["CKA"].padding_tokens(view) == 0
+    # CKA: Hoeffding padding vs 10% of the prediction
+    assert co.demand_tokens(view)[1] > 8 + 22 and off["CKA"].demand_tokens(view)[1] == 8 + 22
     # GR: blocks kept back from admissions while something runs (capped at 1/8 of 64)
     assert co.reserve_keep(view) == 8 and off["GR"].reserve_keep(view) == 0
-    # PA: seq 0 finishes within m=2 iterations (max_len 100), its allocation is supply
-    ledger = Ledger.of(view)
-    remaining = np.maximum(co.demand_tokens(view, 0.0) - view.requests.num_tokens, 0)
-    assert co.soon_released(view, ledger, remaining) == 30
-    assert off["PA"].soon_released(view, ledger, remaining) == 0
+    # PA: a request reserved 5 blocks, estimated at 8 + 14 = 22 tokens (6 blocks), has 20:
+    # it completes within m = 2 iterations and is topped up to its demand.
+    near = view_of([dict(status=R, num_tokens=20, prompt_len=8, predicted_len=12, reserved_blocks=5,
+                         last_token_time=9.9)])
+    pa = dataclasses.replace(co, padding=False)
+    assert pa._top_up(near, Ledger.of(near), pa.estimates(near), 0) == [(0, 5, 6)]
+    assert dataclasses.replace(pa, proactive=False)._top_up(near, Ledger.of(near), pa.estimates(near), 0) == []
+    remaining = co.estimates(view).remaining
     # PSS: swap vs always recompute
     assert co.wants_swap(view, 1) and not off["PSS"].wants_swap(view, 1)
     # PP: the loosest SLO with the most remaining tokens vs the latest arrival
     r = view.requests
-    assert victim_order(view, r.with_status(R), remaining, co.tbt_buckets)[0] == 2
+    # (seq 2: 80 tokens left, seq 1: under 80; one 128-token range, so the later arrival)
+    assert victim_order(view, r.with_status(R), remaining, co.tbt_buckets, 1)[0] == 2
+    assert victim_order(view, r.with_status(R), remaining, co.tbt_buckets, 128)[0] == 1
     # RSA: off runs vLLM's prefill-first steps (see also the embedding / amortisation tests)
     with_waiting = view_of([dict(status=R, num_tokens=9, last_token_time=9.0), dict()])
     assert co.schedule(with_waiting).run == {0: 1, 1: 8}

@@ -1,6 +1,7 @@
 """Repeated decode steps (`Plan.repeat`) change nothing but the Python per step.
 
-A trace replayed in the simulator with repeats must give exactly what it gives one
+A trace replayed in the simulator with repeats (each request ended where the trace ends it,
+by `TraceEnds`) must give exactly what it gives one
 `step()` at a time: every request's tokens, token times, first-token and finish times,
 preemptions, the engine's totals, the clock and the blocks each request ended up with.
 Traces are random (hypothesis), with caches tight enough that a repeat meets the point
@@ -55,7 +56,6 @@ def _run(policy: str, trace: Trace, num_blocks: int, repeats: bool):
     engine = built.engine
     if not repeats:
         engine.runner = OneStepAtATime(engine.runner)
-        engine._repeats = False
     records = replay(engine, trace, built.clock, lambda r: [7] * r.prompt_len)
     return sorted(records, key=lambda r: r.request_id), engine.stats, built.clock.now()
 

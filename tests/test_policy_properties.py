@@ -326,8 +326,8 @@ def _under_predicted(n: int, plen: int, max_tokens: int, predicted: int) -> list
 RESERVING_TRACES = [
     pytest.param(RLPPolicy(margin_tokens=2), 0, id="rlp"),
     pytest.param(S3Policy(bucket_tokens=4), 0, id="s3"),
-    pytest.param(CacheOptPolicy(error_range=(-3.0, 3.0)), 0, id="cacheopt"),
-    pytest.param(CacheOptPolicy(error_range=(-3.0, 3.0)), 64, id="cacheopt-host"),
+    pytest.param(CacheOptPolicy(true_to_predicted=(0.5, 2.0)), 0, id="cacheopt"),
+    pytest.param(CacheOptPolicy(true_to_predicted=(0.5, 2.0)), 64, id="cacheopt-host"),
 ]
 
 
@@ -358,7 +358,7 @@ def test_cacheopt_embeds_into_a_running_requests_padding() -> None:
     """A long-padded request (4-token prompt, 10 predicted, padded by ~86 tokens) holds most
     of the cache; later short requests do not fit the pool and are embedded into its unused
     allocation (its reservation shrinks while it runs); outputs stay the unpreempted run's."""
-    policy = CacheOptPolicy(error_range=(-40.0, 40.0))
+    policy = CacheOptPolicy(true_to_predicted=(0.1, 10.0))
     h = Harness(num_blocks=30, block_size=4, limits=SchedulerLimits(4, 128, 128), eos=None,
                 vocab_size=16, policy=policy, plan_checks=plan_checks_for(policy))
     short = [dataclasses.replace(spec(4, 6, arrive=k, first=k), predicted_len=4) for k in (1, 2, 3)]

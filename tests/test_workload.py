@@ -291,3 +291,18 @@ def test_trace_validates_requests() -> None:
         TraceRequest("b", 0.0, 4, 0)
     assert isinstance(multiturn_conversations(0), list)
     assert ConversationTrace("c", ()).request_lengths() == []
+
+
+@pytest.mark.parametrize("workload, prompt, output", [
+    ("alpaca", (19.31, 9, 2470), (58.41, 13, 292)),
+    ("bookcorpus", (1952.11, 18, 2048), (681.2, 32, 1041)),
+])
+def test_synthetic_lengths_match_the_cacheopt_papers_table_1(workload: str, prompt: tuple,
+                                                               output: tuple) -> None:
+    """Mean within 2%, every length within [min, max] (BookCorpus prompts are 2,048-token
+    pieces), given a context that fits prompt + output."""
+    samples = sample_lengths(workload, 4000, seed=1, max_total_len=2048 + 1041)
+    for lengths, (mean, lo, hi) in ((np.array([s[0] for s in samples]), prompt),
+                                    (np.array([s[1] for s in samples]), output)):
+        assert lengths.mean() == pytest.approx(mean, rel=0.02)
+        assert lo <= lengths.min() and lengths.max() <= hi

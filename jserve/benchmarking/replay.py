@@ -1,23 +1,78 @@
 """Feed a timed trace into an engine, request by request as the clock reaches each
 arrival, and collect per-request records. The same driver serves the real engine (wall
-clock: it sleeps through idle gaps) and the simulator (virtual clock: it jumps them)."""
+clock: it sleeps through idle gaps) and the simulator (virtual clock: it jumps them).
+
+Each request ends where the trace's did, but the engine is not told where: the trace's
+output length is held by `TraceEnds`, beside the runner, which marks the token that
+reaches it as ending the request (as the recorded model's end-of-sequence did). The
+request itself is sent with the context as its only bound (`open_params`), so its
+`max_len`, the view, every reservation and the predictor see nothing of the true length.
+Passing the length as `max_tokens` instead, as serving benchmarks do (and the HTTP client
+still must: `benchmark_params`), hands prediction-based policies an oracle: a
+reservation capped at `max_len` is cut to the true length.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from jserve.benchmarking.metrics import RequestRecord
 from jserve.benchmarking.workload import Trace, TraceRequest
+from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.clock import VirtualClock, WallClock
-from jserve.engine.loop import Engine
+from jserve.engine.loop import Engine, RepeatingRunner, Runner
 from jserve.engine.request import FinishReason, Request
 from jserve.engine.sampling_params import SamplingParams
 
 
 def benchmark_params(req: TraceRequest) -> SamplingParams:
-    """Greedy, exactly the trace's output length (EOS ignored), as serving benchmarks run."""
+    """Greedy, exactly the trace's output length (EOS ignored), as serving benchmarks run
+    over HTTP, where the length can only travel as `max_tokens`."""
     return SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+
+
+def open_params(max_model_len: int) -> SamplingParams:
+    """Greedy, bounded by the context alone (what a client that sets no `max_tokens`
+    gets), EOS ignored: `TraceEnds` ends the request at the trace's length."""
+    return SamplingParams(temperature=0.0, max_tokens=max_model_len, ignore_eos=True)
+
+
+class TraceEnds:
+    """A runner wrapped so that each request ends at its recorded length: the sampled
+    token that brings sequence `s` to `end_at(s, total)` tokens is marked `ended`. The
+    lengths stay here, out of the engine state, so no policy can read them."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.needs_inputs = runner.needs_inputs
+        self._end = np.zeros(256, np.int64)  # by seq id: prompt + output tokens at the end
+        if isinstance(runner, RepeatingRunner):  # repeats only where the runner can
+            self.repeat_decodes = self._repeat_decodes
+
+    def end_at(self, seq_id: int, total_tokens: int) -> None:
+        if seq_id >= len(self._end):
+            self._end = np.concatenate([self._end, np.zeros(max(seq_id + 1, 2 * len(self._end)), np.int64)])
+        self._end[seq_id] = total_tokens
+
+    def execute(self, batch: Batch) -> StepOutput:
+        out = self.runner.execute(batch)
+        if batch.num_seqs == 0:
+            return out
+        # A sampled token brings a sequence to (tokens computed by this step) + 1.
+        ended = batch.sample & (batch.context_lens + 1 >= self._end[batch.seq_ids])
+        return dataclasses.replace(out, ended=ended)
+
+    def _repeat_decodes(self, batch: Batch, steps: int, until: float) -> RepeatedSteps:
+        """The inner runner's repeated decodes, cut at the first step that ends a
+        sequence (step `j` after `batch` brings each to `context_lens + j + 1` tokens)."""
+        left = self._end[batch.seq_ids] - batch.context_lens - 1
+        done = self.runner.repeat_decodes(batch, min(steps, int(left.min())), until)
+        ended = batch.context_lens + done.num_steps + 1 >= self._end[batch.seq_ids]
+        return dataclasses.replace(done, ended=ended)
 
 
 def record_of(req: Request, spec: TraceRequest) -> RequestRecord:
@@ -49,25 +104,32 @@ def replay(
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     specs = {r.request_id: r for r in pending}
     records: list[RequestRecord] = []
-    i = 0
-    while i < len(pending) or engine.has_unfinished:
-        now = clock.now()
-        while i < len(pending) and start + pending[i].arrival_time <= now:
-            spec = pending[i]
-            length, direction = (predictions or {}).get(spec.request_id, (0, 0))
-            engine.add_request(spec.request_id, prompt_ids(spec), benchmark_params(spec),
-                               prompt=spec.prompt, arrival_time=start + spec.arrival_time,
-                               ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
-                               predicted_len=length, predicted_dir=direction)
-            i += 1
-        if not engine.has_unfinished:
-            clock.wait_until(start + pending[i].arrival_time)
-            continue
-        until = start + pending[i].arrival_time if i < len(pending) else math.inf
-        for req in engine.step(until):
-            if req.finished:
-                record = record_of(req, specs[req.request_id])
-                records.append(record)
-                if on_finish is not None:
-                    on_finish(record)
+    params = open_params(engine.state.limits.max_model_len)
+    ends = TraceEnds(engine.runner)
+    engine.runner = ends
+    try:
+        i = 0
+        while i < len(pending) or engine.has_unfinished:
+            now = clock.now()
+            while i < len(pending) and start + pending[i].arrival_time <= now:
+                spec = pending[i]
+                length, direction = (predictions or {}).get(spec.request_id, (0, 0))
+                req = engine.add_request(spec.request_id, prompt_ids(spec), params,
+                                         prompt=spec.prompt, arrival_time=start + spec.arrival_time,
+                                         ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
+                                         predicted_len=length, predicted_dir=direction)
+                ends.end_at(req.seq_id, len(req.prompt_token_ids) + spec.output_len)
+                i += 1
+            if not engine.has_unfinished:
+                clock.wait_until(start + pending[i].arrival_time)
+                continue
+            until = start + pending[i].arrival_time if i < len(pending) else math.inf
+            for req in engine.step(until):
+                if req.finished:
+                    record = record_of(req, specs[req.request_id])
+                    records.append(record)
+                    if on_finish is not None:
+                        on_finish(record)
+    finally:
+        engine.runner = ends.runner
     return records

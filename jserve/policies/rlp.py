@@ -6,9 +6,12 @@
   reserved `max_len`. The baseline's "regression + 100 tokens" margin belongs to its
   predictor: the shipped RLP predictor (`jserve.predictor`, kind `rlp`) reports the
   regression estimate plus 100, so the policy adds nothing more by default.
-- A request that outgrows its reservation extends it block by block from blocks nobody
-  has reserved; when there are none, the latest-arrived running request is preempted by
-  recompute (vLLM's victim), the requester itself if it is the latest.
+- A request that outgrows its reservation (under-provisioned) is preempted by recompute
+  and admitted again, reserved afresh, when there is room: the CacheOpt paper's Section 2.1
+  ("any underprovisioned requests are preempted and later executed when there is
+  sufficient KVC"; Section 2.5: RLP, like vLLM, recomputes). Comes back, its prediction
+  is spent: it is reserved its tokens so far plus `retry_margin_tokens` (our choice: RLP's
+  own 100-token padding again), or it would be preempted again after every token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class RLPPolicy:
     name: str = "rlp"
     chunked_prefill: bool = False
     margin_tokens: int = 0
+    retry_margin_tokens: int = 100
     reserves = True  # class attribute: plans keep held <= reserved
     predictor_kind = "rlp"  # class attribute: whose output-length predictions it reads
 
@@ -36,9 +40,14 @@ class RLPPolicy:
         """Predicted total length (prompt + output + margin); None without a prediction."""
         r = view.requests
         pred = int(r.predicted_len[i])
-        return int(r.prompt_len[i]) + pred + self.margin_tokens if pred > 0 else None
+        if pred <= 0:
+            return None
+        first = int(r.prompt_len[i]) + pred + self.margin_tokens
+        if r.num_preemptions[i]:
+            return max(first, int(r.num_tokens[i]) + self.retry_margin_tokens)
+        return first
 
     def schedule(self, view: SchedulerView) -> Plan:
         return schedule_prefill_first(
             view, lambda i: demand_blocks(view, i, self.demand_tokens(view, i)),
-            latest_arrival_first(view))
+            latest_arrival_first(view), extend=False)

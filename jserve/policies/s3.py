@@ -6,9 +6,12 @@ bucket, and double it for a request that outgrew it.
   request is reserved its prompt plus the upper edge of its bucket (prediction p lies in
   (50k, 50k + 50]: reserved 50k + 50 output tokens), capped at `max_len`. Without a
   prediction (`predicted_len == 0`) it is reserved `max_len`.
-- A request that exhausts its reservation is preempted by recompute (S3 does not extend
-  an allocation in place); on re-admission its output demand doubles for every preemption
-  it has had: `bucket * 2**num_preemptions`, capped at `max_len`, so it converges.
+- A request that exhausts its reservation is preempted (S3 does not extend an allocation
+  in place) by swapping, S3's default preemption strategy (the CacheOpt paper, Section
+  2.5), or by recompute when the host has no room; on re-admission its output demand
+  doubles for every preemption it has had: `bucket * 2**num_preemptions`, capped at
+  `max_len`, so it converges. (A swapped-out request keeps its KV, so it comes back by a
+  swap-in, reserved its doubled demand when the pool has it.)
 - Otherwise vLLM's loop: FCFS whole-prompt admissions, prefill-first.
 """
 
@@ -51,4 +54,4 @@ class S3Policy:
     def schedule(self, view: SchedulerView) -> Plan:
         return schedule_prefill_first(
             view, lambda i: demand_blocks(view, i, self.demand_tokens(view, i)),
-            latest_arrival_first(view), extend=False)
+            latest_arrival_first(view), wants_swap=lambda i: True, extend=False)

@@ -1,8 +1,9 @@
 """The simulator's runner: the same engine loop, with each step charged from a cost model
 on a virtual clock instead of run on a device.
 
-Token values do not matter in simulation: requests run with `ignore_eos` and
-`max_tokens` set to the trace's recorded output length, as serving benchmarks do.
+Token values do not matter in simulation: requests run with `ignore_eos`, and a replayed
+trace ends each one at its recorded length through `benchmarking.replay.TraceEnds`, which
+keeps that length out of the engine state (and so out of every policy's view).
 """
 
 from __future__ import annotations
