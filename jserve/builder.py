@@ -33,7 +33,12 @@ from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
-from jserve.runners.cost_model import CalibratedCostModel, CostModel, RooflineCostModel
+from jserve.runners.cost_model import (
+    CalibratedCostModel,
+    CostModel,
+    RooflineCostModel,
+    prefill_seconds_per_token,
+)
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
@@ -119,6 +124,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     # policy keeps its documented fallback.
     policy = config.make_policy()
     if config.profile is not None:
+        cache = _with_prefill_fit(cache, CalibratedCostModel.load(config.profile))
         policy = _with_preemption_costs(policy, lambda: _fitted_costs(
             CalibratedCostModel.load(config.profile), model, dbytes, config.hardware))
     clock = WallClock()
@@ -150,6 +156,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes)
     cost: CostModel = (CalibratedCostModel.load(config.profile, extras=roofline)
                        if config.profile else roofline)
+    cache = _with_prefill_fit(cache, cost)
     limits = config.limits
     num_blocks = config.num_blocks or kv_capacity_blocks(
         model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization)
@@ -167,6 +174,14 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
                                               config.swap_space * 2**30),
     )
     return BuiltEngine(engine, clock, model)
+
+
+def _with_prefill_fit(cache: PrefixCacheConfig | None, cost: CostModel) -> PrefixCacheConfig | None:
+    """T-LRU's xi becomes tokens through a prefill-time line fitted once to the runner's
+    cost model or profile (offline, as the paper's footnote 7); a given fit is kept."""
+    if cache is None or cache.xi_fit != "offline" or cache.prefill_seconds_per_token is not None:
+        return cache
+    return dataclasses.replace(cache, prefill_seconds_per_token=prefill_seconds_per_token(cost))
 
 
 def _fitted_costs(cost: CostModel, model: ModelConfig, dbytes: int, hardware: str) -> PreemptionCosts:
