@@ -38,6 +38,7 @@ from jserve.runners.cost_model import (
     CostModel,
     RooflineCostModel,
     SwapPath,
+    prefill_seconds_per_token,
 )
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
@@ -126,9 +127,10 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     if config.profile is not None:
         swaps = RooflineCostModel(model, get_hardware(config.hardware), dtype_bytes=dbytes,
                                   swap_path=SwapPath.GATHERED)
+        measured = CalibratedCostModel.load(config.profile, extras=swaps)
+        cache = _with_prefill_fit(cache, measured)
         policy = _with_preemption_costs(policy, lambda: preemption_costs_from_cost_model(
-            CalibratedCostModel.load(config.profile, extras=swaps), config.block_size,
-            block_bytes(model, config.block_size, dbytes)))
+            measured, config.block_size, block_bytes(model, config.block_size, dbytes)))
     clock = WallClock()
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
@@ -161,6 +163,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes, swap_path=swap_path)
     cost: CostModel = (CalibratedCostModel.load(config.profile, extras=roofline)
                        if config.profile else roofline)
+    cache = _with_prefill_fit(cache, cost)
     limits = config.limits
     num_blocks = config.num_blocks or kv_capacity_blocks(
         model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization)
@@ -177,6 +180,14 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
                                               config.swap_space * 2**30),
     )
     return BuiltEngine(engine, clock, model)
+
+
+def _with_prefill_fit(cache: PrefixCacheConfig | None, cost: CostModel) -> PrefixCacheConfig | None:
+    """T-LRU's xi becomes tokens through a prefill-time line fitted once to the runner's
+    cost model or profile (offline, as the paper's footnote 7); a given fit is kept."""
+    if cache is None or cache.xi_fit != "offline" or cache.prefill_seconds_per_token is not None:
+        return cache
+    return dataclasses.replace(cache, prefill_seconds_per_token=prefill_seconds_per_token(cost))
 
 
 def _with_preemption_costs(policy: Policy, costs: Callable[[], PreemptionCosts]) -> Policy:

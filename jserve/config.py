@@ -258,8 +258,8 @@ def _add_prefix_cache_args(parser: argparse.ArgumentParser, benchmark: bool) -> 
                              + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
                                 "conversations' future (sharegpt-multiturn only)" if benchmark else ""))
     parser.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
-                        help="most tokens of KV the prefix cache keeps unreferenced (default: "
-                             "every block no request uses)")
+                        help="most tokens of KV the prefix cache holds, blocks running requests "
+                             "reuse included (default: every block no request uses)")
     parser.add_argument("--cache-isolation", action="store_true",
                         help="no prefix reuse across conversations (default: shared)")
     parser.add_argument("--host-cache-capacity", type=int, default=d.host_capacity_tokens,
@@ -269,13 +269,20 @@ def _add_prefix_cache_args(parser: argparse.ArgumentParser, benchmark: bool) -> 
     parser.add_argument("--tel-threshold", type=float, default=d.tel_threshold, metavar="SECONDS",
                         help="T-LRU's xi: the TTFT a turn may take before it counts as tail excess "
                              "latency (default: %(default)s)")
+    parser.add_argument("--tlru-xi-tokens", type=float, default=d.xi_tokens, metavar="TOKENS",
+                        help="T-LRU's xi in tokens, as the authors' vLLM and SGLang ports take it "
+                             "(default: --tel-threshold over a prefill-time line fitted once to "
+                             "the simulator's cost model or the --profile)")
+    parser.add_argument("--tlru-q-hat", type=float, default=d.q_hat, metavar="TOKENS",
+                        help="T-LRU's next-message estimate Q_hat (default: %(default)s, the "
+                             "paper's ShareGPT value)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the options of `add_engine_args` describe."""
     cache = None if args.prefix_cache == "none" else PrefixCacheConfig(
         args.prefix_cache, args.cache_capacity, args.cache_isolation, args.tel_threshold,
-        args.host_cache_capacity)
+        args.host_cache_capacity, q_hat=args.tlru_q_hat, xi_tokens=args.tlru_xi_tokens)
     return EngineConfig(
         model=args.model, weights=args.weights, dtype=args.dtype,
         policy=getattr(args, "policy", EngineConfig.policy),

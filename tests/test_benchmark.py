@@ -137,7 +137,7 @@ def test_oracle_eviction_needs_the_conversations_future() -> None:
 
 
 def test_reproduce_tlru_quick_run(tmp_path) -> None:
-    """The reproduction script's smoke run: every rule at two capacities, tables written."""
+    """The reproduction script's smoke run: three capacities, three xi, tables written."""
     import os
     import pathlib
     import subprocess
@@ -147,9 +147,10 @@ def test_reproduce_tlru_quick_run(tmp_path) -> None:
     out = tmp_path / "t.json"
     proc = subprocess.run(
         [sys.executable, str(root / "bench" / "reproduce_tlru.py"), "--quick", "--jobs", "1",
-         "--conversations", "16", "--output", str(out)],
+         "--turns", "60", "--section4", "2", "--output", str(out)],
         cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True,
         timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert len(data["runs"]) == 2 * (2 + 4) and "Table 1 shape" in out.with_suffix(".txt").read_text()
+    assert len(data["runs"]) == 3 * (2 + 3) and "Table 4 shape" in out.with_suffix(".md").read_text()
+    assert data["goal"]["section4"]["traces"] == 2

@@ -306,3 +306,27 @@ def test_multiturn_summary() -> None:
         multiturn_summary(records, tel_threshold=-1.0)
     with pytest.raises(ValueError):
         multiturn_summary(records, tel_threshold=0.2, slo=0.0)
+
+
+def test_open_loop_turns_follow_the_schedule_or_the_reply_they_answer() -> None:
+    """Appendix F's open loop: every turn runs, Exp(turn_rate) after the previous one's
+    scheduled arrival; a turn due before the reply it follows finished arrives at that
+    finish and is marked delayed; the oracle futures carry the scheduled arrivals."""
+    convs = _varied_conversations()
+    schedule = schedule_conversations(convs, ConversationArrivals("open-loop", 20.0, turn_rate=50.0), seed=0)
+    assert all(c.open_loop and len(c.turns) == len(conv.turns) for c, conv in zip(schedule, convs))
+    engine, clock = _sim_engine()
+    start = clock.now()
+    records = run_conversations(engine, schedule, clock, _messages)
+    by_id = {r.record.request_id: r for r in records}
+    futures = conversation_futures(schedule)
+    delayed = 0
+    for conv in schedule:
+        due = start + conv.start_time + np.cumsum([t.think_time for t in conv.turns])
+        assert [f.arrival for f in futures[conv.conversation_id]] == pytest.approx(due - start)
+        for k in range(1, len(conv.turns)):
+            rec, prev = by_id[f"{conv.conversation_id}#{k}"], by_id[f"{conv.conversation_id}#{k - 1}"].record
+            assert rec.record.arrival_time == pytest.approx(max(due[k], prev.finished_time), abs=1e-12)
+            assert rec.delayed == (due[k] < prev.finished_time)
+            delayed += rec.delayed
+    assert 0 < delayed < len(records) - len(schedule)  # both cases occur at these rates

@@ -68,9 +68,12 @@ def build_engine(policy: str, setting: Setting,
                  futures: ConversationFutures | None = None) -> tuple[Engine, VirtualClock]:
     """The simulated engine (opt-13b on an a100-80g, roofline costs) through the one
     builder every front end uses."""
+    # T-LRU's xi, Q_hat and Threshold-LRU's 1,024 tokens scaled to these prompts of at most
+    # 512 tokens, so every rule decides differently from LRU somewhere.
     cache = None if setting.prefix_cache == "none" else PrefixCacheConfig(
         setting.prefix_cache, setting.cache_capacity, setting.cache_isolation,
-        host_capacity_tokens=setting.host_cache_capacity)
+        host_capacity_tokens=setting.host_cache_capacity, xi_tokens=64.0, q_hat=16.0,
+        history_threshold=128)
     config = EngineConfig(
         runner="sim", policy=policy, model="opt-13b", hardware="a100-80g",
         num_blocks=setting.num_blocks, max_model_len=setting.max_model_len,

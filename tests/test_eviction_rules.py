@@ -81,7 +81,8 @@ def ids(*xs: int) -> set[int]:
 # Block size 4. A: 12 tokens of history (blocks 10, 11, 12 at depths 0-2), released at t=10;
 # B: 20 tokens (blocks 20-24), released at t=5, its last turn done (ended); C: 8 tokens
 # (blocks 30, 31), released at t=8. Rows are listed out of order on purpose.
-# xi = 0.2 s * 40 tok/s = 8 tokens (2 blocks); Q_hat = mean new prompt = 4 tokens.
+# xi = 0.2 s * 40 tok/s = 8 tokens (2 blocks) by the online fit, or fixed as xi_tokens = 8;
+# Q_hat = 4 tokens (fixed, or the snapshot's mean new prompt with q_hat=None).
 # True futures: A's next message is 12 tokens after 3 s (arrives at 13), C's is 2 tokens
 # after 1 s (arrives at 9), B has no next turn.
 CONVS = {"A": (12, 1, 10.0), "B": (20, 2, 5.0), "C": (8, 1, 8.0)}
@@ -138,11 +139,17 @@ def test_tlru() -> None:
     # Budgets with Q_hat = 4, xi = 8: A 12 + 4 - 8 = 8 tokens (keep depths 0, 1; 12 is
     # surplus), B 20 + 4 - 8 = 16 (24 surplus), C 8 + 4 - 8 = 4 (31 surplus). Surplus in LRU
     # order: 24 (t=5), 31 (t=8), 12 (t=10); then LRU among the rest: B's 23.
-    ev = make_eviction_rule("tlru").evict(SNAP, 4)
+    ev = make_eviction_rule("tlru", q_hat=4.0, xi_tokens=8.0).evict(SNAP, 4)
     assert list(ev) == [24, 31, 12, 23]
     assert uncached_next_blocks(SNAP, ev, FUTURES) == {"A": 4, "C": 2}
-    ev = make_eviction_rule("tlru").evict(SNAP, 6)
+    ev = make_eviction_rule("tlru", q_hat=4.0, xi_tokens=8.0).evict(SNAP, 6)
     assert list(ev) == [24, 31, 12, 23, 22, 21]
+    # The earlier variants, Q_hat the running mean (4) and xi from the online fit (0.2 s at
+    # 40 tok/s), reach the same numbers here.
+    assert list(make_eviction_rule("tlru", q_hat=None).evict(SNAP, 6)) == list(ev)
+    # A fixed xi_tokens ignores the snapshot's online fit.
+    slow = snapshot(CONVS, BLOCKS, prefill_rate=0.0)
+    assert list(make_eviction_rule("tlru", q_hat=4.0, xi_tokens=8.0).evict(slow, 6)) == list(ev)
 
 
 def test_tlru_degenerate_thresholds() -> None:
@@ -163,11 +170,12 @@ def test_tlru_degenerate_thresholds() -> None:
 def test_end_aware_tlru() -> None:
     # As T-LRU, but B has ended, so all of it is surplus: 24..20 (t=5) then C's 31 (t=8),
     # then A's 12 (t=10); T-LRU would instead have taken A's 12 and B's 23-21.
-    ev = make_eviction_rule("end-aware-tlru", futures=FUTURES).evict(SNAP, 6)
+    ev = make_eviction_rule("end-aware-tlru", q_hat=4.0, futures=FUTURES).evict(SNAP, 6)
     assert list(ev) == [24, 23, 22, 21, 20, 31]
     assert uncached_next_blocks(SNAP, ev, FUTURES) == {"A": 3, "C": 2}
     # A conversation missing from the futures counts as ended too.
-    ev = make_eviction_rule("end-aware-tlru", futures={"A": FUTURES["A"], "C": FUTURES["C"]}).evict(SNAP, 6)
+    ev = make_eviction_rule("end-aware-tlru", q_hat=4.0,
+                            futures={"A": FUTURES["A"], "C": FUTURES["C"]}).evict(SNAP, 6)
     assert list(ev) == [24, 23, 22, 21, 20, 31]
 
 
@@ -175,11 +183,11 @@ def test_length_aware_tlru() -> None:
     # True next lengths: A 12 (budget 12 + 12 - 8 = 16, all 3 blocks needed), C 2 (budget 2:
     # keep depth 0, 31 surplus); B has no next turn, so Q_hat = 4 (budget 16, 24 surplus).
     # Surplus in LRU order: 24, 31; then LRU: B's 23, 22.
-    ev = make_eviction_rule("length-aware-tlru", futures=FUTURES).evict(SNAP, 4)
+    ev = make_eviction_rule("length-aware-tlru", q_hat=4.0, futures=FUTURES).evict(SNAP, 4)
     assert list(ev) == [24, 31, 23, 22]
     assert uncached_next_blocks(SNAP, ev, FUTURES) == {"A": 3, "C": 2}
     # Then B's root, C's root (t=8) before A (t=10).
-    ev = make_eviction_rule("length-aware-tlru", futures=FUTURES).evict(SNAP, 8)
+    ev = make_eviction_rule("length-aware-tlru", q_hat=4.0, futures=FUTURES).evict(SNAP, 8)
     assert list(ev) == [24, 31, 23, 22, 21, 20, 30, 12]
 
 
@@ -261,15 +269,15 @@ def random_cases(draw: st.DrawFn) -> tuple[CacheSnapshot, dict[str, list[FutureT
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_cases(), st.sampled_from([0.0, 0.05, 0.2, 1.0]), st.sampled_from([None, 0.0, 9.0]),
-       st.sampled_from([0, 8, 1024]))
+       st.sampled_from([0, 8, 1024]), st.sampled_from([None, 0.0, 6.0, 50.0]))
 def test_random_snapshots(case: tuple[CacheSnapshot, dict[str, list[FutureTurn]], int], tel: float,
-                          q_hat: float | None, threshold: int) -> None:
+                          q_hat: float | None, threshold: int, xi_tokens: float | None) -> None:
     snap, futures, n = case
     b = snap.blocks
     row_of = {int(x): j for j, x in enumerate(b.block)}
     for name in EVICTION_RULES:
         rule = make_eviction_rule(name, tel_threshold=tel, q_hat=q_hat, history_threshold=threshold,
-                                  futures=futures)
+                                  xi_tokens=xi_tokens, futures=futures)
         ev = rule.evict(snap, n)
         assert ev.dtype == np.int32
         assert len(ev) == max(0, min(n, len(b))), name

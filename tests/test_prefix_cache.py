@@ -314,9 +314,11 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
     schedule, message_ids = _conversations(tiny_loaded.config.vocab_size)
     plain = LLM(tiny_loaded, num_blocks=64, block_size=4, max_model_len=64, warmup=False)
     expected, _ = _chat_outputs(plain, schedule, message_ids)
-    # The oracles read the schedule's future, which only a benchmark knows.
-    cache = PrefixCacheConfig(eviction, capacity_tokens=24, tel_threshold=0.05,
-                              host_capacity_tokens=host, futures=conversation_futures(schedule))
+    # The oracles read the schedule's future, which only a benchmark knows. Threshold-LRU's
+    # 1,024 tokens and Q_hat's 100 scale down to these chats of at most 64 tokens.
+    cache = PrefixCacheConfig(eviction, capacity_tokens=24, tel_threshold=0.05, q_hat=4.0,
+                              history_threshold=16, host_capacity_tokens=host,
+                              futures=conversation_futures(schedule))
     cached = LLM(tiny_loaded, num_blocks=24, block_size=4, max_model_len=64, warmup=False,
                  prefix_cache=cache)
     outputs, cached_tokens = _chat_outputs(cached, schedule, message_ids)

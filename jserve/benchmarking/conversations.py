@@ -8,8 +8,15 @@ is its own driver rather than a `Trace` for `jserve.benchmarking.replay.replay` 
 between two turns of one conversation, which is what decides whether its history is still
 cached, depends on how fast the engine answered.
 
-Two arrival processes (`ConversationArrivals`); in both, conversations start as a Poisson
+Three arrival processes (`ConversationArrivals`); in all, conversations start as a Poisson
 process of rate ``conversation_rate`` (lambda):
+
+- ``"open-loop"``: the T-LRU paper's Appendix F (ShareGPT with synthetic timestamps).
+  Every conversation runs all its ShareGPT turns; the gap between one turn's *arrival* and
+  the next one's is Exp(``turn_rate``), drawn in advance, so arrivals do not wait for the
+  engine. One exception keeps the chat a chat: a turn's prompt holds the previous reply,
+  so a turn due before that reply has finished arrives when it finishes (the driver
+  counts these in ``ConversationRecord.delayed``).
 
 - ``"birth-death"``: the stochastic model of the Tail-Optimized LRU paper. Conversation i
   draws its own turn rate r_i ~ Exp(mean ``turn_rate``). After each reply it ends at rate
@@ -69,8 +76,8 @@ __all__ = [
     "synthetic_message_ids",
 ]
 
-ArrivalProcess = Literal["birth-death", "think-time"]
-PROCESSES: tuple[str, ...] = ("birth-death", "think-time")
+ArrivalProcess = Literal["birth-death", "think-time", "open-loop"]
+PROCESSES: tuple[str, ...] = ("birth-death", "think-time", "open-loop")
 
 # Sub-stream of a seed for the per-conversation draws (turn rate, continuations, think
 # times), so they are independent of the start times and of each other: conversation i
@@ -93,14 +100,15 @@ def _is_count(x: Any, least: int) -> bool:
 class ConversationArrivals:
     """How conversations start and how their turns follow each other (module docstring).
 
-    Rates are per second. ``turn_rate`` and ``end_rate`` are read by ``"birth-death"``
-    only, ``think_time`` by ``"think-time"`` only; all are validated either way.
+    Rates are per second. ``turn_rate`` is read by ``"birth-death"`` and ``"open-loop"``,
+    ``end_rate`` by ``"birth-death"`` only, ``think_time`` by ``"think-time"`` only; all
+    are validated either way.
     ``conversation_rate=inf`` starts every conversation at t=0.
     """
 
     process: ArrivalProcess
     conversation_rate: float  # lambda: new conversations per second (Poisson)
-    turn_rate: float = 0.1  # mean of the per-conversation turn rates r_i ~ Exp
+    turn_rate: float = 0.1  # birth-death: mean of the turn rates r_i ~ Exp; open-loop: the rate
     end_rate: float = 0.05  # mu: rate at which a conversation ends after a reply
     think_time: float = 5.0  # seconds between a reply and the next turn (think-time)
 
@@ -143,11 +151,14 @@ class ScheduledTurn:
 
 @dataclass(frozen=True)
 class ScheduledConversation:
-    """A conversation's start (seconds from the run's start) and the turns it will make."""
+    """A conversation's start (seconds from the run's start) and the turns it will make.
+    ``open_loop``: each turn's ``think_time`` counts from the previous turn's arrival, not
+    from its reply."""
 
     conversation_id: str
     start_time: float
     turns: tuple[ScheduledTurn, ...]
+    open_loop: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.conversation_id, str) or not self.conversation_id:
@@ -169,12 +180,15 @@ class ConversationRecord:
 
     ``new_tokens`` is the length of the new message the driver appended (what
     ``message_ids`` returned), the part of the prompt no earlier turn could have cached.
+    ``delayed``: an open-loop turn that arrived later than scheduled, when the reply it
+    follows finished.
     """
 
     record: RequestRecord
     conversation_id: str
     turn: int
     new_tokens: int
+    delayed: bool = False
 
     @property
     def ttft(self) -> float | None:
@@ -207,16 +221,19 @@ def schedule_conversations(
     starts = arrival_times(len(conversations), arrivals.conversation_rate, 1.0, int(seed))
     schedule = []
     for i, (conv, start) in enumerate(zip(conversations, starts)):
+        rng = np.random.default_rng([int(seed), _STREAM_TURNS, i])
         if arrivals.process == "birth-death":
-            rng = np.random.default_rng([int(seed), _STREAM_TURNS, i])
             thinks = _birth_death_think_times(rng, len(conv.turns), arrivals.turn_rate, arrivals.end_rate)
+        elif arrivals.process == "open-loop":
+            thinks = rng.exponential(1.0 / arrivals.turn_rate, len(conv.turns) - 1).tolist()
         else:
             thinks = [arrivals.think_time] * (len(conv.turns) - 1)
         turns = tuple(
             ScheduledTurn(t.prompt_len, t.response_len, float(think), t.prompt)
             for t, think in zip(conv.turns, [0.0, *thinks])
         )
-        schedule.append(ScheduledConversation(conv.conversation_id, float(start), turns))
+        schedule.append(ScheduledConversation(conv.conversation_id, float(start), turns,
+                                              open_loop=arrivals.process == "open-loop"))
     return schedule
 
 
@@ -236,11 +253,16 @@ def _birth_death_think_times(
 
 def conversation_futures(schedule: Sequence[ScheduledConversation]) -> ConversationFutures:
     """What an oracle eviction rule may know: every scheduled turn of every conversation
-    (new message length and think time), by conversation id."""
-    return {
-        c.conversation_id: tuple(FutureTurn(t.new_tokens, t.think_time) for t in c.turns)
-        for c in schedule
-    }
+    (new message length and think time, and for open-loop turns the scheduled arrival,
+    seconds from the run's start), by conversation id."""
+    return {c.conversation_id: tuple(_future_turns(c)) for c in schedule}
+
+
+def _future_turns(conv: ScheduledConversation) -> list[FutureTurn]:
+    if not conv.open_loop:
+        return [FutureTurn(t.new_tokens, t.think_time) for t in conv.turns]
+    due = conv.start_time + np.cumsum([t.think_time for t in conv.turns])
+    return [FutureTurn(t.new_tokens, t.think_time, float(at)) for t, at in zip(conv.turns, due)]
 
 
 def synthetic_message_ids(conversation_id: str, turn: int, length: int, vocab_size: int) -> list[int]:
@@ -298,6 +320,7 @@ def run_conversations(
     heapq.heapify(arrivals)
     history: dict[int, list[int]] = {}  # conversation index -> prompt + output of its last turn
     inflight: dict[str, tuple[int, int, int, TraceRequest]] = {}
+    delayed: set[str] = set()  # open-loop turns that waited for the previous reply
     records: list[ConversationRecord] = []
     bar = None
     if progress:
@@ -328,7 +351,8 @@ def run_conversations(
                     continue
                 i, k, new_tokens, spec = inflight.pop(req.request_id)
                 conv = schedule[i]
-                record = ConversationRecord(record_of(req, spec), conv.conversation_id, k, new_tokens)
+                record = ConversationRecord(record_of(req, spec), conv.conversation_id, k, new_tokens,
+                                            delayed=req.request_id in delayed)
                 records.append(record)
                 if bar is not None:
                     bar.update(1)
@@ -338,7 +362,14 @@ def run_conversations(
                     history[i] = req.prompt_token_ids + req.output_token_ids
                     finished = req.metrics.finished_time
                     assert finished is not None  # a finished request has its finish time
-                    heapq.heappush(arrivals, (finished + conv.turns[k + 1].think_time, i, k + 1))
+                    if conv.open_loop:
+                        # The schedule's time, not the (maybe delayed) arrival of turn k.
+                        at = start + conv.start_time + sum(t.think_time for t in conv.turns[1:k + 2])
+                        if at < finished:
+                            delayed.add(f"{conv.conversation_id}#{k + 1}")
+                        heapq.heappush(arrivals, (max(at, finished), i, k + 1))
+                    else:
+                        heapq.heappush(arrivals, (finished + conv.turns[k + 1].think_time, i, k + 1))
     finally:
         if bar is not None:
             bar.close()

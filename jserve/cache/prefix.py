@@ -12,6 +12,7 @@ eviction rules never see this object, only a `CacheSnapshot` of the evictable bl
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,20 +70,35 @@ class CacheSnapshot:
 @dataclass(frozen=True)
 class FutureTurn:
     """A turn an oracle knows in advance: its new message's length and the think time
-    between the previous turn's reply and its arrival."""
+    between the previous turn's reply and its arrival, or where arrivals are fixed in
+    advance (open loop) its scheduled arrival, seconds on the engine's clock."""
 
     new_tokens: int
     think_time: float
+    arrival: float | None = None
 
 
 # conversation id -> every turn of it, in order; turn 0's think time is unused.
 ConversationFutures = Mapping[str, Sequence[FutureTurn]]
 
 
+CAPACITY_COUNTS = ("all", "unreferenced")
+XI_FITS = ("offline", "online")
+# Appendix F of the T-LRU paper: "the average prompt length in ShareGPT is approximately 100
+# tokens (we thus set Q_hat = 100 in implementation)". Its Section 6 says 150 for ShareGPT;
+# Tables 4-5, which our reproduction compares with, are Appendix F's runs.
+PAPER_Q_HAT_SHAREGPT = 100.0
+# Section 6.2: Threshold-LRU caches a conversation only once its history exceeds 1,024
+# tokens, the threshold of OpenAI's prompt caching.
+PAPER_HISTORY_THRESHOLD = 1024
+
+
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    """A prefix cache as a user asks for one: which eviction rule, how much KV it may keep
-    unreferenced, whether conversations are isolated, and T-LRU's threshold."""
+    """A prefix cache as a user asks for one: which eviction rule, how much KV it may keep,
+    whether conversations are isolated, and T-LRU's parameters. The defaults are the T-LRU
+    paper's definitions; the other values are the variants jserve shipped before, kept as
+    options (see `jserve.policies.tail_optimized_lru` for the table of both)."""
 
     eviction: str = "lru"  # a name in `jserve.policies.tail_optimized_lru.EVICTION_RULES`
     capacity_tokens: int | None = None  # None: every block no request uses (vLLM)
@@ -94,18 +110,59 @@ class PrefixCacheConfig:
     # What the oracle rules (end-aware-tlru, length-aware-tlru, tbelady) read: the
     # workload's future turns, which only a benchmark knows.
     futures: ConversationFutures | None = field(default=None, compare=False, repr=False)
+    # T-LRU's next-message estimate Q_hat in tokens, fixed (the paper's); None: the running
+    # mean of arriving messages' new tokens (jserve's earlier variant).
+    q_hat: float | None = PAPER_Q_HAT_SHAREGPT
+    # xi in tokens, given directly (as the authors' vLLM and SGLang ports take it); None:
+    # `tel_threshold` seconds turned into tokens by `xi_fit`.
+    xi_tokens: float | None = None
+    # "offline": tokens = tel_threshold / `prefill_seconds_per_token`, a line through the
+    # origin fitted once to the runner's prefill times (the paper's footnote 7), which the
+    # builder fills in; "online": a line with an intercept refitted to recent turns' TTFTs
+    # (jserve's earlier variant; queueing enters it).
+    xi_fit: str = "offline"
+    prefill_seconds_per_token: float | None = None
+    # "all": the capacity bounds every cached block, those running requests reuse too (the
+    # paper's sum_i X_i <= C); "unreferenced": only blocks no request holds (the earlier
+    # variant, under which in-flight histories sit on top of the capacity).
+    capacity_counts: str = "all"
+    # Threshold-LRU: conversations whose history is at most this many tokens are not cached
+    # at all (the paper's all-or-nothing rule), unless `threshold_soft`, where they are
+    # cached but evicted first (the earlier variant).
+    history_threshold: int = PAPER_HISTORY_THRESHOLD
+    threshold_soft: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity_tokens is not None and self.capacity_tokens < 0:
             raise ValueError(f"cache capacity must be >= 0 tokens, got {self.capacity_tokens}")
         if self.host_capacity_tokens < 0:
             raise ValueError(f"host cache capacity must be >= 0 tokens, got {self.host_capacity_tokens}")
+        for name in ("q_hat", "xi_tokens", "prefill_seconds_per_token"):
+            v = getattr(self, name)
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0 or None, got {v!r}")
+        if self.capacity_counts not in CAPACITY_COUNTS:
+            raise ValueError(f"capacity_counts must be one of {CAPACITY_COUNTS}, got {self.capacity_counts!r}")
+        if self.xi_fit not in XI_FITS:
+            raise ValueError(f"xi_fit must be one of {XI_FITS}, got {self.xi_fit!r}")
+        if self.history_threshold < 0:
+            raise ValueError(f"history_threshold must be >= 0 tokens, got {self.history_threshold}")
+
+    @property
+    def min_history_tokens(self) -> int:
+        """Histories this short are not cached at all: Threshold-LRU's all-or-nothing rule
+        (-1: every history is)."""
+        if self.eviction == "threshold-lru" and not self.threshold_soft:
+            return self.history_threshold
+        return -1
 
     def state_options(self, block_size: int) -> dict[str, object]:
         """`EngineState` keyword arguments for this cache."""
         capacity = None if self.capacity_tokens is None else self.capacity_tokens // block_size
         return {"prefix_cache": True, "cache_isolation": self.isolation,
                 "cache_capacity_blocks": capacity,
+                "cache_count_referenced": self.capacity_counts == "all",
+                "cache_min_history": self.min_history_tokens,
                 "host_cache_blocks": self.host_capacity_tokens // block_size}
 
 
@@ -378,6 +435,11 @@ class PrefixIndex:
             self._retired[cid] = self._stats[row]
             if len(self._retired) > RETIRED_CONVERSATIONS:
                 self._retired.popitem(last=False)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks with an entry, held by a running request or not."""
+        return len(self._entries)
 
     @property
     def num_conversations(self) -> int:

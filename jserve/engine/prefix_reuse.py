@@ -29,13 +29,18 @@ def conversation(req: Request) -> str:
 
 class PrefixReuse:
     def __init__(self, index: PrefixIndex, live: LiveRequests, blocks: BlockManager,
-                 capacity_blocks: int | None) -> None:
+                 capacity_blocks: int | None, *, count_referenced: bool = False,
+                 min_history: int = -1) -> None:
         """`capacity_blocks`: most unreferenced blocks the cache keeps (None: every block
-        no request uses, as vLLM)."""
+        no request uses, as vLLM), or with `count_referenced` most cached blocks, those
+        running requests hold included; `min_history`: a turn whose history is at most
+        this many tokens leaves nothing cached."""
         self.index = index
         self.live = live
         self.blocks = blocks
         self.capacity_blocks = capacity_blocks
+        self.count_referenced = count_referenced
+        self.min_history = min_history
         self._chains: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         self._hits: dict[int, tuple[int, PrefixHit]] = {}  # seq -> (index version, hit)
         self._offered: dict[int, PrefixHit] = {}  # what the last snapshot showed each one
@@ -135,6 +140,8 @@ class PrefixReuse:
         table = self.blocks.table(req.seq_id)
         computed = int(self.live.cols.num_computed[self.live.row(req.seq_id)]) if table else 0
         n = min(computed // self.blocks.block_size, len(table))
+        if req.num_tokens <= self.min_history:
+            n = 0  # too short to be worth caching (its stats are still recorded)
         self.index.release(table, self._chain(req, n), self.index.salt(req.conversation_id),
                            conversation(req), req.num_tokens, now)
         self._chains.pop(req.seq_id, None)
@@ -147,15 +154,17 @@ class PrefixReuse:
         rule picks them from: every block that will be unreferenced once the plan's
         preemptions have `released` theirs, less those the plan's `hits` take over. None
         when nothing needs evicting."""
-        if shortfall <= 0 and self.capacity_blocks is None:
-            return None  # the common step: nothing to free, no capacity to keep
+        if shortfall <= 0 and (self.capacity_blocks is None or (
+                self.count_referenced and self.index.num_cached <= self.capacity_blocks)):
+            return None  # the common step: nothing to free, the capacity kept
         candidates = np.union1d(self.blocks.evictable(), released[self.index.cached[released]])
         pinned = [b for hit in hits.values() for b in hit.device]
         if pinned:
             candidates = np.setdiff1d(candidates, pinned)
         n = max(shortfall, 0)
         if self.capacity_blocks is not None:
-            n = max(n, len(candidates) - self.capacity_blocks)
+            held = self.index.num_cached if self.count_referenced else len(candidates)
+            n = max(n, held - self.capacity_blocks)
         n = min(n, len(candidates))
         if n <= 0:
             return None

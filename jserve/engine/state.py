@@ -58,13 +58,18 @@ class EngineState:
         prefix_cache: bool = False,
         cache_isolation: bool = False,
         cache_capacity_blocks: int | None = None,
+        cache_count_referenced: bool = False,
+        cache_min_history: int = -1,
         host_cache_blocks: int = 0,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
         blocks for later prompts that start the same way; `cache_isolation` keys them by
         conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
-        cached (None: every block no request uses, as vLLM); `host_cache_blocks` adds a host
+        cached (None: every block no request uses, as vLLM), or with `cache_count_referenced`
+        how many blocks the cache holds, those running requests reuse included (the T-LRU
+        paper's sum_i X_i <= C); a finished turn whose history is at most `cache_min_history`
+        tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
         tier that evicted blocks are demoted to and promoted back from (0: none)."""
         if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
             raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
@@ -88,7 +93,9 @@ class EngineState:
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
         self.live = LiveRequests()
         self.load = LoadMeter()
-        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache_capacity_blocks)
+        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache_capacity_blocks,
+                                   count_referenced=cache_count_referenced,
+                                   min_history=cache_min_history)
                        if self.prefix is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
                                     eos_token_id, self.load, self._reuse)

@@ -9,12 +9,13 @@ new message minus what the cache still holds, so once enough of a conversation i
 for that to fit within xi, caching more of it no longer helps the tail. The rules:
 
 - `lru`: least recently released block first. The baseline most engines ship.
-- `threshold-lru`: LRU, except that conversations whose history is at most
-  `history_threshold` tokens are not worth caching (recomputing them is cheap) and go first.
+- `threshold-lru`: LRU over conversations whose history exceeds `history_threshold`
+  tokens; shorter ones are not cached at all (the engine drops them at the turn's end,
+  `PrefixCacheConfig.min_history_tokens`), or in the soft variant go first.
 - `tlru` (T-LRU, the paper's online rule): each conversation keeps a *TEL-safe budget*
-  `b_c = max(0, history_c + Q_hat - xi)` tokens, with Q_hat an estimate of the next
-  message's length. Blocks past the budget cannot lower the next turn's excess latency,
-  so they go first; the rest are evicted in LRU order.
+  `b_c = max(0, history_c + Q_hat - xi)` tokens, with Q_hat a fixed estimate of the next
+  message's length and xi in tokens. Blocks past the budget cannot lower the next turn's
+  excess latency, so they go first; the rest are evicted in LRU order.
 - `end-aware-tlru` (oracle): T-LRU that knows which conversations have ended; all blocks of
   an ended conversation are past its budget.
 - `length-aware-tlru` (oracle): T-LRU with the true next message length in place of Q_hat
@@ -23,23 +24,33 @@ for that to fit within xi, caching more of it no longer helps the tail. The rule
   length (ended conversations keep nothing), then the conversation whose next turn comes
   furthest in the future goes first, as Belady's rule does for hit rate.
 
-Our choices, not the paper's:
+Each rule against the paper (the full table, with the authors' vLLM and SGLang ports, is
+bench/results/tlru_rules.md); defaults are the paper's, `PrefixCacheConfig` keeps the
+earlier jserve variants as options:
 
-- xi is configured in seconds (`tel_threshold`) and turned into tokens through the
-  engine's latency model, fitted to recent turns: TTFT ~ `ttft_floor` + tokens to compute
-  / `prefill_rate`. The paper's model counts a turn's latency in uncached tokens; fitting
-  the line to observed TTFTs keeps queueing and batching in it, which a bare prefill
-  throughput would leave out (and so promise more tokens within xi than a turn gets).
-  Before any turn has been seen the rate is 0 and so is xi, which makes every history
-  block worth keeping (T-LRU degrades to LRU).
-- Q_hat defaults to the measured mean length of the new part of arriving prompts.
-- `threshold-lru` marks short conversations infinitely old rather than refusing to cache
-  them, so memory that nobody else wants still serves their next turn.
+| | paper | jserve default | earlier variant (option) |
+|---|---|---|---|
+| TEL-safe budget | (L_i + Q_hat - xi)^+ blocks (Alg. 1, Thm. 1) | max(0, history + Q_hat - xi) tokens; a block at depth d is surplus when d * block_size >= budget | same |
+| xi to tokens | xi_s / alpha, alpha from a linear fit of prefill time on prefill tokens (footnote 7) | `tel_threshold` / seconds per token of a line through the origin fitted once (`xi_fit="offline"`: the builder fits the cost model or profile; or `xi_tokens` given) | a line with intercept refitted to the last 512 turns' TTFTs (`xi_fit="online"`) |
+| Q_hat | a constant: 100 for ShareGPT in App. F (150 in Sec. 6.2) | `q_hat=100` tokens | running mean of new prompt tokens (`q_hat=None`) |
+| Threshold-LRU | caches a conversation only if its length exceeds 1,024 tokens (all or nothing) | a turn whose history is <= 1,024 tokens leaves nothing cached | cached, but evicted first (`threshold_soft`) |
+| a hit | X_theta reused, then X_theta <- L_theta, timestamp now | reused blocks are held while the turn runs; at its end every full block is cached, stamped now, and the budget follows the new history | same |
+| order | surplus of every conversation first, then LRU | surplus first (LRU among it), then LRU; deepest first within a chain | same |
+| capacity | sum_i X_i <= C over every cached history | every cached block counts, those running turns reuse too (`capacity_counts="all"`) | only unreferenced blocks (`"unreferenced"`) |
+
+Where the text is ambiguous, our reading: L_i is the history after the turn's reply
+(prompt + reply, Appendix C's forced caching), trimming happens after the turn instead of at
+its arrival; "surplus first" orders surplus blocks by LRU, as the SGLang port's (0, last
+access) priority does (the vLLM port's TEL-safe queue is FIFO by marking time).
+
+Other choices of ours:
+
 - "Goes first" is a lexicographic order: blocks past their budget (or of short
   conversations) before all others, then each rule's age key, then deepest first. Within
   the first group the same age key orders them, so among useless blocks the coldest go.
 - `tbelady` orders blocks past their budget by next arrival too (ended conversations
-  first), with last access and then depth as tie-breaks.
+  first), with last access and then depth as tie-breaks; an open-loop workload's oracle
+  reads each turn's scheduled arrival, a closed-loop one last access + think time.
 
 Evicting a block makes the deeper blocks of its chain unreachable: they would stay cached,
 holding memory for nothing, until evicted in turn. Every key here is either constant
@@ -58,6 +69,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.prefix import (
+    PAPER_HISTORY_THRESHOLD,
+    PAPER_Q_HAT_SHAREGPT,
     CacheSnapshot,
     ConversationFutures,
     EvictionRule,
@@ -75,27 +88,32 @@ def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:
     return b.block[order[:n]].astype(np.int32)
 
 
-def _xi_tokens(snapshot: CacheSnapshot, tel_threshold: float) -> float:
-    """The tokens a turn can compute and still see its first token within `tel_threshold`
-    seconds, by the engine's fitted TTFT model (floor + tokens / rate)."""
+def _xi_tokens(snapshot: CacheSnapshot, tel_threshold: float, xi_tokens: float | None) -> float:
+    """xi in tokens: the rule's fixed value (the paper's: fitted offline), or else the
+    tokens a turn can compute and still see its first token within `tel_threshold` seconds
+    by the engine's online TTFT fit (floor + tokens / rate; the earlier variant)."""
+    if xi_tokens is not None:
+        return xi_tokens
     return max(tel_threshold - snapshot.ttft_floor, 0.0) * max(snapshot.prefill_rate, 0.0)
 
 
 def _next_turns(snapshot: CacheSnapshot, futures: ConversationFutures) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per conversation row: whether it has a next turn, that turn's new tokens and its
-    think time (0 where it has none)."""
+    """Per conversation row: whether it has a next turn, that turn's new tokens and when
+    it arrives (its scheduled time, or its think time after the last turn's reply;
+    infinity where it has none)."""
     conv = snapshot.conversations
     has_next = np.zeros(len(conv), dtype=bool)
     new_tokens = np.zeros(len(conv), dtype=np.float64)
-    think = np.zeros(len(conv), dtype=np.float64)
+    arrival = np.full(len(conv), np.inf)
     for i, cid in enumerate(conv.conversation_id):
         turns = futures.get(cid, ())
         t = int(conv.num_turns[i])
         if 0 <= t < len(turns):
             has_next[i] = True
             new_tokens[i] = turns[t].new_tokens
-            think[i] = turns[t].think_time
-    return has_next, new_tokens, think
+            known = turns[t].arrival
+            arrival[i] = known if known is not None else conv.last_access[i] + turns[t].think_time
+    return has_next, new_tokens, arrival
 
 
 def _surplus(snapshot: CacheSnapshot, xi_tokens: float, next_len: np.ndarray | float,
@@ -121,9 +139,9 @@ def _check_tel_threshold(tel_threshold: float) -> None:
         raise ValueError(f"tel_threshold must be a finite number of seconds >= 0, got {tel_threshold!r}")
 
 
-def _check_q_hat(q_hat: float | None) -> None:
-    if q_hat is not None and not (q_hat >= 0 and math.isfinite(q_hat)):
-        raise ValueError(f"q_hat must be a finite number of tokens >= 0 or None, got {q_hat!r}")
+def _check_tokens(name: str, value: float | None) -> None:
+    if value is not None and not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number of tokens >= 0 or None, got {value!r}")
 
 
 def _check_futures(name: str, futures: ConversationFutures | None) -> None:
@@ -149,7 +167,7 @@ class ThresholdLRUEviction:
     history, which are cheap to recompute and so treated as infinitely old."""
 
     name: str = "threshold-lru"
-    history_threshold: int = 1024
+    history_threshold: int = PAPER_HISTORY_THRESHOLD
 
     def __post_init__(self) -> None:
         if self.history_threshold < 0:
@@ -164,21 +182,26 @@ class ThresholdLRUEviction:
 @dataclass(frozen=True)
 class TLRUEviction:
     """T-LRU: blocks past their conversation's TEL-safe budget (with the next message
-    estimated as `q_hat` tokens, by default the measured mean) first, then LRU."""
+    estimated as `q_hat` tokens) first, then LRU."""
 
     name: str = "tlru"
     tel_threshold: float = 0.2  # xi, seconds of prefill a turn may take at no cost
-    q_hat: float | None = None  # next message length in tokens; None: snapshot.mean_new_prompt_len
+    q_hat: float | None = PAPER_Q_HAT_SHAREGPT  # next message, tokens; None: the running mean
+    xi_tokens: float | None = None  # xi in tokens; None: from tel_threshold by the online fit
 
     def __post_init__(self) -> None:
         _check_tel_threshold(self.tel_threshold)
-        _check_q_hat(self.q_hat)
+        _check_tokens("q_hat", self.q_hat)
+        _check_tokens("xi_tokens", self.xi_tokens)
 
     def _q_hat(self, snapshot: CacheSnapshot) -> float:
         return snapshot.mean_new_prompt_len if self.q_hat is None else self.q_hat
 
+    def _xi(self, snapshot: CacheSnapshot) -> float:
+        return _xi_tokens(snapshot, self.tel_threshold, self.xi_tokens)
+
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
-        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), self._q_hat(snapshot))
+        surplus = _surplus(snapshot, self._xi(snapshot), self._q_hat(snapshot))
         return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
 
 
@@ -202,8 +225,7 @@ class EndAwareTLRUEviction(_OracleTLRU):
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
         assert self.futures is not None
         has_next, _, _ = _next_turns(snapshot, self.futures)
-        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), self._q_hat(snapshot),
-                           ended=~has_next)
+        surplus = _surplus(snapshot, self._xi(snapshot), self._q_hat(snapshot), ended=~has_next)
         return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
 
 
@@ -218,7 +240,7 @@ class LengthAwareTLRUEviction(_OracleTLRU):
         assert self.futures is not None
         has_next, new_tokens, _ = _next_turns(snapshot, self.futures)
         next_len = np.where(has_next, new_tokens, self._q_hat(snapshot))
-        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), next_len)
+        surplus = _surplus(snapshot, self._xi(snapshot), next_len)
         return _first(snapshot, n, _surplus_first(surplus), snapshot.blocks.last_access)
 
 
@@ -231,18 +253,20 @@ class TBeladyEviction:
 
     name: str = "tbelady"
     tel_threshold: float = 0.2
+    xi_tokens: float | None = None
     futures: ConversationFutures | None = None
 
     def __post_init__(self) -> None:
         _check_tel_threshold(self.tel_threshold)
+        _check_tokens("xi_tokens", self.xi_tokens)
         _check_futures(self.name, self.futures)
 
     def evict(self, snapshot: CacheSnapshot, n: int) -> np.ndarray:
         assert self.futures is not None
         b = snapshot.blocks
-        has_next, new_tokens, think = _next_turns(snapshot, self.futures)
-        surplus = _surplus(snapshot, _xi_tokens(snapshot, self.tel_threshold), new_tokens, ended=~has_next)
-        arrival = np.where(has_next, snapshot.conversations.last_access + think, np.inf)
+        has_next, new_tokens, arrival = _next_turns(snapshot, self.futures)
+        xi = _xi_tokens(snapshot, self.tel_threshold, self.xi_tokens)
+        surplus = _surplus(snapshot, xi, new_tokens, ended=~has_next)
         return _first(snapshot, n, _surplus_first(surplus), -arrival[b.conversation], b.last_access)
 
 
@@ -257,8 +281,9 @@ EVICTION_RULES: dict[str, type[EvictionRule]] = {
 ORACLE_RULES = frozenset({"end-aware-tlru", "length-aware-tlru", "tbelady"})
 
 
-def make_eviction_rule(name: str, *, tel_threshold: float = 0.2, q_hat: float | None = None,
-                       history_threshold: int = 1024,
+def make_eviction_rule(name: str, *, tel_threshold: float = 0.2,
+                       q_hat: float | None = PAPER_Q_HAT_SHAREGPT, xi_tokens: float | None = None,
+                       history_threshold: int = PAPER_HISTORY_THRESHOLD,
                        futures: ConversationFutures | None = None) -> EvictionRule:
     """The rule registered as `name`, given those of the options it takes (the others are
     ignored, so one set of flags configures any rule)."""
@@ -268,13 +293,26 @@ def make_eviction_rule(name: str, *, tel_threshold: float = 0.2, q_hat: float | 
         raise ValueError(f"unknown eviction rule {name!r}; known rules: {', '.join(sorted(EVICTION_RULES))}") from None
     if name in ORACLE_RULES:
         _check_futures(name, futures)
-    options = {"tel_threshold": tel_threshold, "q_hat": q_hat, "history_threshold": history_threshold,
-               "futures": futures}
+    options = {"tel_threshold": tel_threshold, "q_hat": q_hat, "xi_tokens": xi_tokens,
+               "history_threshold": history_threshold, "futures": futures}
     accepted = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in options.items() if k in accepted})
 
 
+def xi_tokens_for(config: PrefixCacheConfig) -> float | None:
+    """xi in tokens as the configuration fixes it: given directly, or `tel_threshold` over
+    the offline prefill fit's seconds per token; None leaves it to the online fit (asked
+    for, or no offline fit was available: a real engine without a profile)."""
+    if config.xi_tokens is not None:
+        return config.xi_tokens
+    spt = config.prefill_seconds_per_token
+    if config.xi_fit == "offline" and spt:
+        return config.tel_threshold / spt
+    return None
+
+
 def eviction_rule_for(config: PrefixCacheConfig) -> EvictionRule:
-    """The rule a prefix-cache configuration names, with its threshold and futures."""
+    """The rule a prefix-cache configuration names, with its parameters and futures."""
     return make_eviction_rule(config.eviction, tel_threshold=config.tel_threshold,
-                              futures=config.futures)
+                              q_hat=config.q_hat, xi_tokens=xi_tokens_for(config),
+                              history_threshold=config.history_threshold, futures=config.futures)

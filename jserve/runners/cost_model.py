@@ -497,3 +497,17 @@ def swap_time(model: CostModel, num_tokens: int, block_size: int, bytes_per_bloc
 def recompute_time(model: CostModel, num_tokens: int) -> float:
     """Seconds to rebuild `num_tokens` of KV: the step time of a prefill of that length."""
     return model.step_time(StepShape.prefill(num_tokens)) if num_tokens > 0 else 0.0
+
+
+# Prompt lengths the prefill-time fit below samples: ShareGPT turns' range under a 4k context.
+PREFILL_FIT_TOKENS = tuple(range(128, 4097, 128))
+
+
+def prefill_seconds_per_token(model: CostModel, lengths: Sequence[int] = PREFILL_FIT_TOKENS) -> float:
+    """Slope of a least-squares line through the origin between a lone prompt's prefill
+    tokens and its prefill time: how the T-LRU paper turns xi from seconds into tokens
+    (its footnote 7, a linear fit of prefill time on awaited prefill tokens, done once,
+    offline; without an intercept, so xi tokens take xi seconds on this model)."""
+    tokens = np.asarray(lengths, dtype=np.float64)
+    times = np.array([model.step_time(StepShape.prefill(int(n))) for n in lengths])
+    return float(tokens @ times / (tokens @ tokens))
