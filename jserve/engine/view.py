@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 
 from jserve.engine.request_table import RequestArrays
+
+Tokens = TypeVar("Tokens", int, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -46,5 +51,6 @@ class SchedulerView:
         r = self.requests
         return int((r.reserved_blocks - r.num_blocks).clip(min=0).sum())
 
-    def blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: Tokens) -> Tokens:
+        """Blocks that hold `num_tokens` tokens (of one request, or of each of many)."""
         return -(-num_tokens // self.block_size)

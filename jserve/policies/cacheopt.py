@@ -62,6 +62,7 @@ from jserve.policies.reservation import (
     admit_in_order,
     decode_running,
     demand_blocks,
+    demand_blocks_of,
     evict,
     latest_arrival_first,
     swap_in_waiting,
@@ -127,8 +128,8 @@ def is_critical(rt: np.ndarray, iteration_time: float, eps: float) -> np.ndarray
 
 
 def slo_order(idx: np.ndarray, rt: np.ndarray, critical: np.ndarray, arrival: np.ndarray) -> list[int]:
-    """Critical first, then by remaining time, then by arrival."""
-    return sorted(idx.tolist(), key=lambda i: (not critical[i], rt[i], arrival[i]))
+    """Critical first, then by remaining time, then by arrival (then `idx` order)."""
+    return idx[np.lexsort((arrival[idx], rt[idx], ~critical[idx]))].tolist()
 
 
 def embedding_host(alloc: np.ndarray, used: np.ndarray, guest_output: int, guest_total: int,
@@ -164,11 +165,11 @@ def victim_order(view: SchedulerView, idx: np.ndarray, remaining: np.ndarray,
     range first, then the most remaining predicted tokens, then the least KV held, the last
     two compared in ranges of `token_range` tokens (then the latest arrival)."""
     r = view.requests
-    bucket = tbt_bucket(r.tbt_slo, edges)
-    left = remaining // token_range
-    held = r.num_blocks.astype(np.int64) * view.block_size // token_range
-    return sorted(idx.tolist(), key=lambda i: (-bucket[i], -left[i], held[i],
-                                               -r.arrival_time[i], -r.seq_id[i]))
+    bucket = tbt_bucket(r.tbt_slo[idx], edges)
+    left = remaining[idx] // token_range
+    held = r.num_blocks[idx].astype(np.int64) * view.block_size // token_range
+    seq = r.seq_id[idx].astype(np.int64)
+    return idx[np.lexsort((-seq, -r.arrival_time[idx], held, -left, -bucket))].tolist()
 
 
 def swap_preferred(costs: PreemptionCosts | None, cached_tokens: int) -> bool:
@@ -307,18 +308,16 @@ class CacheOptPolicy:
         if not self.proactive:
             return []
         r = view.requests
-        rows = []
-        for i in r.with_status(RequestStatus.RUNNING):
-            seq = int(r.seq_id[i])
-            want = demand_blocks(view, i, int(est.total[i]))
-            have = ledger.get(seq)
-            if est.remaining[i] <= self.proactive_iterations and have < want:
-                rows.append((int(i), have, want))
+        running = r.with_status(RequestStatus.RUNNING)
+        want = demand_blocks_of(view, running, est.total[running])
+        have = ledger.get_many(running)
+        pick = (est.remaining[running] <= self.proactive_iterations) & (have < want)
+        rows = list(zip(running[pick].tolist(), have[pick].tolist(), want[pick].tolist()))
         if not self.slo_aware:
             for i, have, want in rows:
                 extra = min(want - have, ledger.pool - keep)
                 if extra > 0:
-                    ledger.set(int(r.seq_id[i]), have + extra)
+                    ledger.set(i, have + extra)
         return rows
 
     def _admit(self, view: SchedulerView, ledger: Ledger, work: Work, queue: list[int],
@@ -382,7 +381,7 @@ class CacheOptPolicy:
             if freed >= short:
                 break
             chosen.append(i)
-            freed += ledger.get(int(r.seq_id[i]))
+            freed += ledger.get(i)
         if freed < short:
             return False
         for i in chosen:
@@ -410,35 +409,34 @@ class CacheOptPolicy:
                 grants.append(min(max(0, min(t, int(sh)) - f), rest))
                 rest -= grants[-1]
         for (i, floor, _), g in zip(picked, grants):
-            seq = int(r.seq_id[i])
             if r.status[i] != RequestStatus.RUNNING:  # an admission
-                ledger.set(seq, floor + g)
+                ledger.set(i, floor + g)
                 work.schedule(view, i, view.blocks_for(int(r.num_tokens[i])))
-            elif seq not in work.preempt and g:  # a top-up, unless preempted meanwhile
-                ledger.set(seq, ledger.get(seq) + g)
+            elif int(r.seq_id[i]) not in work.preempt and g:  # a top-up, unless preempted meanwhile
+                ledger.set(i, ledger.get(i) + g)
 
     def _embed(self, view: SchedulerView, ledger: Ledger, work: Work, i: int, est: Estimates) -> bool:
         """Admit request `i` into the unused allocation of a running request (Section
         3.3.1): the guest's demand M_i moves from the host's reservation to its own."""
         r, bs = view.requests, view.block_size
-        hosts = np.array([j for j in r.with_status(RequestStatus.RUNNING)
-                          if int(r.seq_id[j]) in work.run], np.int64)
+        running = r.with_status(RequestStatus.RUNNING)
+        hosts = running[np.isin(r.seq_id[running], np.fromiter(work.run, np.int64, len(work.run)))]
         if not len(hosts):
             return False
         guest_total = int(est.total[i])
         take = max(view.blocks_for(int(r.num_tokens[i])), demand_blocks(view, i, guest_total))
         guest_out = int(est.remaining[i])
-        alloc = np.array([ledger.get(int(r.seq_id[j])) for j in hosts], np.int64)
+        alloc = ledger.get_many(hosts)
         used = r.num_tokens[hosts].astype(np.int64)
         # Block-level safety beside the paper's token condition: the host keeps the blocks
         # it holds after this step and those the guest's iterations will fill.
-        safe = alloc - take >= np.array([view.blocks_for(int(u) + guest_out + 1) for u in used])
+        safe = alloc - take >= view.blocks_for(used + guest_out + 1)
         alloc_tokens = np.where(safe, alloc * bs, -(1 << 40))
         k = embedding_host(alloc_tokens, used, guest_out, guest_total, self.embed_buffer_tokens)
         if k is None:
             return False
         j = int(hosts[k])
-        ledger.set(int(r.seq_id[j]), int(alloc[k]) - take)
-        ledger.set(int(r.seq_id[i]), take)
+        ledger.set(j, int(alloc[k]) - take)
+        ledger.set(i, take)
         work.schedule(view, i, view.blocks_for(int(r.num_tokens[i])))
         return True

@@ -38,14 +38,24 @@ def demand_blocks(view: SchedulerView, i: int, total_tokens: int | None) -> int:
     return view.blocks_for(min(max(total, int(r.num_tokens[i]) + 1), cap))
 
 
+def demand_blocks_of(view: SchedulerView, rows: np.ndarray, total_tokens: np.ndarray) -> np.ndarray:
+    """`demand_blocks` of many rows at once (a per-step scan over the running requests)."""
+    r = view.requests
+    total = np.maximum(total_tokens.astype(np.int64), r.num_tokens[rows].astype(np.int64) + 1)
+    return view.blocks_for(np.minimum(total, r.max_len[rows]))
+
+
 @dataclass
 class Ledger:
-    """One `schedule` call's working copy of the reservations (after the plan so far).
+    """One `schedule` call's working copy of the reservations (after the plan so far),
+    by row of the view's columns, so that a scan over the running requests reads them as
+    one array.
 
-    Local to a call (the policy stays pure); `reserve` is what goes into `Plan.reserve`."""
+    Local to a call (the policy stays pure); `reserve` (by seq id) is what goes into
+    `Plan.reserve`."""
 
     view: SchedulerView
-    reserved: dict[int, int] = field(default_factory=dict)  # seq -> promised blocks
+    promised: np.ndarray  # [rows] int64: blocks promised to each request (held or reserved)
     pool: int = 0  # blocks promised to nobody
     host_free: int = 0
     reserve: dict[int, int] = field(default_factory=dict)
@@ -54,20 +64,23 @@ class Ledger:
     def of(cls, view: SchedulerView) -> Ledger:
         r = view.requests
         promised = np.maximum(r.reserved_blocks, r.num_blocks).astype(np.int64)
-        reserved = {int(s): int(p) for s, p in zip(r.seq_id, promised) if p}
-        return cls(view, reserved, view.num_blocks - int(promised.sum()), view.num_free_host_blocks)
+        return cls(view, promised, view.num_blocks - int(promised.sum()), view.num_free_host_blocks)
 
-    def get(self, seq: int) -> int:
-        return self.reserved.get(seq, 0)
+    def get(self, i: int) -> int:
+        return int(self.promised[i])
 
-    def set(self, seq: int, blocks: int) -> None:
-        self.pool -= blocks - self.get(seq)
-        self.reserved[seq] = self.reserve[seq] = blocks
+    def get_many(self, rows: np.ndarray) -> np.ndarray:
+        return self.promised[rows]
+
+    def set(self, i: int, blocks: int) -> None:
+        self.pool -= blocks - int(self.promised[i])
+        self.promised[i] = self.reserve[int(self.view.requests.seq_id[i])] = blocks
         assert self.pool >= 0, "reserved more than the cache holds"
 
-    def release(self, seq: int) -> None:
-        self.pool += self.reserved.pop(seq, 0)
-        self.reserve.pop(seq, None)
+    def release(self, i: int) -> None:
+        self.pool += int(self.promised[i])
+        self.promised[i] = 0
+        self.reserve.pop(int(self.view.requests.seq_id[i]), None)
 
 
 @dataclass
@@ -96,13 +109,22 @@ class Work:
         if blocks_after > held:
             self.allocate[seq] = blocks_after - held
 
+    def schedule_rows(self, view: SchedulerView, rows: np.ndarray, blocks_after: np.ndarray) -> None:
+        """`schedule` of many running rows (their blocks are on the device), in their order
+        (the batch order)."""
+        r = view.requests
+        seqs = r.seq_id[rows].tolist()
+        self.run.update(zip(seqs, (r.num_tokens[rows] - r.num_computed[rows]).tolist()))
+        grow = blocks_after - r.num_blocks[rows]
+        for k in np.flatnonzero(grow > 0).tolist():
+            self.allocate[seqs[k]] = int(grow[k])
+
 
 def evict(view: SchedulerView, ledger: Ledger, i: int, swap: bool) -> PreemptMode:
     """Preempt running request `i`: by swap if `swap` and the host has room, else by
     recompute; its reservation returns to the pool."""
     held = int(view.requests.num_blocks[i])
-    seq = int(view.requests.seq_id[i])
-    ledger.release(seq)
+    ledger.release(i)
     if swap and held <= ledger.host_free:
         ledger.host_free -= held
         return PreemptMode.SWAP
@@ -120,27 +142,25 @@ def decode_running(view: SchedulerView, ledger: Ledger, work: Work, queue: Itera
     preempted (possibly one that needs nothing itself): a single survivor always fits, since
     a request never needs more than the cache."""
     r = view.requests
-    survivors = list(queue)
+    rows = np.fromiter(queue, np.int64)
+    seqs = r.seq_id[rows].tolist()
+    need = view.blocks_for(r.num_tokens[rows].astype(np.int64))  # to hold all after this step
+    short = np.maximum(need - ledger.get_many(rows), 0)
+    alive = np.ones(len(rows), bool)
 
-    def need(i: int) -> int:  # blocks to hold all its tokens once it has run
-        return view.blocks_for(int(r.num_tokens[i]))
-
-    def short(i: int) -> int:
-        return max(0, need(i) - ledger.get(int(r.seq_id[i])))
+    def drop(k: int) -> None:
+        alive[k] = False
+        i = int(rows[k])
+        work.preempt[seqs[k]] = evict(view, ledger, i, wants_swap(i))
 
     if not extend:
-        for i in [i for i in survivors if short(i)]:
-            survivors.remove(i)
-            work.preempt[int(r.seq_id[i])] = evict(view, ledger, i, wants_swap(i))
-    while survivors and sum(short(i) for i in survivors) > ledger.pool:
-        victim = min(survivors, key=victim_key)
-        survivors.remove(victim)
-        work.preempt[int(r.seq_id[victim])] = evict(view, ledger, victim, wants_swap(victim))
-    for i in survivors:
-        seq = int(r.seq_id[i])
-        if short(i):
-            ledger.set(seq, need(i))
-        work.schedule(view, i, need(i))
+        for k in np.flatnonzero(short).tolist():
+            drop(k)
+    while alive.any() and int(short[alive].sum()) > ledger.pool:
+        drop(min(np.flatnonzero(alive).tolist(), key=lambda k: victim_key(int(rows[k]))))
+    for k in np.flatnonzero(alive & (short > 0)).tolist():
+        ledger.set(int(rows[k]), int(need[k]))
+    work.schedule_rows(view, rows[alive], need[alive])
 
 
 def swap_in_waiting(view: SchedulerView, ledger: Ledger, work: Work, queue: Iterable[int],
@@ -156,10 +176,9 @@ def swap_in_waiting(view: SchedulerView, ledger: Ledger, work: Work, queue: Iter
             break
         if work.num_tokens + int(r.num_tokens[i] - r.num_computed[i]) > lim.max_num_batched_tokens:
             break
-        seq = int(r.seq_id[i])
         want = max(need, demand(i))
-        ledger.set(seq, want if want <= ledger.pool else need)
-        work.swap_in.add(seq)
+        ledger.set(i, want if want <= ledger.pool else need)
+        work.swap_in.add(int(r.seq_id[i]))
         work.schedule(view, i, need)
 
 
@@ -177,7 +196,7 @@ def admit_in_order(view: SchedulerView, ledger: Ledger, work: Work, queue: Itera
         if (work.num_tokens + tokens > lim.max_num_batched_tokens
                 or holders >= lim.max_num_seqs or want > ledger.pool - keep):
             break
-        ledger.set(int(r.seq_id[i]), want)
+        ledger.set(i, want)
         work.schedule(view, i, need)
         holders += 1
 
