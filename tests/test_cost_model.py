@@ -19,6 +19,7 @@ from jserve.runners.cost_model import (
     SwapPath,
     features,
     nnls,
+    overlap_layers,
     recompute_time,
     swap_time,
 )
@@ -65,7 +66,8 @@ def test_shape_of_mixed_chunks_and_decodes():
     assert shape.num_tokens == 8
     assert shape.attended == 34 + 6 + 20
     assert shape.kv_read_tokens == 10 + 3 + 20
-    assert (shape.swap_bytes, shape.host_layer_tokens, shape.hidden_tokens) == (0, 0, 0)
+    assert (shape.swap_bytes, shape.host_layer_tokens, shape.offload_layer_tokens, shape.hidden_tokens) == (0, 0, 0, 0)
+    assert not shape.moves_cache
 
 
 def test_shape_brute_force_and_constructors():
@@ -131,9 +133,6 @@ def test_extras_are_charged():
     assert model.step_time(StepShape(0, 0, 0, 0, 0)) == 0.0
     swapped = dataclasses.replace(base, swap_bytes=10**9)
     assert model.step_time(swapped) - model.step_time(base) == pytest.approx(1e9 / A100.pcie_bandwidth)
-    host = dataclasses.replace(base, host_layer_tokens=1000)
-    per_token_layer = 2 * OPT13B.num_kv_heads * OPT13B.head_dim * 2
-    assert model.step_time(host) - model.step_time(base) == pytest.approx(1000 * per_token_layer / A100.pcie_bandwidth)
     # hidden tokens cost K/V projection FLOPs; a big prefill with them is slower
     prefill = StepShape.prefill(2048, start=2048)
     hidden = dataclasses.replace(prefill, hidden_tokens=2048)
@@ -379,3 +378,42 @@ def test_fit_of_the_cost_model_agrees_with_its_profile():
         assert spot.kind == kind
         faster = [w < r for r, w in zip(profile.recompute_s, profile.swap_s)]
         assert all(faster) if kind == "always" else (not any(faster[3:]) and spot.tokens > 2048)
+
+
+# --------------------------------------------------------------------------- LayerKV transfers
+def test_layer_transfers_are_pipelined_with_the_layers_compute():
+    model = RooflineCostModel(OPT13B, A100)
+    prefill = StepShape.prefill(2048)
+    work = max(model.compute_time(prefill), model.memory_time(prefill))
+    per_token_layer = 2 * OPT13B.num_kv_heads * OPT13B.head_dim * 2
+    # every layer of the prompt written out: hidden under the compute but for one layer's copy
+    out = dataclasses.replace(prefill, offload_layer_tokens=2048 * OPT13B.num_layers)
+    copy = 2048 * OPT13B.num_layers * per_token_layer / A100.pcie_bandwidth
+    assert copy < work
+    assert model.step_time(out) - model.step_time(prefill) == pytest.approx(copy / OPT13B.num_layers)
+    assert model.breakdown(out)["layer_transfer"] == pytest.approx(copy)
+    # a decode bringing many layers back is bound by the link: X + C / L
+    decode = StepShape.decode([512] * 8)
+    back = dataclasses.replace(decode, host_layer_tokens=100_000)
+    link = 100_000 * per_token_layer / A100.pcie_bandwidth
+    dwork = max(model.compute_time(decode), model.memory_time(decode))
+    assert link > dwork
+    assert model.step_time(back) == pytest.approx(link + dwork / OPT13B.num_layers + model.step_overhead)
+    # the link is full duplex: writes and reads of the same size take one direction's time
+    both = dataclasses.replace(back, offload_layer_tokens=100_000)
+    assert model.step_time(both) == pytest.approx(model.step_time(back))
+    # a step that only moves layers costs the move
+    only = StepShape(0, 0, 0, 0, 0, offload_layer_tokens=1000)
+    assert model.step_time(only) == pytest.approx(1000 * per_token_layer / A100.pcie_bandwidth)
+    assert overlap_layers(1.0, 0.0, 40) == 1.0 and overlap_layers(1.0, 2.0, 40) == pytest.approx(2.025)
+
+
+def test_calibrated_model_pipelines_layer_transfers_too():
+    extras = RooflineCostModel(OPT13B, A100)
+    fitted = CalibratedCostModel(tuple(TRUE_COEF), extras=extras)
+    decode = StepShape.decode([512] * 8)
+    back = dataclasses.replace(decode, host_layer_tokens=100_000)
+    link = extras.layer_transfer_time(back)
+    assert fitted.step_time(back) == pytest.approx(overlap_layers(fitted.step_time(decode), link, OPT13B.num_layers))
+    with pytest.raises(ValueError, match="extras"):
+        CalibratedCostModel(tuple(TRUE_COEF)).step_time(back)

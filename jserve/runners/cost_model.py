@@ -55,7 +55,11 @@ class StepShape:
       `swap_blocks`: the blocks they fill (each direction counted), `swap_moves`: the
       requests moved (a swap-out and a swap-in are one each). The fixed costs of the copies
       depend on these (`SwapPath`).
-    - `host_layer_tokens`: KV token-layers read from host memory over PCIe (LayerKV).
+    - `host_layer_tokens`: KV token-layers read from host memory over PCIe (LayerKV: a
+      request's offloaded layers brought back, host->device); `offload_layer_tokens`:
+      token-layers written to host memory (a prefill's offloaded layers as they are
+      computed, or retained layers offloaded later, device->host). A token-layer is one
+      token's K and V of one layer.
     - `hidden_tokens`: context tokens (a subset of `kv_read_tokens`) held in Apt-Serve's
       hidden-state cache, whose K/V are recomputed from the stored layer inputs this step.
     - `padded_tokens`, `page_walk`: the work of a runner that pads steps to shape buckets
@@ -75,10 +79,18 @@ class StepShape:
     page_walk: int = 0
     swap_blocks: int = 0
     swap_moves: int = 0
+    offload_layer_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def moves_cache(self) -> bool:
+        """Whether the step swaps, moves layers or recomputes hidden-cache K/V: work a
+        profile of the plain runner does not measure."""
+        return bool(self.swap_bytes or self.host_layer_tokens or self.offload_layer_tokens
+                    or self.hidden_tokens)
 
     @classmethod
     def from_lens(cls, start: np.ndarray | Sequence[int], query_lens: np.ndarray | Sequence[int]) -> StepShape:
@@ -117,7 +129,7 @@ class StepShape:
         """The next step of the same decodes, every sequence one token further on (for
         repeated steps, `Plan.repeat`): each attends to, and reads, one more token, and the
         padded page walk reaches one position further."""
-        if self.num_prefill_tokens or self.swap_bytes or self.host_layer_tokens or self.hidden_tokens:
+        if self.num_prefill_tokens or self.moves_cache:
             raise ValueError(f"only a step of plain decodes repeats, not {self}")
         return dataclasses.replace(self, attended=self.attended + self.num_seqs,
                                    kv_read_tokens=self.kv_read_tokens + self.num_seqs,
@@ -193,6 +205,20 @@ class SwapPath(enum.Enum):
 # Roofline
 # ---------------------------------------------------------------------------------------
 
+
+def overlap_layers(compute: float, transfer: float, num_layers: int) -> float:
+    """Seconds of a step whose `transfer` is split evenly over `num_layers` layers and
+    pipelined with the layers' `compute` on another stream (LayerKV's per-layer copies).
+
+    Layer l's copy waits for layer l's compute (a prefill writing its K/V out) or layer l's
+    compute waits for its copy (a decode bringing K/V back); either way, with c and x the
+    per-layer compute and copy times, the pipeline ends `L * max(c, x) + min(c, x)` after it
+    starts: `max(C, X) + min(C, X) / L`. With no transfer the step is its compute alone."""
+    if transfer <= 0:
+        return compute
+    return max(compute, transfer) + min(compute, transfer) / num_layers
+
+
 # Per-iteration cost that does not scale with the work: the engine's Python scheduling,
 # input preparation, sampling and kernel launches. vLLM-era engines spend ~1-3 ms here per
 # step (less with CUDA graphs on decode); 2 ms is a middle figure. Pass `step_overhead` to
@@ -201,7 +227,8 @@ DEFAULT_STEP_OVERHEAD = 2e-3
 
 
 class RooflineCostModel:
-    """`step_time = max(compute, memory) + transfers + step_overhead` (0 for an empty step).
+    """`step_time = overlap(max(compute, memory), layer transfers) + swaps + step_overhead`
+    (0 for an empty step).
 
     - compute = FLOPs / (peak * mfu * tp) with FLOPs = `2 * num_params` per scheduled token
       (every parameter counted as a matmul weight for every token: the LM head really runs
@@ -211,12 +238,18 @@ class RooflineCostModel:
       and V projections).
     - memory = bytes / (hbm * mbu * tp): all weights once + K/V of `kv_read_tokens` (hidden
       tokens read `hidden` values per layer instead of `2 * kv_dim`); activations ignored.
-    - transfers = (`swap_bytes` + `host_layer_tokens * 2 * kv_dim * dtype_bytes`) / (pcie *
-      tp) plus the swap's fixed costs by `swap_path` (`SwapPath`), added serially: the step
-      waits for its swaps, as in vLLM v0 where the copies run on the compute stream before
-      the forward pass (LayerKV's layer reads are assumed not to overlap either, a
-      pessimistic bound). Each GPU of a TP group has its own link and issues its own copies
-      in parallel. Tensor-parallel communication is ignored.
+    - swaps = `swap_bytes / (pcie * tp)` plus the swap's fixed costs by `swap_path`
+      (`SwapPath`), added serially: the step waits for its swaps, as in vLLM v0 where the
+      copies run on the compute stream before the forward pass.
+    - layer transfers (LayerKV) are pipelined with the per-layer compute (`overlap_layers`):
+      a prefill writes layer l's K/V to host right after computing it, and a decode brings
+      layer l back while earlier layers compute (LayerKV Section 4, its own copy stream).
+      Their time is `max(offload, bring-back) token-layers * 2 * kv_dim * dtype_bytes /
+      (pcie * tp)`: the link is full duplex, each direction at `pcie_bandwidth`.
+      Each GPU of a TP group has its own link and issues its own copies in parallel.
+      Tensor-parallel communication is ignored, and with it the PCIe contention LayerKV's
+      Section 3.1.3 describes for all-reduce without NVLink: the simulator has no tensor
+      parallelism yet (`tensor_parallel` only divides the work).
     """
 
     def __init__(self, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
@@ -259,8 +292,13 @@ class RooflineCostModel:
         return (self.weight_bytes + kv + hidden) / self.byte_rate
 
     def transfer_time(self, shape: StepShape) -> float:
-        moved = shape.swap_bytes + shape.host_layer_tokens * self.kv_bytes_per_token_layer
-        return moved / self.pcie_rate + self.swap_fixed_time(shape)
+        """Swaps, which the step waits for."""
+        return shape.swap_bytes / self.pcie_rate + self.swap_fixed_time(shape)
+
+    def layer_transfer_time(self, shape: StepShape) -> float:
+        """LayerKV's layer moves on their own: the busier direction of the link."""
+        token_layers = max(shape.host_layer_tokens, shape.offload_layer_tokens)
+        return token_layers * self.kv_bytes_per_token_layer / self.pcie_rate
 
     def swap_fixed_time(self, shape: StepShape) -> float:
         """What a swap costs beyond its bytes on the link (see `SwapPath`)."""
@@ -279,14 +317,17 @@ class RooflineCostModel:
             "compute": self.compute_time(shape),
             "memory": self.memory_time(shape),
             "transfer": self.transfer_time(shape),
+            "layer_transfer": self.layer_transfer_time(shape),
             "overhead": self.step_overhead if busy else 0.0,
         }
 
     def step_time(self, shape: StepShape) -> float:
         transfer = self.transfer_time(shape)
+        layers = self.layer_transfer_time(shape)
         if shape.num_tokens == 0:
-            return transfer
-        return max(self.compute_time(shape), self.memory_time(shape)) + transfer + self.step_overhead
+            return transfer + layers
+        work = max(self.compute_time(shape), self.memory_time(shape))
+        return overlap_layers(work, layers, self.cfg.num_layers) + transfer + self.step_overhead
 
 
 # ---------------------------------------------------------------------------------------
@@ -353,7 +394,10 @@ class CalibratedCostModel:
 
     Profiles measure the plain runner, so the host-transfer and hidden-cache terms are not
     fitted: pass `extras` (a `RooflineCostModel` of the same model and hardware) to price
-    them analytically, added serially; without it a shape using them is an error.
+    them analytically: swaps and recompute added serially, LayerKV's layer moves pipelined
+    with the fitted step time as the roofline pipelines them with its compute (the fitted
+    step's fixed overhead is then counted as overlappable, a small optimism); without
+    `extras` a shape using them is an error.
     """
 
     coefficients: tuple[float, ...]
@@ -380,7 +424,7 @@ class CalibratedCostModel:
         for shape, t in samples:
             if not (math.isfinite(t) and t > 0):
                 raise ValueError(f"step times must be finite and > 0, got {t} for {shape}")
-            if shape.swap_bytes or shape.host_layer_tokens or shape.hidden_tokens:
+            if shape.moves_cache:
                 raise ValueError(f"profile samples must not move or recompute cache (swap, host "
                                  f"layers, hidden tokens): {shape}")
         x = np.stack([features(s) for s, _ in samples])
@@ -400,11 +444,13 @@ class CalibratedCostModel:
         t = float(np.dot(c, features(shape)))
         if shape.num_tokens == 0:
             t = 0.0
-        if shape.swap_bytes or shape.host_layer_tokens or shape.hidden_tokens:
+        if shape.moves_cache:
             if self.extras is None:
                 raise ValueError("this shape moves or recomputes cache but the calibrated model has no "
                                  "`extras` (RooflineCostModel) to price transfers and recompute")
-            t += self.extras.transfer_time(shape) + self.extras.hidden_recompute_time(shape)
+            e = self.extras
+            t = (overlap_layers(t, e.layer_transfer_time(shape), e.cfg.num_layers)
+                 + e.transfer_time(shape) + e.hidden_recompute_time(shape))
         return t
 
     def fit_errors(self) -> np.ndarray:

@@ -87,7 +87,13 @@ HARDWARE: dict[str, Hardware] = {
                  pcie_bandwidth=50 * GB, memory_bytes=143771 * MiB),
         # NVIDIA L20 (Ada AD102, 92 SMs, 2,520 MHz boost): 48 GB GDDR6, 864 GB/s, PCIe 4.0
         # x16. NVIDIA publishes no full public datasheet; the product brief as widely
-        # reproduced gives FP16/BF16 tensor 119.5 TFLOPS and FP8 239 TFLOPS. We read 119.5 as
+        # reproduced gives FP16/BF16 tensor 119.5 TFLOPS and FP8 239 TFLOPS. The SM count,
+        # clock, bandwidth (2,250 MHz GDDR6 on 384 bits), link and 275 W agree in the public
+        # spec databases (technical.city/pl/video/L20, topcpu.net's A40-vs-L20 page,
+        # checked 2026-11-23), which list no tensor rate. The link: PCIe 4.0 x16 is 31.5 GB/s
+        # a direction theoretical; 25 GB/s effective is the same 79% our H100 measured of its
+        # link, not measured on an L20 (the LayerKV paper's testbed shares one link between
+        # two L20s, which a TP = 1 run does not contend for). We read 119.5 as
         # *dense*: it matches 92 SMs x 2.52 GHz x 512 FLOP/clk/SM = 118.7 TFLOPS, the same
         # per-SM dense rate as the L40's 181 TFLOPS (142 SMs). Uncertainty: if the brief's
         # figure were with sparsity, dense would be half. Capacity: 46068 MiB reported with

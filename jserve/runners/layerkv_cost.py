@@ -1,0 +1,57 @@
+"""Fitting LayerKV's empirical factors (alpha of Eq. 3, beta of Eq. 4;
+`jserve.engine.layerkv_costs`) to the runner's cost model or profile.
+
+The paper derives alpha "from profiling data" and gives no value for either factor. We
+profile the cost model in use (the roofline, or a `CalibratedCostModel` fitted to `jserve
+profile`): alpha from lone prefills of `lengths` tokens against Eq. 3 at alpha = 1, beta
+from the time to write those tokens' K/V of every layer to host against Eq. 4 at beta = 1.
+Each is one factor through the origin fitted in relative error (`sum (k * f / t - 1)^2`
+minimised: k = sum(f / t) / sum((f / t)^2)), so short prompts, which set the admissions of a
+busy step, count as much as long ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jserve.engine.layerkv_costs import LayerKVCosts
+from jserve.runners.cost_model import CostModel, StepShape
+from jserve.runners.hardware import Hardware
+from models.config import ModelConfig
+
+# Prompt lengths profiled: 64 tokens up to the engine's longest prompt, doubling.
+MIN_FIT_TOKENS = 64
+
+
+def fit_lengths(max_model_len: int) -> tuple[int, ...]:
+    """64, 128, ... up to `max_model_len` (which is included)."""
+    n = MIN_FIT_TOKENS
+    out = []
+    while n < max_model_len:
+        out.append(n)
+        n *= 2
+    return (*out, max_model_len)
+
+
+def relative_factor(formula: np.ndarray, measured: np.ndarray) -> float:
+    """k minimising sum((k * formula / measured - 1)^2)."""
+    r = np.asarray(formula, np.float64) / np.asarray(measured, np.float64)
+    return float(r.sum() / (r * r).sum())
+
+
+def layerkv_costs_from_cost_model(cost: CostModel, cfg: ModelConfig, hw: Hardware, dtype_bytes: int,
+                                  lengths: Sequence[int]) -> LayerKVCosts:
+    """Eq. 3 and 4's figures for `cfg` on `hw`, alpha and beta fitted to `cost`."""
+    bare = LayerKVCosts(num_params=float(cfg.num_params), hidden_size=cfg.hidden_size,
+                        kv_dim=cfg.num_kv_heads * cfg.head_dim, dtype_bytes=dtype_bytes,
+                        flops=hw.peak_flops, pcie_bandwidth=hw.pcie_bandwidth)
+    s = np.asarray(lengths, np.int64)
+    prefill = np.array([cost.step_time(StepShape.prefill(int(n))) for n in s])
+    offload = np.array([cost.step_time(StepShape(0, 0, 0, 0, 0, offload_layer_tokens=int(n) * cfg.num_layers))
+                        for n in s])
+    alpha = relative_factor(bare.prefill_time(s), prefill)
+    beta = relative_factor(bare.offload_time(s, cfg.num_layers), offload)
+    return dataclasses.replace(bare, alpha=alpha, beta=beta)
