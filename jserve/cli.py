@@ -43,6 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_bench_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     """Options of `bench` and `sweep`: the engine's, then the workload's."""
+    from jserve.benchmarking.metrics import TBT_SLO_MEASURES
     from jserve.benchmarking.workload import WORKLOADS
 
     add_engine_args(p, benchmark=True, policy=not sweep)
@@ -53,12 +54,17 @@ def _add_bench_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="coefficient of variation of inter-arrival gaps; 1 is Poisson (default: 1)")
     p.add_argument("--ttft-slo", type=float, default=None, help="TTFT SLO in seconds")
     p.add_argument("--tbt-slo", type=float, default=None,
-                   help="TBT SLO in seconds, met when a request's P99 TBT is within it")
+                   help="TBT SLO in seconds, met when a request's P99 TBT (or TPOT, see "
+                        "--tbt-slo-on) is within it")
+    p.add_argument("--tbt-slo-on", choices=list(TBT_SLO_MEASURES), default="p99-tbt",
+                   help="what the TBT SLO bounds: each request's P99 gap between tokens "
+                        "(Apt-Serve, CacheOpt) or its mean time per output token (LayerKV) "
+                        "(default: p99-tbt)")
     p.add_argument("--slo-scale", type=float, nargs=2, metavar=("LO", "HI"), default=None,
                    help="per-request SLOs = the SLOs x U[LO, HI] (CacheOpt uses 0.5 2.5)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, arrivals and SLOs")
     p.add_argument("--predictions", choices=["noise", "oracle", "none"], default="noise",
-                   help="output lengths that cacheopt/rlp/s3 see: draws from the trained "
+                   help="output lengths that cacheopt/rlp/s3/layerkv see: draws from the trained "
                         "predictor's error distribution, the true lengths, or none "
                         "(default: noise)")
     p.add_argument("--conversation-process", choices=["birth-death", "think-time", "open-loop"],
@@ -88,7 +94,7 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
     return BenchConfig(
         engine, backend=backend, url=url, workload=args.workload, rate=rate,
         num_requests=args.num_requests, cv=args.cv, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
-        slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
+        tbt_slo_on=args.tbt_slo_on, slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
         trace=args.trace, predictions=args.predictions, tel_threshold=args.tel_threshold,
         conversation_process=args.conversation_process, turn_rate=args.turn_rate,
         end_rate=args.end_rate, think_time=args.think_time,

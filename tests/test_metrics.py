@@ -238,7 +238,8 @@ def test_to_dict_is_json_and_complete() -> None:
     d = s.to_dict()
     assert set(d) == {f.name for f in Summary.__dataclass_fields__.values()}
     assert json.loads(json.dumps(d)) == d
-    assert all(type(v) in (int, float, type(None)) for v in d.values())
+    assert all(type(v) in (int, float, type(None)) for k, v in d.items() if k != "tbt_slo_on")
+    assert d["tbt_slo_on"] == "p99-tbt"
 
 
 def test_format_table_shows_milliseconds() -> None:
@@ -314,3 +315,17 @@ def test_tail_excess_latency() -> None:
     assert tail_excess_latency([0.1, 0.2], 0.4) == 0.0
     assert tail_excess_latency([], 0.4) == 0.0
     assert tail_excess_latency(np.array([1.0, 2.0]), 0.0) == pytest.approx(3.0)
+
+
+def test_tbt_slo_on_tpot_judges_the_mean_gap_not_the_p99():
+    # one slow gap among fast ones: P99 TBT over the SLO, TPOT (LayerKV's SLO) within it
+    times = (1.0, 1.1, 1.2, 1.3, 2.0)  # gaps .1 .1 .1 .7: TPOT 0.25, P99 ~0.68
+    r = RequestRecord("a", 0.0, 1.0, 2.0, times, prompt_len=4, output_len=5, tbt_slo=0.3)
+    assert tbt_slo_met(r) is False and tbt_slo_met(r, on="p99-tbt") is False
+    assert tbt_slo_met(r, on="tpot") is True
+    s = summarize([r], tbt_slo_on="tpot")
+    assert s.tbt_slo_attainment == 1.0 and s.slo_attainment == 1.0 and s.tbt_slo_on == "tpot"
+    assert summarize([r]).tbt_slo_attainment == 0.0
+    assert "TBT (tpot)" in format_table(s)
+    with pytest.raises(ValueError, match="tpot"):
+        summarize([r], tbt_slo_on="mean")

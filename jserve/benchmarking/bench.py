@@ -60,7 +60,8 @@ class BenchConfig:
     num_requests: int = 1000
     cv: float = 1.0  # arrival burstiness (1 = Poisson)
     ttft_slo: float | None = None  # seconds
-    tbt_slo: float | None = None  # seconds, judged on each request's P99 TBT
+    tbt_slo: float | None = None  # seconds, judged on each request's `tbt_slo_on`
+    tbt_slo_on: str = "p99-tbt"  # what the TBT SLO bounds: "p99-tbt" or "tpot" (LayerKV's)
     slo_scale: tuple[float, float] | None = None  # per-request SLO = SLO x U[lo, hi] (CacheOpt)
     seed: int = 0
     # What prediction-based policies (cacheopt, rlp, s3) see: draws from their trained
@@ -145,14 +146,18 @@ def config_json(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def make_trace(cfg: BenchConfig) -> Trace:
-    """The config's trace, with per-request SLOs attached when they are scaled."""
+    """The config's trace, with per-request SLOs attached: scaled ones, or the fixed
+    SLOs given, so that SLO-aware policies (cacheopt, layerkv) see them too."""
     trace = load_trace(cfg.trace) if cfg.trace else build_trace(
         cfg.workload, cfg.num_requests, cfg.rate, cfg.cv, cfg.seed, cfg.max_total_len)
     if cfg.slo_scale is None:
-        return trace
-    if cfg.ttft_slo is None or cfg.tbt_slo is None:
+        slos = [(cfg.ttft_slo, cfg.tbt_slo)] * len(trace.requests)
+        if cfg.ttft_slo is None and cfg.tbt_slo is None:
+            return trace
+    elif cfg.ttft_slo is None or cfg.tbt_slo is None:
         raise ValueError("scaled SLOs need both --ttft-slo and --tbt-slo")
-    slos = assign_slos(len(trace.requests), cfg.ttft_slo, cfg.tbt_slo, cfg.slo_scale, cfg.seed)
+    else:
+        slos = assign_slos(len(trace.requests), cfg.ttft_slo, cfg.tbt_slo, cfg.slo_scale, cfg.seed)
     requests = tuple(dataclasses.replace(r, ttft_slo=a, tbt_slo=b)
                      for r, (a, b) in zip(trace.requests, slos))
     return dataclasses.replace(trace, requests=requests)
@@ -202,7 +207,7 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         bar.close()
     wall = time.perf_counter() - t0
     summary = summarize(records, None if cfg.slo_scale else cfg.ttft_slo,
-                        None if cfg.slo_scale else cfg.tbt_slo)
+                        None if cfg.slo_scale else cfg.tbt_slo, cfg.tbt_slo_on)
     return BenchResult(cfg, summary, records, wall, totals.num_steps, totals.num_preemptions,
                        totals.num_blocks)
 
@@ -239,7 +244,7 @@ def run_conversation_benchmark(cfg: BenchConfig, progress: bool = True,
     multiturn["cached_prompt_fraction"] = (
         sum(r.num_cached_tokens for r in plain) / max(sum(r.prompt_len for r in plain), 1))
     multiturn["num_evicted_blocks"] = engine.stats.num_evicted_blocks
-    return BenchResult(cfg, summarize(plain, cfg.ttft_slo, cfg.tbt_slo), plain, wall,
+    return BenchResult(cfg, summarize(plain, cfg.ttft_slo, cfg.tbt_slo, cfg.tbt_slo_on), plain, wall,
                        engine.stats.num_steps, engine.stats.num_preemptions,
                        engine.state.blocks.num_blocks, multiturn)
 
