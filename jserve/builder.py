@@ -5,7 +5,9 @@ charging each step from a cost model, virtual clock).
 This is the only place `Engine` and `EngineState` are constructed (`assemble_engine`), so a
 change to how the state is made, or a new cache or policy option, is wired once. It is also
 where a policy that prices preemption gets its costs, as data fitted to a profile of the
-runner in use (`jserve.runners.preemption_cost`); the policy never sees a cost model.
+runner in use (`jserve.runners.preemption_cost`), and LayerKV its Eq. 3-4 figures with alpha
+and beta fitted the same way (`jserve.runners.layerkv_cost`); the policy never sees a cost
+model.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from jserve.config import EngineConfig
 from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine, Runner
 from jserve.engine.policy import Policy
-from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
@@ -42,6 +43,7 @@ from jserve.runners.cost_model import (
 )
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
+from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.sim_runner import SimRunner
 from models.config import ModelConfig
@@ -129,8 +131,10 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
                                   swap_path=SwapPath.GATHERED)
         measured = CalibratedCostModel.load(config.profile, extras=swaps)
         cache = _with_prefill_fit(cache, measured)
-        policy = _with_preemption_costs(policy, lambda: preemption_costs_from_cost_model(
+        policy = _with_data(policy, "preemption_costs", lambda: preemption_costs_from_cost_model(
             measured, config.block_size, block_bytes(model, config.block_size, dbytes)))
+        policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
+            measured, model, get_hardware(config.hardware), dbytes, fit_lengths(limits.max_model_len)))
     clock = WallClock()
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
@@ -171,8 +175,10 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    policy = _with_preemption_costs(config.make_policy(), lambda: preemption_costs_from_cost_model(
+    policy = _with_data(config.make_policy(), "preemption_costs", lambda: preemption_costs_from_cost_model(
         cost, config.block_size, block))
+    policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
+        cost, model, hw, dbytes, fit_lengths(limits.max_model_len)))
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache,
@@ -190,9 +196,9 @@ def _with_prefill_fit(cache: PrefixCacheConfig | None, cost: CostModel) -> Prefi
     return dataclasses.replace(cache, prefill_seconds_per_token=prefill_seconds_per_token(cost))
 
 
-def _with_preemption_costs(policy: Policy, costs: Callable[[], PreemptionCosts]) -> Policy:
-    """Hand the runner's preemption costs to a policy that prices preemption (it has a
-    `preemption_costs` field) and was not given its own; others are returned as they are."""
-    if getattr(policy, "preemption_costs", False) is not None:
+def _with_data(policy: Policy, field: str, make: Callable[[], object]) -> Policy:
+    """Fill a policy's runner-derived `field` (CacheOpt's `preemption_costs`, LayerKV's
+    `costs`) when it has one and was not given its own; others are returned as they are."""
+    if getattr(policy, field, False) is not None:
         return policy
-    return dataclasses.replace(policy, preemption_costs=costs())
+    return dataclasses.replace(policy, **{field: make()})
