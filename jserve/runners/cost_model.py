@@ -33,11 +33,35 @@ from jserve.runners.hardware import Hardware
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from jserve.engine.batch import Batch
+    from jserve.engine.batch import Batch, LayerTraffic
 
 # ---------------------------------------------------------------------------------------
 # Step shape
 # ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTransfers:
+    """Bytes a step moves per layer under layer-wise residency (LayerKV), each `[L]`, from
+    the batch's `LayerTraffic` (whole blocks of one layer's K and V):
+
+    - `prefill_to_host`: this step's prefills' new K/V of offloaded layers, device -> host,
+      each layer's copy able to start once that layer has computed;
+    - `to_host`: retained layers offloaded before the step (device -> host);
+    - `to_device`: offloaded layers brought back before the step (host -> device);
+    - `device_copy`: kept layers' slots copied into whole blocks (device memory)."""
+
+    prefill_to_host: tuple[int, ...]
+    to_host: tuple[int, ...]
+    to_device: tuple[int, ...]
+    device_copy: tuple[int, ...]
+
+    @classmethod
+    def of(cls, traffic: LayerTraffic, bytes_per_block: int) -> LayerTransfers:
+        """`bytes_per_block`: one block of every layer's K and V."""
+        per_layer = bytes_per_block // len(traffic.to_host)
+        return cls(*(tuple((getattr(traffic, f.name) * per_layer).tolist())
+                     for f in dataclasses.fields(cls)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +85,8 @@ class StepShape:
     - `padded_tokens`, `page_walk`: the work of a runner that pads steps to shape buckets
       (the JAX runner): tokens after padding, and padded tokens x the longest cached prefix,
       which the jnp attention walks for every token. Zero when no bucketing is modelled.
+    - `layer_bytes`: per-layer transfers of layer-wise residency (LayerKV); None when the
+      step moves no layer (never in a profile, so not in `to_dict`).
     """
 
     num_seqs: int
@@ -75,6 +101,7 @@ class StepShape:
     page_walk: int = 0
     swap_blocks: int = 0
     swap_moves: int = 0
+    layer_bytes: LayerTransfers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +135,9 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
+        if batch.layer_traffic is not None:
+            shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
+                                                                               bytes_per_block))
         if pad is None or batch.num_seqs == 0:
             return shape
         padded = pad(shape.num_tokens)
@@ -117,7 +147,8 @@ class StepShape:
         """The next step of the same decodes, every sequence one token further on (for
         repeated steps, `Plan.repeat`): each attends to, and reads, one more token, and the
         padded page walk reaches one position further."""
-        if self.num_prefill_tokens or self.swap_bytes or self.host_layer_tokens or self.hidden_tokens:
+        if (self.num_prefill_tokens or self.swap_bytes or self.host_layer_tokens or self.hidden_tokens
+                or self.layer_bytes is not None):
             raise ValueError(f"only a step of plain decodes repeats, not {self}")
         return dataclasses.replace(self, attended=self.attended + self.num_seqs,
                                    kv_read_tokens=self.kv_read_tokens + self.num_seqs,
@@ -141,7 +172,9 @@ class StepShape:
         return cls.from_lens(ctx - 1, np.ones_like(ctx))
 
     def to_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.layer_bytes is not None:
+            raise ValueError("a step that moves layers is not a profile sample")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layer_bytes"}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepShape:
