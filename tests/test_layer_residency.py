@@ -188,3 +188,26 @@ def test_a_hand_trace_moves_layers_every_way():
     h = Harness(**cfg, policy=POLICIES["mixed-offload-running"], num_layers=4)
     h.run([spec(7, 6, arrive=k, first=k) for k in range(5)])
     assert h.runner.num_partial_prefills and h.runner.num_layer_moves
+
+
+def test_the_simulator_runs_forced_residencies_and_hands_layer_bytes_to_the_cost_model():
+    from jserve.builder import build_engine
+    from jserve.config import EngineConfig
+
+    built = build_engine(EngineConfig(runner="sim", model="llama-2-7b", hardware="l20",
+                                      num_blocks=64, max_model_len=512, swap_space=1.0))
+    engine = built.engine
+    engine.policy = ForcedLayerOffload(keep=_keep_mixed)
+    shapes = []
+    cost = engine.runner.cost_model
+    engine.runner.cost_model = type("Spy", (), {"step_time": lambda self, s: shapes.append(s) or cost.step_time(s)})()
+    for k in range(6):
+        engine.add_request(f"r{k}", [1] * (100 + 50 * k),
+                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), arrival_time=0.0)
+    while engine.has_unfinished:
+        engine.step()
+        engine.state.check_invariants()
+    moved = [s.layer_bytes for s in shapes if s.layer_bytes is not None]
+    assert moved and any(sum(m.prefill_to_host) for m in moved) and any(sum(m.to_device) for m in moved)
+    per_layer_block = 2 * 128 * 32 * 16 * 2  # K and V, 32 heads x 128, 16 tokens, bf16
+    assert all(b % per_layer_block == 0 for m in moved for b in m.prefill_to_host)
