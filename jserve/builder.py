@@ -82,14 +82,14 @@ def assemble_engine(
     policy: Policy, runner: Runner, clock: Callable[[], float], *, num_blocks: int,
     block_size: int, limits: SchedulerLimits, vocab_size: int, eos_token_id: int | None = None,
     tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
-    prefix_cache: PrefixCacheConfig | None = None,
+    prefix_cache: PrefixCacheConfig | None = None, num_layers: int = 1,
 ) -> Engine:
     """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
     and what tests with a fake runner call directly."""
     state = EngineState(
         num_blocks=num_blocks, block_size=block_size, limits=limits, eos_token_id=eos_token_id,
         vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
-        num_host_blocks=num_host_blocks,
+        num_host_blocks=num_host_blocks, num_layers=num_layers,
         **(prefix_cache.state_options(block_size) if prefix_cache else {}),
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
@@ -139,7 +139,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
-        tokenizer=loaded.tokenizer, prefix_cache=cache,
+        tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
                                               config.swap_space * 2**30),
     )
@@ -181,7 +181,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
         cost, model, hw, dbytes, fit_lengths(limits.max_model_len)))
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
-        limits=limits, vocab_size=model.vocab_size, prefix_cache=cache,
+        limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
                                               config.swap_space * 2**30),
     )

@@ -57,11 +57,15 @@ class FakeClock:
 
 
 class FakeRunner:
-    """Checks each batch against the limits and writes/reads a fake paged KV cache."""
+    """Checks each batch against the limits and writes/reads a fake paged KV cache, one per
+    layer: a fully resident sequence writes and reads the same block of every layer, a
+    partly offloaded one (LayerKV) its own slot of each layer, on the device for kept layers
+    and in a per-layer host pool for the others."""
 
     def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, vocab_size: int,
                  context_of: Callable[[int], list[int]] | None = None,
-                 kept: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 kept: Callable[[np.ndarray], np.ndarray] | None = None,
+                 num_layers: int = 1, num_host_blocks: int = 0) -> None:
         """`context_of(seq)`: the sequence's true tokens, given when a prefix cache lets it
         read blocks another sequence wrote: then the KV it reads must hold its own tokens
         at the right positions, whoever wrote them. `kept(blocks)`: which of a swapped-out
@@ -71,13 +75,15 @@ class FakeRunner:
         self.block_size = block_size
         self.limits = limits
         self.vocab_size = vocab_size
-        self.tok = np.full((num_blocks, block_size), -1, np.int64)
-        self.owner = np.full((num_blocks, block_size), -1, np.int64)
-        self.pos = np.full((num_blocks, block_size), -1, np.int64)
-        self.host: dict[int, tuple[np.ndarray, ...]] = {}  # swapped seq -> its blocks' (tok, owner, pos)
+        # (tok, owner, pos) x layer x block x offset, on the device and in the host pool
+        self.kv = np.full((3, num_layers, num_blocks, block_size), -1, np.int64)
+        self.host_kv = np.full((3, num_layers, max(1, num_host_blocks), block_size), -1, np.int64)
+        self.host: dict[int, np.ndarray] = {}  # swapped seq -> its blocks' (tok, owner, pos) x layer
         self.num_calls = 0
         self.num_swaps = 0  # requests swapped out
         self.num_promotions = 0  # prefix-cache blocks copied back from the host tier
+        self.num_layer_moves = 0  # layer copies made (to host, to device, slot to whole)
+        self.num_partial_prefills = 0
 
     needs_inputs = True
 
@@ -85,24 +91,49 @@ class FakeRunner:
         """Swaps as the JAX runner does them: outs, then ins, then drops. A swapped-out
         block's slots are poisoned, so a sequence reading them after a swap-in that did not
         restore them fails the owner/position checks."""
+        kv = self.kv
         for move in batch.swap_out:
             assert move.seq_id not in self.host, f"seq {move.seq_id} swapped out twice"
-            b = move.device_blocks
-            self.host[move.seq_id] = (self.tok[b].copy(), self.owner[b].copy(), self.pos[b].copy())
+            self.host[move.seq_id] = kv[:, :, move.device_blocks].copy()
         for move in batch.swap_out:  # every out is copied before any freed block is reused
             b = move.device_blocks
             freed = b if self.kept is None else b[~self.kept(b)]
-            self.owner[freed], self.pos[freed] = -2, -2
+            kv[1:, :, freed] = -2
             self.num_swaps += move.seq_id >= 0
         for move in batch.swap_in:
-            tok, owner, pos = self.host.pop(move.seq_id)
+            held = self.host.pop(move.seq_id)
             self.num_promotions += move.seq_id < 0
             b = move.device_blocks
-            assert len(b) == len(tok), f"seq {move.seq_id}: swapped {len(tok)} blocks in as {len(b)}"
-            self.tok[b], self.owner[b], self.pos[b] = tok, owner, pos
+            assert len(b) == held.shape[2], f"seq {move.seq_id}: swapped {held.shape[2]} blocks in as {len(b)}"
+            kv[:, :, b] = held
         for seq in batch.host_dropped:
             assert seq in self.host, f"seq {seq} dropped but never swapped out"
             del self.host[seq]
+        self._move_layers(batch)
+
+    def _move_layers(self, batch: Batch) -> None:
+        """Layer copies: every source read, then every source poisoned, then every
+        destination written (a slot one request frees may be another's destination)."""
+        kv, host = self.kv, self.host_kv
+        device_src = [(m, kv) for m in batch.layers_to_host + batch.layers_copy]
+        reads = [(m, pool[:, m.layer, m.src].copy()) for m, pool in
+                 device_src + [(m, host) for m in batch.layers_to_device]]
+        for m, pool in device_src + [(m, host) for m in batch.layers_to_device]:
+            assert len(m.src) == len(m.dst)
+            pool[1:, m.layer, m.src] = -2
+        dst = {id(m): pool for m, pool in [(m, host) for m in batch.layers_to_host]
+               + [(m, kv) for m in batch.layers_copy + batch.layers_to_device]}
+        for m, data in reads:
+            dst[id(m)][:, m.layer, m.dst] = data
+        self.num_layer_moves += len(reads)
+
+    def _places(self, batch: Batch, i: int) -> list[tuple[np.ndarray, int, np.ndarray]]:
+        """(pool, layer, block table) of every layer of batch sequence `i`."""
+        tables = batch.inputs.layer_tables.get(i)
+        if tables is None:
+            return [(self.kv, layer, batch.inputs.block_tables[i]) for layer in range(self.kv.shape[1])]
+        return [(self.kv, layer, d) if len(d) or not len(h) else (self.host_kv, layer, h)
+                for layer, (d, h) in enumerate(zip(tables.device, tables.host))]
 
     def execute(self, batch: Batch) -> StepOutput:
         self.num_calls += 1
@@ -114,9 +145,12 @@ class FakeRunner:
         assert 1 <= s <= self.limits.max_num_seqs
         assert batch.num_tokens == int(batch.query_lens.sum()) <= self.limits.max_num_batched_tokens
         assert len(batch.inputs.block_tables) == s and len(set(batch.seq_ids.tolist())) == s
+        for layer in range(self.kv.shape[1]):
+            held = [b for i in range(s) for pool, l, t in self._places(batch, i)
+                    if l == layer and pool is self.kv for b in t.tolist()]
+            if self.context_of is None:
+                assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
         held = [b for t in batch.inputs.block_tables for b in t.tolist()]
-        if self.context_of is None:
-            assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
         written = [set(t[int(s0) // self.block_size:].tolist())
                    for t, s0 in zip(batch.inputs.block_tables, batch.start)]
         shared = [b for b, n in zip(*np.unique(held, return_counts=True)) if n > 1]
@@ -125,24 +159,33 @@ class FakeRunner:
         offset = 0
         for i in range(s):
             seq, start, q = int(batch.seq_ids[i]), int(batch.start[i]), int(batch.query_lens[i])
-            table = batch.inputs.block_tables[i]
             end = start + q
-            assert q >= 1 and len(table) * self.block_size >= end, "block table too short"
             chunk = batch.inputs.token_ids[offset : offset + q]
             offset += q
-            for j, p in enumerate(range(start, end)):  # write the chunk's "K/V"
-                b, o = int(table[p // self.block_size]), p % self.block_size
-                self.tok[b, o], self.owner[b, o], self.pos[b, o] = chunk[j], seq, p
+            places = self._places(batch, i)
+            if i in batch.inputs.layer_tables:
+                self.num_partial_prefills += 1
+                assert start == 0 and q == int(batch.context_lens[i]), "a partly offloaded run that is not a whole prefill"
             ps = np.arange(end)
-            blocks, offs = table[ps // self.block_size], ps % self.block_size
-            if self.context_of is None:
-                assert (self.owner[blocks, offs] == seq).all(), f"seq {seq} reads another sequence's KV"
-            else:
-                truth = np.asarray(self.context_of(seq)[:end], np.int64)
-                assert (self.tok[blocks, offs] == truth).all(), f"seq {seq} reads KV of other tokens"
-            assert (self.pos[blocks, offs] == ps).all(), f"seq {seq} reads KV of the wrong position"
+            for pool, layer, table in places:
+                assert q >= 1 and len(table) * self.block_size >= end, "block table too short"
+                for j, p in enumerate(range(start, end)):  # write the chunk's "K/V"
+                    b, o = int(table[p // self.block_size]), p % self.block_size
+                    pool[:, layer, b, o] = chunk[j], seq, p
+                blocks, offs = table[ps // self.block_size], ps % self.block_size
+                tok, owner, pos = pool[:, layer, blocks, offs]
+                if self.context_of is None:
+                    assert (owner == seq).all(), f"seq {seq} reads another sequence's KV (layer {layer})"
+                else:
+                    truth = np.asarray(self.context_of(seq)[:end], np.int64)
+                    assert (tok == truth).all(), f"seq {seq} reads KV of other tokens (layer {layer})"
+                assert (pos == ps).all(), f"seq {seq} reads KV of the wrong position (layer {layer})"
+                if layer == 0:
+                    context = tok
+                else:
+                    assert (tok == context).all(), f"seq {seq}: layers hold different tokens"
             if batch.sample[i]:
-                next_tokens[i] = next_token(seq, self.tok[blocks, offs], self.vocab_size)
+                next_tokens[i] = next_token(seq, context, self.vocab_size)
         assert offset == batch.num_tokens
         return StepOutput(next_tokens, np.zeros(s, np.float32))
 
@@ -180,9 +223,15 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert not set(plan.preempt) & (set(plan.run) | set(plan.allocate)), "preempted and run/allocated"
     assert len(plan.run) <= lim.max_num_seqs
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
-    freed = sum(int(r.num_blocks[row[s]]) for s in plan.preempt)
+    L = view.num_layers
+    partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
+    after = {s: plan.layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(plan.layers)}
+    freed = sum(int(r.num_blocks[row[s]]) for s in plan.preempt if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
-    assert sum(plan.allocate.values()) + back <= view.num_free_blocks + freed, "allocates more than is free"
+    whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
+    whole += sum(int(r.num_blocks[row[s]]) for s, x in plan.layers.items() if x == L and s in partial)
+    assert whole + back <= view.num_free_blocks + freed, "allocates more than is free"
+    assert set(plan.layers) <= set(row) and all(0 <= x <= L for x in plan.layers.values())
     to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
     assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
@@ -261,18 +310,20 @@ class Harness:
     state_checks: Sequence[Callable[[Harness], None]] = ()
     num_host_blocks: int = 0
     prefix_cache: PrefixCacheConfig | None = None
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         cache = self.prefix_cache
         self.clock = FakeClock()
         self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size,
                                  context_of=self._context if cache else None,
-                                 kept=self._kept if cache else None)
+                                 kept=self._kept if cache else None, num_layers=self.num_layers,
+                                 num_host_blocks=self.num_host_blocks)
         self.policy = CheckedPolicy(self.policy, self.plan_checks)
         self.engine = assemble_engine(
             self.policy, self.runner, self.clock, num_blocks=self.num_blocks,
             block_size=self.block_size, limits=self.limits, vocab_size=self.vocab_size,
-            eos_token_id=self.eos, num_host_blocks=self.num_host_blocks,
+            eos_token_id=self.eos, num_host_blocks=self.num_host_blocks, num_layers=self.num_layers,
             prefix_cache=dataclasses.replace(cache, futures={}) if cache else None)
         self.state = self.engine.state
         self.seq_of: dict[str, int] = {}
@@ -333,11 +384,19 @@ class Harness:
         held = self.state.blocks.num_held(seq)
         unheld_before = self._num_unheld()
         shared = int((self.state.blocks.ref_counts[self.state.blocks.table(seq)] > 1).sum())
+        res = self.state.residency
+        part = res.partial.get(seq)
+        slots_before = int(res.slab.used.sum())
         req = self.engine.abort(rid)
         assert req is not None
         out = RequestOutput.of(req)
         assert out.finished and out.finish_reason == "abort"
-        assert self._num_unheld() == unheld_before + held - shared, "abort did not free the blocks at once"
+        if part is not None:  # its layer slots (LayerKV) freed, whatever blocks that merges
+            assert seq not in res.partial
+            slots = sum(len(t) for t in part.device.values())
+            assert int(res.slab.used.sum()) == slots_before - slots, "abort did not free the layer slots"
+        else:
+            assert self._num_unheld() == unheld_before + held - shared, "abort did not free the blocks at once"
         assert self.state.blocks.num_held(seq) == 0 and seq not in self.state.blocks.seq_ids()
         assert seq not in self.state.snapshot(self.clock.t).requests.seq_id
         assert self.engine.abort(rid) is None  # a second abort is a no-op
@@ -374,14 +433,21 @@ class Harness:
             assert (bm.ref_counts[list(counts)] == list(counts.values())).all()
         assert not set(used) & set(free), "a block is both free and used"
         assert not cached & set(free), "a block is both free and cached"
-        assert len(set(used)) + len(free) + len(evictable) == bm.num_blocks, "used + free + cached != total"
+        split = set(np.flatnonzero(bm.lent).tolist())  # split into layer slots (LayerKV)
+        assert len(set(used)) + len(free) + len(evictable) + len(split) == bm.num_blocks, \
+            "used + free + cached + split != total"
         view = st_.snapshot(self.clock.t)
         r = view.requests
-        assert view.num_free_blocks == bm.num_blocks - len(used)
+        assert view.num_free_blocks == bm.num_blocks - len(used) - len(split)
         assert set(r.seq_id.tolist()) == set(st_.requests)
         assert {s for s in bm.seq_ids() if bm.num_held(s)} <= set(st_.requests), "blocks held by an ended request"
         assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING,
-                                  RequestStatus.SWAPPED]).all()
+                                  RequestStatus.SWAPPED, RequestStatus.OFFLOADED]).all()
+        partial = st_.residency.partial
+        assert set(partial) == {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
+        slots = sum(len(t) for part in partial.values() for t in part.device.values())
+        assert slots == int(st_.residency.slab.used.sum()), "device layer slots held != used"
+        assert view.num_free_layer_blocks + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
         swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
         # The runner hears of a request that ended while swapped at the next step.
         ended = {self.seq_of[rid] for rid in self.final}
@@ -390,6 +456,10 @@ class Harness:
         if st_.prefix is not None:  # the runner drops replaced prefix copies at the next step
             assert st_.prefix.num_host_entries <= len(self.runner.host) - len(requests_on_host)
         for i, seq in enumerate(r.seq_id.tolist()):
+            if seq in partial:
+                assert bm.num_held(seq) == 0 and r.device_layers[i] < self.num_layers
+                assert r.num_blocks[i] <= bm.blocks_for(int(r.max_len[i])), "holds blocks it can never fill"
+                continue
             assert r.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
             assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING
             assert r.num_blocks[i] <= bm.blocks_for(int(r.max_len[i])), "holds blocks it can never fill"

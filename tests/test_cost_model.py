@@ -14,6 +14,7 @@ from jserve.runners.cost_model import (
     FEATURES,
     JAX_PUT_LATENCY,
     CalibratedCostModel,
+    LayerTransfers,
     RooflineCostModel,
     StepShape,
     SwapPath,
@@ -66,7 +67,7 @@ def test_shape_of_mixed_chunks_and_decodes():
     assert shape.num_tokens == 8
     assert shape.attended == 34 + 6 + 20
     assert shape.kv_read_tokens == 10 + 3 + 20
-    assert (shape.swap_bytes, shape.host_layer_tokens, shape.offload_layer_tokens, shape.hidden_tokens) == (0, 0, 0, 0)
+    assert (shape.swap_bytes, shape.layer_bytes, shape.hidden_tokens) == (0, None, 0)
     assert not shape.moves_cache
 
 
@@ -381,39 +382,66 @@ def test_fit_of_the_cost_model_agrees_with_its_profile():
 
 
 # --------------------------------------------------------------------------- LayerKV transfers
+def _layers(n: int, prefill_to_host=0, to_host=0, to_device=0, device_copy=0) -> LayerTransfers:
+    return LayerTransfers(*((v,) * n for v in (prefill_to_host, to_host, to_device, device_copy)))
+
+
 def test_layer_transfers_are_pipelined_with_the_layers_compute():
     model = RooflineCostModel(OPT13B, A100)
+    L = OPT13B.num_layers
     prefill = StepShape.prefill(2048)
     work = max(model.compute_time(prefill), model.memory_time(prefill))
-    per_token_layer = 2 * OPT13B.num_kv_heads * OPT13B.head_dim * 2
-    # every layer of the prompt written out: hidden under the compute but for one layer's copy
-    out = dataclasses.replace(prefill, offload_layer_tokens=2048 * OPT13B.num_layers)
-    copy = 2048 * OPT13B.num_layers * per_token_layer / A100.pcie_bandwidth
+    per_layer = 2048 * 2 * OPT13B.num_kv_heads * OPT13B.head_dim * 2  # one layer's K and V
+    # every layer of the prompt written out as it computes: hidden but for one layer's copy
+    out = dataclasses.replace(prefill, layer_bytes=_layers(L, prefill_to_host=per_layer))
+    copy = L * per_layer / A100.pcie_bandwidth
     assert copy < work
-    assert model.step_time(out) - model.step_time(prefill) == pytest.approx(copy / OPT13B.num_layers)
+    assert model.step_time(out) - model.step_time(prefill) == pytest.approx(copy / L)
     assert model.breakdown(out)["layer_transfer"] == pytest.approx(copy)
     # a decode bringing many layers back is bound by the link: X + C / L
     decode = StepShape.decode([512] * 8)
-    back = dataclasses.replace(decode, host_layer_tokens=100_000)
-    link = 100_000 * per_token_layer / A100.pcie_bandwidth
+    back = dataclasses.replace(decode, layer_bytes=_layers(L, to_device=10 * per_layer))
+    link = 10 * copy
     dwork = max(model.compute_time(decode), model.memory_time(decode))
     assert link > dwork
-    assert model.step_time(back) == pytest.approx(link + dwork / OPT13B.num_layers + model.step_overhead)
-    # the link is full duplex: writes and reads of the same size take one direction's time
-    both = dataclasses.replace(back, offload_layer_tokens=100_000)
+    assert model.step_time(back) == pytest.approx(link + dwork / L + model.step_overhead)
+    # the link is full duplex: retained layers written out as others come back cost no more
+    both = dataclasses.replace(back, layer_bytes=_layers(L, to_host=10 * per_layer, to_device=10 * per_layer))
     assert model.step_time(both) == pytest.approx(model.step_time(back))
-    # a step that only moves layers costs the move
-    only = StepShape(0, 0, 0, 0, 0, offload_layer_tokens=1000)
-    assert model.step_time(only) == pytest.approx(1000 * per_token_layer / A100.pcie_bandwidth)
-    assert overlap_layers(1.0, 0.0, 40) == 1.0 and overlap_layers(1.0, 2.0, 40) == pytest.approx(2.025)
+    # a step that only moves layers costs the moves; slots copied into whole blocks cost HBM
+    only = StepShape(0, 0, 0, 0, 0, layer_bytes=_layers(L, to_host=per_layer))
+    assert model.step_time(only) == pytest.approx(copy)
+    local = StepShape(0, 0, 0, 0, 0, layer_bytes=_layers(L, device_copy=per_layer))
+    assert model.step_time(local) == pytest.approx(2 * L * per_layer / (A100.hbm_bandwidth * A100.mbu))
+    assert only.moves_cache and not decode.moves_cache
+    with pytest.raises(ValueError, match="repeat"):
+        only.one_token_on()
+
+
+def test_overlap_layers_with_uneven_copies():
+    none = np.zeros(4)
+    assert overlap_layers(4.0, none, none, none) == 4.0
+    # one layer of 1 s compute each; layer 2 brought back in 3 s: compute waits for it
+    assert overlap_layers(4.0, np.array([0, 0, 3.0, 0]), none, none) == pytest.approx(3 + 2)
+    # writes after compute of 2 s each queue behind each other: 1 + 4 * 2
+    assert overlap_layers(4.0, none, none, np.full(4, 2.0)) == pytest.approx(9.0)
+    # uniform: L max(c, x) + min(c, x)
+    assert overlap_layers(40.0, np.full(40, 0.5), np.zeros(40), np.zeros(40)) == pytest.approx(40 + 0.5)
 
 
 def test_calibrated_model_pipelines_layer_transfers_too():
     extras = RooflineCostModel(OPT13B, A100)
     fitted = CalibratedCostModel(tuple(TRUE_COEF), extras=extras)
     decode = StepShape.decode([512] * 8)
-    back = dataclasses.replace(decode, host_layer_tokens=100_000)
-    link = extras.layer_transfer_time(back)
-    assert fitted.step_time(back) == pytest.approx(overlap_layers(fitted.step_time(decode), link, OPT13B.num_layers))
+    back = dataclasses.replace(decode, layer_bytes=_layers(OPT13B.num_layers, to_device=10**8))
+    assert fitted.step_time(back) == pytest.approx(extras.layered_time(fitted.step_time(decode), back))
+    assert fitted.step_time(back) > extras.layer_transfer_time(back)
     with pytest.raises(ValueError, match="extras"):
         CalibratedCostModel(tuple(TRUE_COEF)).step_time(back)
+
+
+def test_profiles_written_with_host_layer_tokens_still_load():
+    d = StepShape.prefill(16).to_dict()
+    assert StepShape.from_dict({**d, "host_layer_tokens": 0}) == StepShape.prefill(16)
+    with pytest.raises(ValueError, match="host_layer_tokens"):
+        StepShape.from_dict({**d, "host_layer_tokens": 5})

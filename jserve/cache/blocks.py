@@ -29,6 +29,10 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self.num_evictable = 0
         self.num_table_blocks = 0  # sum of table lengths: a shared block counts per holder
+        # Whole blocks lent to a `LayerSlab` (split into per-layer slots); neither free nor in
+        # any table while lent.
+        self.lent = np.zeros(num_blocks, dtype=bool)
+        self.num_lent = 0
 
     @property
     def num_free(self) -> int:
@@ -61,6 +65,33 @@ class BlockManager:
             self.ref_counts[block] += 1
             table.append(block)
         self.num_table_blocks += n
+
+    def lend(self) -> int:
+        """Take a whole free block out of the free list for a `LayerSlab` to split."""
+        if not self._free:
+            raise PlanError("no free block to split into layer slots")
+        block = self._free.pop()
+        self.lent[block] = True
+        self.num_lent += 1
+        return block
+
+    def take_back(self, block: int) -> None:
+        """A lent block whose every layer slot is free again: back on the free list."""
+        self.lent[block] = False
+        self.num_lent -= 1
+        self._free.append(block)
+
+    def lend_table(self, seq_id: int) -> list[int]:
+        """Hand a sequence's whole table to a `LayerSlab` (its blocks keep their contents and
+        become split blocks it holds every slot of); the sequence holds no table after."""
+        table = self._tables.pop(seq_id, [])
+        if (self.ref_counts[table] != 1).any():
+            raise PlanError(f"seq {seq_id}: a shared block cannot be split into layer slots")
+        self.ref_counts[table] = 0
+        self.lent[table] = True
+        self.num_lent += len(table)
+        self.num_table_blocks -= len(table)
+        return table
 
     def attach(self, seq_id: int, blocks: list[int]) -> None:
         """Start an empty table with cached blocks (a prefix-cache hit), sharing them."""
@@ -125,12 +156,14 @@ class BlockManager:
         assert (self.ref_counts >= 0).all(), "negative reference count"
         assert np.array_equal(counts, self.ref_counts), "reference counts disagree with tables"
         assert not (free & (counts > 0)).any(), "a block is both free and used"
+        assert not (self.lent & (free | (counts > 0))).any(), "a lent block is free or in a table"
+        assert int(self.lent.sum()) == self.num_lent
         assert int(counts.sum()) == self.num_table_blocks
         cached = self.prefix.cached if self.prefix is not None else np.zeros_like(free)
         assert not (free & cached).any(), "a block is both free and cached"
         evictable = int((cached & (counts == 0)).sum())
         assert evictable == self.num_evictable, "evictable count is off"
-        total = int(free.sum() + (counts > 0).sum()) + evictable
-        assert total == self.num_blocks, "used + free + evictable != total"
+        total = int(free.sum() + (counts > 0).sum()) + evictable + self.num_lent
+        assert total == self.num_blocks, "used + free + evictable + lent != total"
         if self.prefix is not None:
             self.prefix.check_invariants()

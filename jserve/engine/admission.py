@@ -45,6 +45,7 @@ class Admission:
     eos_token_id: int | None
     load: LoadMeter
     reuse: PrefixReuse | None
+    num_layers: int = 1  # every request starts with all of them on the device
 
     def admit(
         self,
@@ -80,6 +81,7 @@ class Admission:
             ttft_slo=math.nan if ttft_slo is None else ttft_slo,
             tbt_slo=math.nan if tbt_slo is None else tbt_slo,
             predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
+            device_layers=self.num_layers,
         )
         if self.reuse is not None:
             self.reuse.record_arrival(req)

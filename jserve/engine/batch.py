@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,6 +19,9 @@ class BatchInputs:
     top_k: np.ndarray  # [S] int32, 0 = off
     seeds: np.ndarray  # [S] uint32
     output_index: np.ndarray  # [S] int32: index of the token being sampled (for the RNG)
+    # Sequences that keep only some layers on the device (LayerKV), by batch index: their
+    # blocks per layer. Their `block_tables` entry is empty.
+    layer_tables: dict[int, LayerTables] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,47 @@ class BlockMove:
 
     seq_id: int
     device_blocks: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class LayerMove:
+    """One layer of a request's K/V copied block by block, in table order, from `src` to
+    `dst` block ids of that layer's pools (device -> host, host -> device, or device ->
+    device, as the `Batch` field it is in says)."""
+
+    seq_id: int
+    layer: int
+    src: np.ndarray  # int32
+    dst: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    """Where a partly offloaded request's K/V lives, per layer: `device[l]` its blocks in
+    layer `l`'s device pool (empty for an offloaded layer), `host[l]` its blocks in layer
+    `l`'s host pool (empty for a kept layer)."""
+
+    seq_id: int
+    device: tuple[np.ndarray, ...]
+    host: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """Layer blocks (one block of one layer's K and V) a step moves, per layer `[L]`, the
+    cost model's input for LayerKV:
+
+    - `prefill_to_host`: this step's prefills' new K/V of offloaded layers, written to the
+      host as each layer computes (the paper overlaps each with the following layers);
+    - `to_host`: retained layers offloaded before the step (device slots freed);
+    - `to_device`: offloaded layers brought back before the step;
+    - `device_copy`: kept layers' slots copied into whole blocks when a request gets every
+      layer back (device memory to device memory)."""
+
+    prefill_to_host: np.ndarray
+    to_host: np.ndarray
+    to_device: np.ndarray
+    device_copy: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -48,10 +92,18 @@ class Batch:
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
     host_dropped: tuple[int, ...] = ()  # seq ids that ended while swapped out
+    # Layer residency changes (LayerKV), done before the step's compute after the swaps,
+    # every source read before any destination is written: device -> host, host -> device,
+    # and device slots -> whole blocks. `prefill_to_host` is not a copy list: the runner
+    # writes the offloaded layers' new K/V of the sequences in `inputs.layer_tables`.
+    layers_to_host: tuple[LayerMove, ...] = ()
+    layers_to_device: tuple[LayerMove, ...] = ()
+    layers_copy: tuple[LayerMove, ...] = ()
+    layer_traffic: LayerTraffic | None = None  # None: no layer moves this step
 
     @property
     def moves_blocks(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.host_dropped)
+        return bool(self.swap_out or self.swap_in or self.host_dropped or self.layer_traffic is not None)
 
     @property
     def num_swapped_blocks(self) -> int:

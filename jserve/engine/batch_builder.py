@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.batch import Batch, BatchInputs, LayerMove, LayerTraffic
+from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
@@ -20,6 +21,7 @@ from jserve.engine.request import Request
 class BatchBuilder:
     live: LiveRequests
     blocks: BlockManager
+    residency: LayerResidency
 
     def build(self, checked: CheckedPlan, moves: Moves, host_dropped: tuple[int, ...],
               with_inputs: bool) -> Batch:
@@ -29,17 +31,47 @@ class BatchBuilder:
         query_lens = checked.run_lens.astype(np.int32)
         start = cols.num_computed[checked.run_rows].astype(np.int32)
         sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
-        inputs = self._inputs(seq_ids, start, query_lens) if with_inputs else None
-        swap_out, swap_in = moves
+        partial = self._partial_runs(seq_ids) if self.residency.partial else {}
+        inputs = self._inputs(seq_ids, start, query_lens, partial) if with_inputs else None
+        layers = moves.layers
+        layer_moves = {} if layers is None else dict(
+            layers_to_host=tuple(layers.to_host), layers_to_device=tuple(layers.to_device),
+            layers_copy=tuple(layers.device_copies))
+        traffic = self._traffic(layer_moves, partial) if layer_moves or partial else None
         return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
-                     inputs=inputs, swap_out=swap_out, swap_in=swap_in, host_dropped=host_dropped)
+                     inputs=inputs, swap_out=moves.swap_out, swap_in=moves.swap_in,
+                     host_dropped=host_dropped, layer_traffic=traffic, **layer_moves)
 
-    def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray) -> BatchInputs:
+    def _partial_runs(self, seq_ids: np.ndarray) -> dict[int, int]:
+        """Batch index -> seq id of the sequences that run with layers on the host."""
+        partial = self.residency.partial
+        return {i: s for i, s in enumerate(seq_ids.tolist()) if s in partial}
+
+    def _traffic(self, layer_moves: dict[str, tuple[LayerMove, ...]], partial: dict[int, int]) -> LayerTraffic:
+        L = self.residency.num_layers
+
+        def per_layer(moves: tuple[LayerMove, ...]) -> np.ndarray:
+            out = np.zeros(L, np.int64)
+            for m in moves:
+                out[m.layer] += len(m.src)
+            return out
+
+        prefill = np.zeros(L, np.int64)
+        for seq_id in partial.values():
+            part = self.residency.partial[seq_id]
+            for layer, host in part.host.items():
+                prefill[layer] += len(host)
+        return LayerTraffic(prefill, *(per_layer(layer_moves.get(k, ()))
+                                       for k in ("layers_to_host", "layers_to_device", "layers_copy")))
+
+    def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray,
+                partial: dict[int, int]) -> BatchInputs:
         reqs = [self.live.requests[int(s)] for s in seq_ids]
         tokens = [_slice(r, b, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist())]
         params = [r.params for r in reqs]
         return BatchInputs(
             token_ids=np.fromiter((t for chunk in tokens for t in chunk), np.int32, int(query_lens.sum())),
+            layer_tables={i: self.residency.tables(s) for i, s in partial.items()},
             block_tables=tuple(np.asarray(self.blocks.table(int(s)), np.int32) for s in seq_ids),
             temperature=np.array([p.temperature for p in params], np.float32),
             top_p=np.array([p.top_p for p in params], np.float32),

@@ -7,15 +7,19 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache.layers import kept_layers
 from jserve.cache.prefix import PrefixIndex
+from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.request import SWAPPED, WAITING
+from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
 
 
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
-                     prefix: PrefixIndex | None) -> None:
+                     prefix: PrefixIndex | None, residency: LayerResidency) -> None:
     blocks.check_invariants()
     live_seqs = set(live.requests)
+    residency.check_invariants(live_seqs)
+    num_layers = residency.num_layers
     if host_blocks is not None:
         host_blocks.check_invariants()
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
@@ -23,6 +27,16 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
     assert len(live.table) == len(live.requests) == len(live.live_rows())
     for seq_id, row in live.items():
         assert cols.seq_id[row] == seq_id
+        part = residency.partial.get(seq_id)
+        assert (part is None) == (cols.device_layers[row] == num_layers), f"seq {seq_id} layers"
+        if part is not None:  # prefilled, some layers' KV on the host
+            assert cols.status[row] == OFFLOADED, f"partly offloaded seq {seq_id} is {cols.status[row]}"
+            assert part.kept == kept_layers(num_layers, int(cols.device_layers[row]))
+            assert cols.num_blocks[row] == part.num_blocks, f"seq {seq_id} layer blocks"
+            assert 0 < cols.num_computed[row] <= part.num_blocks * bs
+            assert cols.num_host_blocks[row] == 0 and host_blocks.num_held(seq_id) == 0
+            continue
+        assert cols.status[row] != OFFLOADED, f"seq {seq_id} offloaded with every layer on the device"
         assert cols.num_blocks[row] == blocks.num_held(seq_id), f"seq {seq_id} blocks"
         assert 0 <= cols.num_computed[row] <= cols.num_tokens[row] <= cols.max_len[row]
         held = cols.num_blocks[row] + cols.num_host_blocks[row]

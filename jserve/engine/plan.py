@@ -27,13 +27,24 @@ class Plan:
        in from its eviction rule, after the policy: see `Engine.step`);
     3. `swap_in`: bring swapped requests' KV back into fresh device blocks (they become
        running, with all their computed tokens);
-    4. `allocate`: grow a request's table by that many blocks. A waiting request whose
+    4. `layers`: set how many of a request's layers keep their KV on the device after this
+       plan (LayerKV; `jserve.cache.layers.kept_layers` says which; absent: unchanged).
+       Fewer than now offloads layers (their device slots freed, host slots taken, copied
+       before the step), more brings them back (host -> device before the step); all of
+       them makes it an ordinary request again, in whole blocks (it takes that many whole
+       blocks and frees its slots). A request that starts now keeping fewer than all runs
+       its whole prompt in this step and its offloaded layers' new KV goes to host memory
+       as it is computed. A request runs only a whole prefill with fewer than all layers:
+       it decodes with every layer on the device;
+    5. `allocate`: grow a request's table by that many blocks. A waiting request whose
        prompt starts with cached blocks (the view shows them as its `num_computed`) takes
        those over as the first blocks of its table: they count in `allocate` but are
        shared, not copied, so the count is never less than the memory it costs;
-    5. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
+       For a request that keeps `x` of `L` layers after the plan, each block is `x` layer
+       slots on the device and `L - x` on the host;
+    6. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
        a whole prompt, or 1 for a decode). Insertion order is batch order.
-    6. `reserve`: set a request's reservation (blocks promised to it, materialised by later
+    7. `reserve`: set a request's reservation (blocks promised to it, materialised by later
        `allocate`s) to that many blocks; reservations are bookkeeping for policies that
        allocate a predicted demand (CacheOpt, RLP, S3), and their sum never exceeds the cache.
 
@@ -56,9 +67,10 @@ class Plan:
     reserve: Mapping[int, int] = field(default_factory=dict)
     evict: frozenset[int] = frozenset()  # physical block ids
     repeat: int = 1
+    layers: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("run", "allocate", "preempt", "reserve"):
+        for name in ("run", "allocate", "preempt", "reserve", "layers"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
         object.__setattr__(self, "evict", frozenset(int(b) for b in self.evict))

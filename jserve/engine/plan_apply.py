@@ -1,7 +1,11 @@
 """Carrying out a checked plan, in the order `Plan` documents: preemptions release KV
 (dropped, or moved to the host tier), evictions drop cached blocks, swap-ins bring KV
-back, allocations grow tables (a started request first taking over its cached prefix),
-then the requests that run and the reservations are booked.
+back, layer residency changes (LayerKV), allocations grow tables (a started request first
+taking over its cached prefix), then the requests that run and the reservations are booked.
+
+Every take of whole blocks comes before every take of layer slots (residency changes
+first release, then take whole blocks, and their slot takes come after the allocations),
+which is the order `PlanChecker`'s counting of layer slots assumes.
 
 Nothing here checks anything: `PlanChecker` has, and a checked plan always applies.
 What comes out is the block copies the runner must make before the step's compute.
@@ -15,14 +19,25 @@ import numpy as np
 
 from jserve.cache.blocks import BlockManager
 from jserve.engine.batch import BlockMove
+from jserve.engine.layer_residency import LayerMoves, LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
-from jserve.engine.request import RUNNING, SWAPPED, WAITING
+from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
 from jserve.errors import PlanError
 
-Moves = tuple[tuple[BlockMove, ...], tuple[BlockMove, ...]]  # (swap-outs, swap-ins)
+
+@dataclass(frozen=True)
+class Moves:
+    """The copies an applied plan makes before its step's compute."""
+
+    swap_out: tuple[BlockMove, ...] = ()
+    swap_in: tuple[BlockMove, ...] = ()
+    layers: LayerMoves | None = None  # None: no residency change
+
+
+NO_MOVES = Moves()
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,7 @@ class PlanApplier:
     blocks: BlockManager
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
+    residency: LayerResidency
 
     def apply(self, checked: CheckedPlan, now: float) -> Moves:
         plan = checked.plan
@@ -38,14 +54,19 @@ class PlanApplier:
         if plan.evict:
             swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
         swap_in = self._swap_in(sorted(plan.swap_in))
+        layer_moves = self._set_layers(checked) if plan.layers else None
         swap_in += self._allocate(checked)
+        if plan.layers:
+            self._bring_back(checked, layer_moves)
         self._start_runs(checked, now)
         self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
-        return tuple(swap_out), tuple(swap_in)
+        return Moves(tuple(swap_out), tuple(swap_in), layer_moves)
 
     def _preempt(self, checked: CheckedPlan, now: float) -> list[BlockMove]:
         cols, swap_out = self.live.cols, []
         for (seq_id, mode), row in zip(checked.plan.preempt.items(), checked.preempt_rows.tolist()):
+            if self.residency.release(seq_id):  # partly offloaded: by recompute only
+                cols.device_layers[row] = self.residency.num_layers
             held = np.asarray(self.blocks.table(seq_id), np.int32)
             self.blocks.free(seq_id)
             cols.num_blocks[row] = 0
@@ -77,15 +98,39 @@ class PlanApplier:
             swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
         return swap_in
 
+    def _set_layers(self, checked: CheckedPlan) -> LayerMoves:
+        """Residency changes' releases (layers offloaded), then their whole-block takes
+        (requests given every layer back)."""
+        moves, res, L = LayerMoves(), self.residency, self.residency.num_layers
+        layers = checked.plan.layers
+        for seq_id, x in layers.items():
+            res.offload(seq_id, x, moves)
+        for seq_id, x in layers.items():
+            if x == L and seq_id in res.partial:
+                res.make_whole(seq_id, moves)
+        self.live.cols.device_layers[checked.layer_rows] = np.fromiter(layers.values(), np.int16, len(layers))
+        return moves
+
+    def _bring_back(self, checked: CheckedPlan, moves: LayerMoves) -> None:
+        """Residency changes' slot takes: layers brought back short of all of them."""
+        for seq_id, x in checked.plan.layers.items():
+            if x < self.residency.num_layers:
+                self.residency.bring_back(seq_id, x, moves)
+
     def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
-        """Grow the tables; returns the copies that load host-tier cached blocks."""
-        loads = []
+        """Grow the tables; returns the copies that load host-tier cached blocks. Whole
+        blocks first, then partly offloaded requests' layer slots."""
+        loads, partial = [], checked.partial_allocations
         for seq_id, n in checked.plan.allocate.items():
             hit = checked.hits.get(seq_id)
+            if partial and seq_id in partial:
+                continue
             if hit is None:
                 self.blocks.allocate(seq_id, n)
             else:
                 loads += self.reuse.take_over(seq_id, hit, n)
+        for seq_id in partial:
+            self.residency.allocate(seq_id, checked.plan.allocate[seq_id])
         self.live.cols.num_blocks[checked.allocate_rows] += checked.allocate_counts
         return loads
 
@@ -115,7 +160,13 @@ class PlanApplier:
         self.live.cols.num_blocks[rows] += counts
 
     def _start_runs(self, checked: CheckedPlan, now: float) -> None:
-        self.live.cols.status[checked.run_rows] = RUNNING
+        cols = self.live.cols
+        cols.status[checked.run_rows] = RUNNING
+        if checked.plan.layers:  # the status follows the residency the plan set
+            rows = checked.layer_rows
+            cols.status[rows[cols.device_layers[rows] < self.residency.num_layers]] = OFFLOADED
+            cols.status[rows[(cols.device_layers[rows] == self.residency.num_layers)
+                             & (cols.status[rows] == OFFLOADED)]] = RUNNING
         started = self.live.awaiting_run.intersection(checked.plan.run)
         for seq_id in started:
             metrics = self.live.requests[seq_id].metrics

@@ -17,11 +17,13 @@ from itertools import repeat
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache.prefix import PrefixHit
+from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.prefix_reuse import PrefixReuse
-from jserve.engine.request import RUNNING, SWAPPED
+from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 
@@ -40,9 +42,12 @@ class CheckedPlan:
     run_lens: np.ndarray
     reserve_rows: np.ndarray
     reserve_counts: np.ndarray
+    layer_rows: np.ndarray  # rows of `plan.layers`' requests, in its order
+    partial_allocations: frozenset[int]  # seq ids whose allocation is layer slots
 
 
 _NO_ROWS = np.zeros(0, np.int64)
+_NO_SEQS: frozenset[int] = frozenset()
 Check = tuple[np.ndarray, Callable[[int], str]]  # (offends, message for the i-th entry)
 
 
@@ -73,12 +78,27 @@ def _member(keys: Collection[int], of: Collection[int]) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class LayerDemand:
+    """What a plan's layer residency changes take and free (`_check_layers`): whole blocks
+    beyond `fresh_blocks`' count, and layer slots per layer on the device and the host.
+    Slots a plan frees count as slots of their layer (not as whole blocks) within it."""
+
+    whole: int
+    device: np.ndarray
+    device_freed: np.ndarray
+    host: np.ndarray
+    host_freed: np.ndarray
+    partial_allocations: frozenset[int]
+
+
+@dataclass(frozen=True)
 class PlanChecker:
     live: LiveRequests
     blocks: BlockManager
     host_blocks: BlockManager | None
     limits: SchedulerLimits
     reuse: PrefixReuse | None
+    residency: LayerResidency
 
     def check(self, plan: Plan) -> CheckedPlan:
         """The plan with its rows, or `PlanError` for the first thing it gets wrong."""
@@ -91,12 +111,15 @@ class PlanChecker:
         hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
         self._check_evictions(plan, released, hits)
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
-        wanted = self.fresh_blocks(plan, hits)
+        layer_rows, layers = self._check_layers(plan)
+        wanted = self.fresh_blocks(plan, hits) + (0 if layers is None else layers.whole)
         available = self.blocks.num_free + self._uncached(released) + len(plan.evict)
         if wanted > available:
             from_host = self._swapped_in_blocks(plan)
             swapping = f" ({from_host} of them to swap in)" if from_host else ""
             raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
+        if layers is not None:
+            self._check_layer_room(layers, available - wanted, to_host)
         lim = self.limits
         if len(plan.run) > lim.max_num_seqs:
             raise PlanError(f"plan runs {len(plan.run)} sequences, max_num_seqs is {lim.max_num_seqs}")
@@ -107,10 +130,13 @@ class PlanChecker:
             )
         reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows)
         run_rows, run_lens = self._check_runs(plan)
+        if plan.layers or self.residency.partial:
+            self._check_partial_runs(plan, run_rows, run_lens)
         if plan.repeat != 1:
             self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
-                           run_rows, run_lens, reserve_rows, reserve_counts)
+                           run_rows, run_lens, reserve_rows, reserve_counts, layer_rows,
+                           _NO_SEQS if layers is None else layers.partial_allocations)
 
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
         """Rows of the requests it preempts, and how many blocks go to the host."""
@@ -118,12 +144,17 @@ class PlanChecker:
             return _NO_ROWS, 0
         seq_ids, rows = list(plan.preempt), self.live.rows(plan.preempt)
         swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
+        status = self.live.cols.status[rows]
+        offloaded = status == OFFLOADED
         _refuse_first(seq_ids, [
             _not_live(seq_ids, rows, "preempt"),
-            (self.live.cols.status[rows] != RUNNING,
+            ((status != RUNNING) & ~offloaded,
              lambda i: f"seq {seq_ids[i]}: only running requests can be preempted"),
             (swap & (self.host_blocks is None),
              lambda i: f"seq {seq_ids[i]}: swap preemption needs a host KV tier (num_host_blocks > 0)"),
+            (swap & offloaded,
+             lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute, or "
+                       "offload its other layers (Plan.layers)"),
         ])
         return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
 
@@ -207,6 +238,89 @@ class PlanChecker:
                                         f"{self.blocks.blocks_for(int(end[i]))} for {end[i]} tokens"),
         ])
         return rows, n
+
+    def _check_layers(self, plan: Plan) -> tuple[np.ndarray, LayerDemand | None]:
+        """Rows of `plan.layers`' requests and what the plan's residency changes take
+        (None when it changes nothing and no request is partly offloaded)."""
+        res = self.residency
+        if not plan.layers and not res.partial:
+            return _NO_ROWS, None
+        L, cols = res.num_layers, self.live.cols
+        seq_ids, rows, xs = list(plan.layers), self.live.rows(plan.layers), _values(plan.layers)
+        status = cols.status[rows]
+        offload = xs < L
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "set the layers of"),
+            ((xs < 0) | (xs > L), lambda i: f"seq {seq_ids[i]}: cannot keep {xs[i]} of {L} layers"),
+            (_member(seq_ids, plan.preempt),
+             lambda i: f"seq {seq_ids[i]}: layers set and preempted in the same plan"),
+            ((status == SWAPPED) | _member(seq_ids, plan.swap_in),
+             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in in an earlier plan before "
+                       "setting its layers"),
+            (offload & (self.reuse is not None),
+             lambda i: f"seq {seq_ids[i]}: layer offload cannot share blocks with a prefix cache"),
+            (offload & (self.host_blocks is None),
+             lambda i: f"seq {seq_ids[i]}: layer offload needs a host KV tier (num_host_blocks > 0)"),
+            (offload & (status == WAITING) & ~_member(seq_ids, plan.run),
+             lambda i: f"seq {seq_ids[i]}: a waiting request keeps fewer layers only in the plan "
+                       "that prefills it"),
+        ])
+        device, device_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
+        host, host_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
+        every = set(range(L))
+        whole = 0
+        for seq_id, x, n in zip(seq_ids, xs.tolist(), cols.num_blocks[rows].tolist()):
+            before, after = set(res.kept(seq_id)), set(kept_layers(L, x))
+            if x == L and seq_id in res.partial:  # whole blocks; slots and host layers freed
+                whole += n
+                device_freed[list(before)] += n
+                host_freed[list(every - before)] += n
+                continue
+            device_freed[list(before - after)] += n
+            host[list(before - after)] += n
+            device[list(after - before)] += n
+            host_freed[list(after - before)] += n
+        for seq_id in set(plan.preempt).intersection(res.partial):
+            kept, n = set(res.kept(seq_id)), int(cols.num_blocks[self.live.row(seq_id)])
+            device_freed[list(kept)] += n
+            host_freed[list(every - kept)] += n
+        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
+                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
+        for seq_id in partial:
+            x = plan.layers.get(seq_id, len(res.kept(seq_id)))
+            kept, n = set(kept_layers(L, x)), plan.allocate[seq_id]
+            whole -= n
+            device[list(kept)] += n
+            host[list(every - kept)] += n
+        return rows, LayerDemand(whole, device, device_freed, host, host_freed, partial)
+
+    def _check_layer_room(self, layers: LayerDemand, whole_left: int, to_host: int) -> None:
+        res = self.residency
+        short = layer_shortfall(layers.device, res.slab.free_slots + layers.device_freed, whole_left)
+        if short:
+            raise PlanError(f"plan takes {short} device layer slots more than a layer has free "
+                            f"({whole_left} whole blocks left after its whole-block takes)")
+        if res.host_slab is None:
+            return
+        host_left = self.host_blocks.num_free - to_host
+        short = layer_shortfall(layers.host, res.host_slab.free_slots + layers.host_freed, host_left)
+        if short:
+            raise PlanError(f"plan offloads {short} host layer slots more than a layer has free "
+                            f"({host_left} whole host blocks left after its swap-outs)")
+
+    def _check_partial_runs(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
+        """A request runs with fewer than all its layers on the device only as a whole
+        prefill, from its first token to its last in one step; it decodes with all of them."""
+        L, cols = self.residency.num_layers, self.live.cols
+        layers = cols.device_layers[rows].astype(np.int64)
+        if plan.layers:
+            layers = np.fromiter(map(plan.layers.get, plan.run, layers.tolist()), np.int64, len(rows))
+        whole_prefill = (cols.num_computed[rows] == 0) & (n == cols.num_tokens[rows])
+        bad = (layers < L) & ~whole_prefill
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise PlanError(f"seq {list(plan.run)[i]}: runs with {layers[i]} of {L} layers on the "
+                            "device; only a whole prefill may (a decode needs every layer back first)")
 
     def _check_repeat(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jserve.cache.blocks import BlockManager
+from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import FinishReason, Request, RequestStatus
@@ -18,6 +19,7 @@ class Finisher:
     blocks: BlockManager
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
+    residency: LayerResidency
     # Requests that ended while swapped out: the runner drops their host copy.
     _host_dropped: list[int] = field(default_factory=list, init=False)
 
@@ -30,6 +32,8 @@ class Finisher:
         if self.reuse is not None:
             self.reuse.cache_turn(req, now)
         self.blocks.free(req.seq_id)
+        if self.residency.partial:
+            self.residency.release(req.seq_id)
         if self.host_blocks is not None and self.host_blocks.free(req.seq_id):
             self._host_dropped.append(req.seq_id)
         self.live.remove(req)

@@ -18,6 +18,9 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1  # holds KV blocks on the device
     FINISHED = 2
     SWAPPED = 3  # preempted by swapping: its KV waits in host memory, none on the device
+    # Prefilled, with some of its layers' KV in host memory (`device_layers` < the model's
+    # layers, LayerKV): it decodes only once a plan brings every layer back.
+    OFFLOADED = 4
 
 
 # The statuses as plain ints, for the status column in hot loops: comparing numpy values
@@ -27,6 +30,7 @@ WAITING = int(RequestStatus.WAITING)
 RUNNING = int(RequestStatus.RUNNING)
 FINISHED = int(RequestStatus.FINISHED)
 SWAPPED = int(RequestStatus.SWAPPED)
+OFFLOADED = int(RequestStatus.OFFLOADED)
 
 
 class FinishReason(str, enum.Enum):

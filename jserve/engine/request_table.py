@@ -28,9 +28,15 @@ class RequestArrays:
     num_tokens: np.ndarray = _col(np.int32)  # prompt + generated so far
     num_computed: np.ndarray = _col(np.int32)  # tokens whose K/V is in the cache
     max_len: np.ndarray = _col(np.int32)  # num_tokens never exceeds this
-    num_blocks: np.ndarray = _col(np.int32)  # KV blocks held on the device
+    # KV blocks held on the device; for a request keeping only some layers there
+    # (`device_layers` < the model's layers) its logical blocks, each held as one slot per
+    # kept layer on the device and one per offloaded layer on the host.
+    num_blocks: np.ndarray = _col(np.int32)
     num_host_blocks: np.ndarray = _col(np.int32)  # KV blocks held in host memory (swapped)
     num_preemptions: np.ndarray = _col(np.int32)
+    # How many of the model's layers keep their KV on the device (`kept_layers` says
+    # which): the model's layer count unless a LayerKV plan offloaded some.
+    device_layers: np.ndarray = _col(np.int16)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     last_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     # Blocks a reserving policy has promised the request (its allocation, of which `num_blocks`

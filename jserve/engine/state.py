@@ -27,10 +27,11 @@ from jserve.engine.admission import Admission, RequestOptions
 from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
+from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.load_meter import LoadMeter
 from jserve.engine.plan import Plan
-from jserve.engine.plan_apply import Moves, PlanApplier
+from jserve.engine.plan_apply import NO_MOVES, Moves, PlanApplier
 from jserve.engine.plan_check import CheckedPlan, PlanChecker
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.release import Finisher
@@ -61,6 +62,7 @@ class EngineState:
         cache_count_referenced: bool = False,
         cache_min_history: int = -1,
         host_cache_blocks: int = 0,
+        num_layers: int = 1,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
@@ -70,7 +72,9 @@ class EngineState:
         how many blocks the cache holds, those running requests reuse included (the T-LRU
         paper's sum_i X_i <= C); a finished turn whose history is at most `cache_min_history`
         tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
-        tier that evicted blocks are demoted to and promoted back from (0: none)."""
+        tier that evicted blocks are demoted to and promoted back from (0: none).
+        `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
+        also holds offloaded layers."""
         if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
             raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
         if limits.max_num_batched_tokens < limits.max_num_seqs:
@@ -91,6 +95,7 @@ class EngineState:
                                   host_capacity_blocks=host_cache_blocks) if prefix_cache else None
         self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
+        self.residency = LayerResidency(self.blocks, self.host_blocks, num_layers)
         self.live = LiveRequests()
         self.load = LoadMeter()
         self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache_capacity_blocks,
@@ -98,14 +103,15 @@ class EngineState:
                                    min_history=cache_min_history)
                        if self.prefix is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
-                                    eos_token_id, self.load, self._reuse)
-        self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse)
-        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse)
-        self._batches = BatchBuilder(self.live, self.blocks)
-        self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse)
+                                    eos_token_id, self.load, self._reuse, num_layers)
+        self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
+                                    self.residency)
+        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
+        self._batches = BatchBuilder(self.live, self.blocks, self.residency)
+        self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
         self._applied: CheckedPlan | None = None
-        self._moves: Moves = ((), ())
+        self._moves: Moves = NO_MOVES
         self._applied_at = 0.0
 
     @property
@@ -139,19 +145,23 @@ class EngineState:
         """With a prefix cache, a waiting request's `num_computed` is the cached prefix it
         would start from, and `num_free_blocks` counts every block no table holds (free or
         evictable) less what sharing saves, so that preempting a request frees, as far as
-        any policy can tell, exactly the blocks its table lists."""
+        any policy can tell, exactly the blocks its table lists. Blocks split into layer
+        slots (`Plan.layers`) are not free blocks; their free slots are
+        `free_layer_slots`."""
         if self._reuse is not None:
             self._reuse.offer()
-        host = self.host_blocks
+        host, res = self.host_blocks, self.residency
         return SchedulerView(
             now=now, requests=self.live.table.snapshot(), block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks,
-            num_free_blocks=self.blocks.num_blocks - self.blocks.num_table_blocks,
+            num_free_blocks=self.blocks.num_blocks - self.blocks.num_table_blocks - self.blocks.num_lent,
             limits=self.limits,
             num_host_blocks=0 if host is None else host.num_blocks,
             num_free_host_blocks=0 if host is None else host.num_free,
             arrival_rate=self.load.arrival_rate(now),
             iteration_time=self.load.iteration_time,
+            num_layers=res.num_layers, free_layer_slots=res.free_slots(),
+            free_host_layer_slots=res.free_host_slots(),
         )
 
     def apply(self, plan: Plan, now: float) -> None:
@@ -188,7 +198,7 @@ class EngineState:
 
         Returns the requests that gained a token (live objects: read, don't keep mutating)."""
         applied, self._applied = self._applied, None
-        self._moves = ((), ())
+        self._moves = NO_MOVES
         if not batch.num_seqs:
             return []
         if applied is None or len(applied.run_rows) != batch.num_seqs:
@@ -230,4 +240,4 @@ class EngineState:
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
-        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix)
+        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.residency)

@@ -43,6 +43,26 @@ class SchedulerView:
     num_free_host_blocks: int = 0
     arrival_rate: float = 0.0  # requests/s arrived over the recent window
     iteration_time: float = 0.0  # longest recent step, seconds (0 before the first step)
+    # Layer-wise residency (LayerKV). `num_free_blocks` counts whole blocks (free in every
+    # layer); blocks split into per-layer slots for partly offloaded requests are not in it,
+    # and their free slots are `free_layer_slots[l]` (per layer). Requests' `device_layers`
+    # column says how many layers each keeps on the device (`num_layers`: all of them).
+    num_layers: int = 1
+    free_layer_slots: np.ndarray | None = None  # [num_layers]; None: all zero
+    free_host_layer_slots: np.ndarray | None = None  # [num_layers], the host tier's
+
+    @property
+    def num_free_layer_blocks(self) -> int:
+        """Device layer slots free, summed over layers: `num_layers` per whole free block
+        plus the free slots of split blocks (a request keeping `x` layers takes `x` per
+        logical block)."""
+        return self.num_layers * self.num_free_blocks + _total(self.free_layer_slots)
+
+    @property
+    def num_free_host_layer_blocks(self) -> int:
+        """Host layer slots free, summed over layers (a request keeping `x` layers takes
+        `num_layers - x` per logical block)."""
+        return self.num_layers * self.num_free_host_blocks + _total(self.free_host_layer_slots)
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -54,3 +74,7 @@ class SchedulerView:
     def blocks_for(self, num_tokens: Tokens) -> Tokens:
         """Blocks that hold `num_tokens` tokens (of one request, or of each of many)."""
         return -(-num_tokens // self.block_size)
+
+
+def _total(slots: np.ndarray | None) -> int:
+    return 0 if slots is None else int(slots.sum())

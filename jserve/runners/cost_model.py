@@ -33,11 +33,35 @@ from jserve.runners.hardware import Hardware
 from models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from jserve.engine.batch import Batch
+    from jserve.engine.batch import Batch, LayerTraffic
 
 # ---------------------------------------------------------------------------------------
 # Step shape
 # ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTransfers:
+    """Bytes a step moves per layer under layer-wise residency (LayerKV), each `[L]`, from
+    the batch's `LayerTraffic` (whole blocks of one layer's K and V):
+
+    - `prefill_to_host`: this step's prefills' new K/V of offloaded layers, device -> host,
+      each layer's copy able to start once that layer has computed;
+    - `to_host`: retained layers offloaded before the step (device -> host);
+    - `to_device`: offloaded layers brought back before the step (host -> device);
+    - `device_copy`: kept layers' slots copied into whole blocks (device memory)."""
+
+    prefill_to_host: tuple[int, ...]
+    to_host: tuple[int, ...]
+    to_device: tuple[int, ...]
+    device_copy: tuple[int, ...]
+
+    @classmethod
+    def of(cls, traffic: LayerTraffic, bytes_per_block: int) -> LayerTransfers:
+        """`bytes_per_block`: one block of every layer's K and V."""
+        per_layer = bytes_per_block // len(traffic.to_host)
+        return cls(*(tuple((getattr(traffic, f.name) * per_layer).tolist())
+                     for f in dataclasses.fields(cls)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +79,13 @@ class StepShape:
       `swap_blocks`: the blocks they fill (each direction counted), `swap_moves`: the
       requests moved (a swap-out and a swap-in are one each). The fixed costs of the copies
       depend on these (`SwapPath`).
-    - `host_layer_tokens`: KV token-layers read from host memory over PCIe (LayerKV: a
-      request's offloaded layers brought back, host->device); `offload_layer_tokens`:
-      token-layers written to host memory (a prefill's offloaded layers as they are
-      computed, or retained layers offloaded later, device->host). A token-layer is one
-      token's K and V of one layer.
     - `hidden_tokens`: context tokens (a subset of `kv_read_tokens`) held in Apt-Serve's
       hidden-state cache, whose K/V are recomputed from the stored layer inputs this step.
     - `padded_tokens`, `page_walk`: the work of a runner that pads steps to shape buckets
       (the JAX runner): tokens after padding, and padded tokens x the longest cached prefix,
       which the jnp attention walks for every token. Zero when no bucketing is modelled.
+    - `layer_bytes`: per-layer transfers of layer-wise residency (LayerKV); None when the
+      step moves no layer (never in a profile, so not in `to_dict`).
     """
 
     num_seqs: int
@@ -73,13 +94,12 @@ class StepShape:
     attended: int
     kv_read_tokens: int
     swap_bytes: int = 0
-    host_layer_tokens: int = 0
     hidden_tokens: int = 0
     padded_tokens: int = 0
     page_walk: int = 0
     swap_blocks: int = 0
     swap_moves: int = 0
-    offload_layer_tokens: int = 0
+    layer_bytes: LayerTransfers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,8 +109,7 @@ class StepShape:
     def moves_cache(self) -> bool:
         """Whether the step swaps, moves layers or recomputes hidden-cache K/V: work a
         profile of the plain runner does not measure."""
-        return bool(self.swap_bytes or self.host_layer_tokens or self.offload_layer_tokens
-                    or self.hidden_tokens)
+        return bool(self.swap_bytes or self.layer_bytes is not None or self.hidden_tokens)
 
     @classmethod
     def from_lens(cls, start: np.ndarray | Sequence[int], query_lens: np.ndarray | Sequence[int]) -> StepShape:
@@ -120,6 +139,9 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
+        if batch.layer_traffic is not None:
+            shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
+                                                                               bytes_per_block))
         if pad is None or batch.num_seqs == 0:
             return shape
         padded = pad(shape.num_tokens)
@@ -153,11 +175,15 @@ class StepShape:
         return cls.from_lens(ctx - 1, np.ones_like(ctx))
 
     def to_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.layer_bytes is not None:
+            raise ValueError("a step that moves layers is not a profile sample")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layer_bytes"}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepShape:
         names = {f.name for f in dataclasses.fields(cls)}
+        # Profiles written before layer moves were per layer carry a zero `host_layer_tokens`.
+        d = {k: v for k, v in d.items() if not (k == "host_layer_tokens" and v == 0)}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown StepShape fields {sorted(unknown)}; known: {sorted(names)}")
@@ -206,17 +232,28 @@ class SwapPath(enum.Enum):
 # ---------------------------------------------------------------------------------------
 
 
-def overlap_layers(compute: float, transfer: float, num_layers: int) -> float:
-    """Seconds of a step whose `transfer` is split evenly over `num_layers` layers and
-    pipelined with the layers' `compute` on another stream (LayerKV's per-layer copies).
-
-    Layer l's copy waits for layer l's compute (a prefill writing its K/V out) or layer l's
-    compute waits for its copy (a decode bringing K/V back); either way, with c and x the
-    per-layer compute and copy times, the pipeline ends `L * max(c, x) + min(c, x)` after it
-    starts: `max(C, X) + min(C, X) / L`. With no transfer the step is its compute alone."""
-    if transfer <= 0:
-        return compute
-    return max(compute, transfer) + min(compute, transfer) / num_layers
+def overlap_layers(work: float, before: np.ndarray, out_before: np.ndarray,
+                   out_after: np.ndarray) -> float:
+    """Seconds of a step whose `work` is split evenly over its layers while LayerKV's layer
+    copies run on their own streams (Section 4: a dedicated copy stream), per layer `l`:
+    `before[l]` host -> device (an offloaded layer brought back) must end before layer `l`
+    computes; on the device -> host stream, `out_before[l]` (a retained layer offloaded, its
+    slots reused by this step) must end before layer `l` computes, and `out_after[l]` (a
+    prefill's new K/V of an offloaded layer) starts once layer `l` has computed. The link is
+    full duplex, so the two streams do not wait for each other; the device -> host stream
+    runs the offloads first, in layer order, then the prefill's writes. With one kind of copy of x
+    seconds a layer and c of compute, the step takes `L * max(c, x) + min(c, x)`:
+    `max(C, X) + min(C, X) / L`, the compute hidden under the copies or the other way round
+    but for one layer."""
+    num_layers = len(before)
+    c = work / num_layers
+    ready_in, ready_out = np.cumsum(before), np.cumsum(out_before)
+    t_out = float(ready_out[-1])  # the offloads are queued first, then the prefill's writes
+    t_compute = 0.0
+    for l in range(num_layers):
+        t_compute = max(t_compute, ready_in[l], ready_out[l]) + c
+        t_out = max(t_out, t_compute) + out_after[l]
+    return max(t_compute, t_out)
 
 
 # Per-iteration cost that does not scale with the work: the engine's Python scheduling,
@@ -241,11 +278,12 @@ class RooflineCostModel:
     - swaps = `swap_bytes / (pcie * tp)` plus the swap's fixed costs by `swap_path`
       (`SwapPath`), added serially: the step waits for its swaps, as in vLLM v0 where the
       copies run on the compute stream before the forward pass.
-    - layer transfers (LayerKV) are pipelined with the per-layer compute (`overlap_layers`):
-      a prefill writes layer l's K/V to host right after computing it, and a decode brings
-      layer l back while earlier layers compute (LayerKV Section 4, its own copy stream).
-      Their time is `max(offload, bring-back) token-layers * 2 * kv_dim * dtype_bytes /
-      (pcie * tp)`: the link is full duplex, each direction at `pcie_bandwidth`.
+    - layer moves (LayerKV, `StepShape.layer_bytes`, per layer) are pipelined with the
+      per-layer compute (`overlap_layers`): a prefill writes layer l's K/V to host right
+      after computing it, and a decode's layer l comes back while earlier layers compute
+      (LayerKV Section 4, its own copy stream), each direction at `pcie * tp` (the link is
+      full duplex); kept layers' slots copied into whole blocks cost a read and a write at
+      HBM speed.
       Each GPU of a TP group has its own link and issues its own copies in parallel.
       Tensor-parallel communication is ignored, and with it the PCIe contention LayerKV's
       Section 3.1.3 describes for all-reduce without NVLink: the simulator has no tensor
@@ -296,9 +334,23 @@ class RooflineCostModel:
         return shape.swap_bytes / self.pcie_rate + self.swap_fixed_time(shape)
 
     def layer_transfer_time(self, shape: StepShape) -> float:
-        """LayerKV's layer moves on their own: the busier direction of the link."""
-        token_layers = max(shape.host_layer_tokens, shape.offload_layer_tokens)
-        return token_layers * self.kv_bytes_per_token_layer / self.pcie_rate
+        """LayerKV's host<->device layer moves on their own: the busier direction of the link."""
+        t = shape.layer_bytes
+        if t is None:
+            return 0.0
+        return max(sum(t.prefill_to_host) + sum(t.to_host), sum(t.to_device)) / self.pcie_rate
+
+    def layered_time(self, work: float, shape: StepShape) -> float:
+        """`work` seconds of compute split evenly over the layers, pipelined with the step's
+        layer moves (`overlap_layers`), plus the device-to-device copies of kept layers'
+        slots into whole blocks (read and written once, at HBM speed)."""
+        t = shape.layer_bytes
+        if t is None:
+            return work
+        rate = self.pcie_rate
+        return (overlap_layers(work, np.asarray(t.to_device) / rate, np.asarray(t.to_host) / rate,
+                               np.asarray(t.prefill_to_host) / rate)
+                + 2 * sum(t.device_copy) / self.byte_rate)
 
     def swap_fixed_time(self, shape: StepShape) -> float:
         """What a swap costs beyond its bytes on the link (see `SwapPath`)."""
@@ -323,11 +375,10 @@ class RooflineCostModel:
 
     def step_time(self, shape: StepShape) -> float:
         transfer = self.transfer_time(shape)
-        layers = self.layer_transfer_time(shape)
         if shape.num_tokens == 0:
-            return transfer + layers
+            return self.layered_time(0.0, shape) + transfer
         work = max(self.compute_time(shape), self.memory_time(shape))
-        return overlap_layers(work, layers, self.cfg.num_layers) + transfer + self.step_overhead
+        return self.layered_time(work, shape) + transfer + self.step_overhead
 
 
 # ---------------------------------------------------------------------------------------
@@ -449,8 +500,7 @@ class CalibratedCostModel:
                 raise ValueError("this shape moves or recomputes cache but the calibrated model has no "
                                  "`extras` (RooflineCostModel) to price transfers and recompute")
             e = self.extras
-            t = (overlap_layers(t, e.layer_transfer_time(shape), e.cfg.num_layers)
-                 + e.transfer_time(shape) + e.hidden_recompute_time(shape))
+            t = e.layered_time(t, shape) + e.transfer_time(shape) + e.hidden_recompute_time(shape)
         return t
 
     def fit_errors(self) -> np.ndarray:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.runners.cost_model import CostModel, StepShape
+from jserve.runners.cost_model import CostModel, LayerTransfers, StepShape
 from jserve.runners.hardware import Hardware
 from models.config import ModelConfig
 
@@ -36,6 +36,14 @@ def fit_lengths(max_model_len: int) -> tuple[int, ...]:
     return (*out, max_model_len)
 
 
+def offload_step(layer_bytes: int, num_layers: int) -> StepShape:
+    """A step that only writes `layer_bytes` of every layer to host, as a prefill does."""
+    zeros = (0,) * num_layers
+    out = LayerTransfers(prefill_to_host=(layer_bytes,) * num_layers, to_host=zeros,
+                         to_device=zeros, device_copy=zeros)
+    return StepShape(0, 0, 0, 0, 0, layer_bytes=out)
+
+
 def relative_factor(formula: np.ndarray, measured: np.ndarray) -> float:
     """k minimising sum((k * formula / measured - 1)^2)."""
     r = np.asarray(formula, np.float64) / np.asarray(measured, np.float64)
@@ -50,8 +58,8 @@ def layerkv_costs_from_cost_model(cost: CostModel, cfg: ModelConfig, hw: Hardwar
                         flops=hw.peak_flops, pcie_bandwidth=hw.pcie_bandwidth)
     s = np.asarray(lengths, np.int64)
     prefill = np.array([cost.step_time(StepShape.prefill(int(n))) for n in s])
-    offload = np.array([cost.step_time(StepShape(0, 0, 0, 0, 0, offload_layer_tokens=int(n) * cfg.num_layers))
-                        for n in s])
+    per_token_layer = 2 * bare.kv_dim * dtype_bytes  # K and V of one token in one layer
+    offload = np.array([cost.step_time(offload_step(int(n) * per_token_layer, cfg.num_layers)) for n in s])
     alpha = relative_factor(bare.prefill_time(s), prefill)
     beta = relative_factor(bare.offload_time(s, cfg.num_layers), offload)
     return dataclasses.replace(bare, alpha=alpha, beta=beta)

@@ -1,0 +1,188 @@
+"""A test-only policy that forces layer-wise KV residency (LayerKV's mechanics) on top of
+vLLM's schedule, so the engine's and runners' layer paths run under any trace: every
+prompt vLLM prefills keeps `keep(seq)` layers on the device (the rest written to the
+host), partly offloaded requests come back to every layer (oldest first) when whole blocks
+allow, decoding in the same step, and are vLLM's running requests after that, and optionally decoding requests are
+offloaded and partly offloaded ones move between residencies.
+
+Not a model of LayerKV's decisions (that is `jserve/policies/layerkv.py`): only a way to
+make every residency change happen. Its room accounting follows `PlanChecker`'s: whole
+blocks first, then layer slots per layer against free slots, slots freed by the plan and
+whole blocks left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jserve.cache.layers import kept_layers
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import Policy
+from jserve.engine.request import OFFLOADED, RUNNING, WAITING
+from jserve.engine.view import SchedulerView
+from jserve.policies.vllm import VLLMPolicy
+
+
+@dataclass
+class _Room:
+    """Device and host layer slots a plan takes and frees, per layer, and whole blocks."""
+
+    view: SchedulerView
+    whole: int
+    host_whole: int
+    device: np.ndarray = field(init=False)
+    device_freed: np.ndarray = field(init=False)
+    host: np.ndarray = field(init=False)
+    host_freed: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        L = self.view.num_layers
+        self.device, self.device_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
+        self.host, self.host_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
+
+    def _slots(self, free: np.ndarray | None) -> np.ndarray:
+        return np.zeros(self.view.num_layers, np.int64) if free is None else free
+
+    def fits(self, device: np.ndarray, host: np.ndarray, whole: int = 0) -> bool:
+        v = self.view
+        ok_device = (self.device + device <= self._slots(v.free_layer_slots) + self.device_freed
+                     + self.whole - whole).all()
+        ok_host = (self.host + host <= self._slots(v.free_host_layer_slots) + self.host_freed
+                   + self.host_whole).all()
+        return bool(ok_device and ok_host and whole <= self.whole)
+
+    def change(self, before: tuple[int, ...], x: int, n: int) -> tuple[np.ndarray, ...]:
+        """(device taken, device freed, host taken, host freed) of `n` blocks going from
+        keeping `before` to keeping `x` layers (short of all of them)."""
+        L = self.view.num_layers
+        after = kept_layers(L, x)
+        gained, lost = _mask(L, set(after) - set(before), n), _mask(L, set(before) - set(after), n)
+        return gained, lost, lost, gained
+
+    def book(self, device: np.ndarray, device_freed: np.ndarray, host: np.ndarray,
+             host_freed: np.ndarray, whole: int = 0) -> None:
+        self.device += device
+        self.device_freed += device_freed
+        self.host += host
+        self.host_freed += host_freed
+        self.whole -= whole
+
+
+def _mask(num_layers: int, layers: set[int], n: int) -> np.ndarray:
+    out = np.zeros(num_layers, np.int64)
+    out[list(layers)] = n
+    return out
+
+
+@dataclass(frozen=True)
+class ForcedLayerOffload:
+    """`keep(seq, num_layers)`: how many layers a prefill keeps (default: none).
+    `offload_running`: the newest request about to decode its second token is offloaded to
+    `keep` layers instead (once each, so it cannot livelock). `reshuffle`: partly
+    offloaded requests not brought back move to another partial residency now and then."""
+
+    inner: Policy = field(default_factory=VLLMPolicy)
+    keep: Callable[[int, int], int] = lambda seq, num_layers: 0
+    offload_running: bool = False
+    reshuffle: bool = False
+    name: str = "forced-layer-offload"
+    chunked_prefill: bool = False
+
+    def schedule(self, view: SchedulerView) -> Plan:
+        r, L = view.requests, view.num_layers
+        room = _Room(view, view.num_free_blocks, view.num_free_host_blocks)
+        offloaded = r.with_status(OFFLOADED)  # oldest first
+        layers: dict[int, int] = {}
+        back_run: dict[int, int] = {}
+        back_allocate: dict[int, int] = {}
+        for i in offloaded:  # every layer back and a decode, oldest first, as blocks allow
+            n, x = int(r.num_blocks[i]), int(r.device_layers[i])
+            grow = view.blocks_for(int(r.num_computed[i]) + 1) - n
+            if n + grow <= room.whole and r.num_computed[i] + 1 == r.num_tokens[i]:
+                before = kept_layers(L, x)
+                room.book(*(np.zeros(L, np.int64), _mask(L, set(before), n),
+                            np.zeros(L, np.int64), _mask(L, set(range(L)) - set(before), n)), whole=n + grow)
+                seq = int(r.seq_id[i])
+                layers[seq], back_run[seq] = L, 1
+                if grow:
+                    back_allocate[seq] = grow
+        # vLLM sees the blocks, tokens and sequence slots the offloaded requests leave.
+        limits = dataclasses.replace(
+            view.limits, max_num_seqs=max(0, view.limits.max_num_seqs - len(offloaded)),
+            max_num_batched_tokens=view.limits.max_num_batched_tokens - len(back_run))
+        inner = self.inner.schedule(dataclasses.replace(view, num_free_blocks=room.whole, limits=limits))
+        run, allocate = {**back_run, **inner.run}, {**back_allocate, **inner.allocate}
+        row = {int(s): i for i, s in enumerate(r.seq_id.tolist())}
+        room.whole -= sum(inner.allocate.values()) + sum(int(r.num_host_blocks[row[s]]) for s in inner.swap_in)
+        room.host_whole -= sum(int(r.num_blocks[row[s]]) for s, m in inner.preempt.items()
+                               if m is PreemptMode.SWAP)
+        for seq, n in inner.allocate.items():  # prefills keep `keep` layers where the host has room
+            i = row[seq]
+            x = self.keep(seq, L)
+            if r.status[i] != WAITING or x >= L:
+                continue
+            kept = set(kept_layers(L, x))
+            device, host = _mask(L, kept, n), _mask(L, set(range(L)) - kept, n)
+            room.whole += n
+            if room.fits(device, host):
+                room.book(device, np.zeros(L, np.int64), host, np.zeros(L, np.int64))
+                layers[seq] = x
+            else:
+                room.whole -= n
+        if self.offload_running:
+            self._offload_one(view, run, allocate, layers, room, inner)
+        if self.reshuffle and run and int(view.now) % 3 == 0:
+            for i in offloaded:
+                seq = int(r.seq_id[i])
+                x = int(r.device_layers[i])
+                target = (x + seq + 1) % L
+                if seq in layers or target == x:
+                    continue
+                change = room.change(kept_layers(L, x), target, int(r.num_blocks[i]))
+                if room.fits(change[0], change[2]):
+                    room.book(*change)
+                    layers[seq] = target
+        if not run and not inner.preempt and not inner.swap_in and not layers and len(offloaded):
+            self._unstick(view, offloaded, layers, room)
+        preempt = dict(inner.preempt)
+        if not run and not preempt and not layers and len(offloaded):
+            preempt[int(r.seq_id[offloaded[-1]])] = PreemptMode.RECOMPUTE
+        return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=inner.swap_in,
+                    reserve=inner.reserve, layers=layers,
+                    repeat=inner.repeat if not len(offloaded) and not layers else 1)
+
+    def _offload_one(self, view: SchedulerView, run: dict[int, int], allocate: dict[int, int],
+                     layers: dict[int, int], room: _Room, inner: Plan) -> None:
+        """The newest request decoding this step offloads to `keep` layers instead."""
+        r, L = view.requests, view.num_layers
+        for i in r.with_status(RUNNING)[::-1]:
+            seq = int(r.seq_id[i])
+            x = self.keep(seq, L)
+            if run.get(seq) != 1 or x >= L or r.num_tokens[i] - r.prompt_len[i] != 1:
+                continue
+            change = room.change(tuple(range(L)), x, int(r.num_blocks[i]))
+            if room.fits(change[0], change[2]):
+                room.book(*change)
+                room.whole += allocate.pop(seq, 0)
+                del run[seq]
+                layers[seq] = x
+            return
+
+    def _unstick(self, view: SchedulerView, offloaded: np.ndarray, layers: dict[int, int], room: _Room) -> None:
+        """Nothing runs and every offloaded request waits for whole blocks that split slots
+        hold: offload the oldest one still keeping layers entirely (the last resort,
+        preempting the newest, is the caller's)."""
+        r, L = view.requests, view.num_layers
+        for i in offloaded:
+            x = int(r.device_layers[i])
+            if x == 0:
+                continue
+            change = room.change(kept_layers(L, x), 0, int(r.num_blocks[i]))
+            if room.fits(change[0], change[2]):
+                room.book(*change)
+                layers[int(r.seq_id[i])] = 0
+                return

@@ -1,0 +1,213 @@
+"""Layer-wise KV residency (LayerKV, `Plan.layers`): the slot bookkeeping, the plan rules,
+and random traces with residencies forced by `layer_offload_policy.ForcedLayerOffload`
+through the real engine state and the per-layer fake KV of `policy_harness` (every
+request's output equal to its unpreempted run, invariants after every step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from layer_offload_policy import ForcedLayerOffload
+from policy_harness import FakeClock, FakeRunner, Harness, aborts_strategy, configs, spec, specs_for
+
+from jserve.builder import assemble_engine
+from jserve.cache.blocks import BlockManager
+from jserve.cache.layers import LayerSlab, kept_layers, layer_demand, layer_shortfall
+from jserve.engine.batch import StepOutput
+from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.request import RequestStatus
+from jserve.engine.sampling_params import SamplingParams
+from jserve.engine.view import SchedulerLimits
+from jserve.errors import PlanError
+from jserve.policies.vllm import VLLMPolicy
+
+
+def test_kept_layers_spread_evenly_as_the_papers_example():
+    assert kept_layers(8, 4) == (1, 3, 5, 7)  # Section 3.1.2: even layers offloaded
+    assert kept_layers(8, 8) == tuple(range(8)) and kept_layers(8, 0) == ()
+    assert kept_layers(8, 1) == (7,)
+    for L in range(1, 12):
+        for x in range(L + 1):
+            kept = kept_layers(L, x)
+            assert len(set(kept)) == x and all(0 <= k < L for k in kept) and list(kept) == sorted(kept)
+    with pytest.raises(ValueError):
+        kept_layers(4, 5)
+
+
+def test_slab_splits_whole_blocks_and_merges_them_back():
+    blocks = BlockManager(4, 2)
+    slab = LayerSlab(blocks, 3)
+    a = slab.take(0, 2)
+    assert blocks.num_free == 2 and blocks.num_lent == 2
+    b = slab.take(1, 2)  # the split blocks' layer-1 slots, no new split
+    assert sorted(a) == sorted(b) and blocks.num_lent == 2
+    assert slab.free_slots.tolist() == [0, 0, 2]
+    slab.check_invariants()
+    blocks.check_invariants()
+    slab.give(0, a)
+    assert blocks.num_lent == 2  # layer 1 still holds them
+    slab.give(1, b)
+    assert blocks.num_lent == 0 and blocks.num_free == 4 and slab.free_slots.tolist() == [0, 0, 0]
+    slab.check_invariants()
+    blocks.check_invariants()
+
+
+def test_layer_shortfall_counts_whole_blocks_for_every_layer():
+    assert layer_shortfall(layer_demand(4, 2, 3), np.array([0, 3, 0, 0]), 0) == 3  # layer 3 has none
+    assert layer_shortfall(layer_demand(4, 2, 3), np.array([0, 3, 0, 0]), 3) == 0
+    assert layer_shortfall(layer_demand(4, 2, 3), np.array([0, 1, 0, 2]), 1) == 1
+
+
+def _engine(num_blocks=8, block_size=2, num_host_blocks=8, num_layers=4, prefix=None):
+    limits = SchedulerLimits(4, 64, 32)
+    runner = FakeRunner(num_blocks, block_size, limits, 16, num_layers=num_layers,
+                        num_host_blocks=num_host_blocks)
+    engine = assemble_engine(VLLMPolicy(), runner, FakeClock(), num_blocks=num_blocks,
+                             block_size=block_size, limits=limits, vocab_size=16,
+                             num_host_blocks=num_host_blocks, num_layers=num_layers)
+    return engine, runner
+
+
+def _add(engine, rid, n):
+    return engine.add_request(rid, [1 + i % 5 for i in range(n)],
+                              SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+
+
+def _apply(engine, plan):
+    state = engine.state
+    state.apply(plan, 0.0)
+    batch = state.batch(with_inputs=True)
+    out = engine.runner.execute(batch) if batch.num_seqs or batch.moves_blocks else StepOutput.empty()
+    state.commit(batch, out, 0.0)
+    state.check_invariants()
+    return batch
+
+
+def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
+    engine, runner = _engine()
+    req = _add(engine, "a", 5)
+    s = req.seq_id
+    batch = _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 2}))
+    state = engine.state
+    assert req.status is RequestStatus.OFFLOADED or state.table.data.status[state.live.row(s)] == 4
+    view = state.snapshot(0.0)
+    assert view.requests.device_layers.tolist() == [2]
+    assert view.num_free_layer_blocks == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
+    assert view.num_free_host_layer_blocks == 4 * 8 - 2 * 3
+    assert batch.layer_traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
+    assert runner.num_partial_prefills == 1
+    # It may not decode until every layer is back.
+    with pytest.raises(PlanError, match="whole prefill"):
+        state.apply(Plan(run={s: 1}), 0.0)
+    batch = _apply(engine, Plan(run={s: 1}, layers={s: 4}, allocate={}))
+    assert batch.layer_traffic.to_device.tolist() == [3, 0, 3, 0]
+    assert batch.layer_traffic.device_copy.tolist() == [0, 3, 0, 3]
+    view = state.snapshot(0.0)
+    assert view.num_free_blocks == 8 - 3 and view.num_free_layer_blocks == 4 * 5
+    assert view.num_free_host_layer_blocks == 4 * 8
+
+
+def test_offloading_a_running_request_frees_its_layers_for_others():
+    engine, _ = _engine()
+    req = _add(engine, "a", 5)
+    s = req.seq_id
+    _apply(engine, Plan(run={s: 5}, allocate={s: 3}))
+    batch = _apply(engine, Plan(layers={s: 0}))
+    assert batch.layer_traffic.to_host.tolist() == [3, 3, 3, 3]
+    view = engine.state.snapshot(0.0)
+    assert view.num_free_blocks == 8 and view.requests.status.tolist() == [RequestStatus.OFFLOADED]
+    batch = _apply(engine, Plan(layers={s: 1}))  # one layer back, into slots
+    assert batch.layer_traffic.to_device.tolist() == [0, 0, 0, 3]
+    assert engine.state.snapshot(0.0).num_free_layer_blocks == 4 * 8 - 3
+    _apply(engine, Plan(run={s: 1}, layers={s: 4}))
+
+
+@pytest.mark.parametrize("plan, match", [
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 5}), "cannot keep 5 of 4"),
+    (lambda s: Plan(layers={s: 1}), "only in the plan that prefills it"),
+    (lambda s: Plan(run={s: 3}, allocate={s: 2}, layers={s: 1}), "whole prefill"),
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 0}), "host layer slots"),
+])
+def test_plans_the_state_cannot_honour_are_refused(plan, match):
+    engine, _ = _engine(num_host_blocks=2)
+    req = _add(engine, "a", 5)
+    with pytest.raises(PlanError, match=match):
+        engine.state.apply(plan(req.seq_id), 0.0)
+    engine.state.check_invariants()
+
+
+def test_layer_offload_needs_a_host_tier_and_no_swap_of_a_partial_request():
+    engine, _ = _engine(num_host_blocks=0)
+    s = _add(engine, "a", 5).seq_id
+    with pytest.raises(PlanError, match="host KV tier"):
+        engine.state.apply(Plan(run={s: 5}, allocate={s: 3}, layers={s: 1}), 0.0)
+    engine, _ = _engine()
+    s = _add(engine, "a", 5).seq_id
+    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 1}))
+    with pytest.raises(PlanError, match="recompute"):
+        engine.state.apply(Plan(preempt={s: PreemptMode.SWAP}), 0.0)
+    _apply(engine, Plan(preempt={s: PreemptMode.RECOMPUTE}))
+    view = engine.state.snapshot(0.0)
+    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
+    assert view.requests.device_layers.tolist() == [4]
+
+
+def _keep_all_offloaded(seq: int, num_layers: int) -> int:
+    return 0
+
+
+def _keep_mixed(seq: int, num_layers: int) -> int:
+    return seq % (num_layers + 1)
+
+
+POLICIES = {
+    "all-offloaded": ForcedLayerOffload(keep=_keep_all_offloaded),
+    "mixed": ForcedLayerOffload(keep=_keep_mixed, reshuffle=True),
+    "mixed-offload-running": ForcedLayerOffload(keep=_keep_mixed, offload_running=True, reshuffle=True),
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_traces_with_layer_residencies(name, data):
+    cfg = data.draw(configs())
+    cfg["num_host_blocks"] = data.draw(st.sampled_from([cfg["num_blocks"], 2 * cfg["num_blocks"]]))
+    num_layers = data.draw(st.sampled_from([1, 2, 3, 5]))
+    h = Harness(**cfg, policy=POLICIES[name], num_layers=num_layers)
+    h.run(data.draw(specs_for(cfg)), data.draw(aborts_strategy()))
+    event(f"partial prefills > 0: {h.runner.num_partial_prefills > 0}")
+    event(f"layer moves > 0: {h.runner.num_layer_moves > 0}")
+
+
+def test_a_hand_trace_moves_layers_every_way():
+    cfg = dict(num_blocks=12, block_size=2, eos=None, vocab_size=16,
+               limits=SchedulerLimits(4, 32, 32), num_host_blocks=24)
+    h = Harness(**cfg, policy=POLICIES["mixed-offload-running"], num_layers=4)
+    h.run([spec(7, 6, arrive=k, first=k) for k in range(5)])
+    assert h.runner.num_partial_prefills and h.runner.num_layer_moves
+
+
+def test_the_simulator_runs_forced_residencies_and_hands_layer_bytes_to_the_cost_model():
+    from jserve.builder import build_engine
+    from jserve.config import EngineConfig
+
+    built = build_engine(EngineConfig(runner="sim", model="llama-2-7b", hardware="l20",
+                                      num_blocks=64, max_model_len=512, swap_space=1.0))
+    engine = built.engine
+    engine.policy = ForcedLayerOffload(keep=_keep_mixed)
+    shapes = []
+    cost = engine.runner.cost_model
+    engine.runner.cost_model = type("Spy", (), {"step_time": lambda self, s: shapes.append(s) or cost.step_time(s)})()
+    for k in range(6):
+        engine.add_request(f"r{k}", [1] * (100 + 50 * k),
+                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), arrival_time=0.0)
+    while engine.has_unfinished:
+        engine.step()
+        engine.state.check_invariants()
+    moved = [s.layer_bytes for s in shapes if s.layer_bytes is not None]
+    assert moved and any(sum(m.prefill_to_host) for m in moved) and any(sum(m.to_device) for m in moved)
+    per_layer_block = 2 * 128 * 32 * 16 * 2  # K and V, 32 heads x 128, 16 tokens, bf16
+    assert all(b % per_layer_block == 0 for m in moved for b in m.prefill_to_host)
