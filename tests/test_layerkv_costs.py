@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.runners.cost_model import RooflineCostModel
+from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model, relative_factor
 from models.registry import get_config
@@ -69,3 +69,12 @@ def test_gqa_models_offload_kv_heads_only():
     cfg, hw = get_config("llama-3.1-70b"), get_hardware("l20")
     costs = layerkv_costs_from_cost_model(RooflineCostModel(cfg, hw), cfg, hw, 2, fit_lengths(4096))
     assert costs.kv_dim == cfg.num_kv_heads * cfg.head_dim == 1024
+
+
+def test_decode_line_fits_the_cost_models_decode_steps():
+    cfg, hw = get_config("llama-2-7b"), get_hardware("l20")
+    model = RooflineCostModel(cfg, hw)
+    costs = layerkv_costs_from_cost_model(model, cfg, hw, 2, fit_lengths(4096))
+    for n, c in ((1, 100), (32, 1000), (200, 600)):
+        assert costs.decode_time(n, n * c) == pytest.approx(model.step_time(StepShape.decode([c] * n)), rel=0.1)
+    assert costs.decode_time(0, 0) == 0.0

@@ -15,6 +15,9 @@ the `layerkv` policy, as it hands CacheOpt its preemption costs.
   KV heads, so `kv_dim` here is `d_head * n_kv_heads`, the bytes that really move.
 - x, the layers a prefill keeps on the device, is the smallest with `T_offload <= T_prefill`
   (Section 3.1.1), so the offload hides under the prefill.
+- Eq. 1's "current TPOT", which the paper monitors, is read here as the time of a decode
+  iteration of the current batch: `decode_base + decode_per_seq * seqs + decode_per_token *
+  context tokens`, a line fitted to the same runner (a policy reads no clock but the view).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class LayerKVCosts:
     num_params, hidden_size: Eq. 3's n_param and n_hidden. kv_dim: d_head * n_kv_heads.
     dtype_bytes: f_precision. flops: the device's peak FLOP/s (alpha absorbs the achieved
     fraction). pcie_bandwidth: host<->device bytes/s, one direction. alpha, beta: Eq. 3's
-    and Eq. 4's empirical factors."""
+    and Eq. 4's empirical factors. decode_*: the fitted decode-iteration line."""
 
     num_params: float
     hidden_size: int
@@ -44,12 +47,25 @@ class LayerKVCosts:
     pcie_bandwidth: float
     alpha: float = 1.0
     beta: float = 1.0
+    decode_base: float = 0.0
+    decode_per_seq: float = 0.0
+    decode_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_params", "hidden_size", "kv_dim", "dtype_bytes", "flops", "pcie_bandwidth",
                      "alpha", "beta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("decode_base", "decode_per_seq", "decode_per_token"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """Seconds of one decode iteration of `num_seqs` sequences holding `context_tokens`
+        tokens of context in all (0 for an empty batch)."""
+        if num_seqs <= 0:
+            return 0.0
+        return self.decode_base + self.decode_per_seq * num_seqs + self.decode_per_token * context_tokens
 
     def prefill_time(self, seqlen: Tokens) -> Tokens:
         """Eq. 3: seconds to prefill `seqlen` prompt tokens (of one request, or of each)."""

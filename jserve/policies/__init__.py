@@ -9,6 +9,7 @@ from jserve.engine.plan import PreemptMode
 from jserve.engine.policy import Policy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.fastgen import FastGenPolicy
+from jserve.policies.layerkv import LayerKVPolicy
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy
 from jserve.policies.sarathi import SarathiPolicy
@@ -22,6 +23,10 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "rlp": RLPPolicy,
     "s3": S3Policy,
     "cacheopt": CacheOptPolicy,
+    "layerkv": LayerKVPolicy,
+    # LayerKV without its SLO-aware scheduler (the paper's Figure 8 ablation), named as
+    # CacheOpt's ablations are: the policy, then the component switched off.
+    "layerkv/SLO": partial(LayerKVPolicy, name="layerkv/SLO", slo_aware=False),
 }
 # CacheOpt's ablations (the paper's /CKA, /RSA, /PA, /GR, /PP, /PSS): one component off each.
 CACHEOPT_ABLATIONS = {

@@ -7,7 +7,9 @@ profile`): alpha from lone prefills of `lengths` tokens against Eq. 3 at alpha =
 from the time to write those tokens' K/V of every layer to host against Eq. 4 at beta = 1.
 Each is one factor through the origin fitted in relative error (`sum (k * f / t - 1)^2`
 minimised: k = sum(f / t) / sum((f / t)^2)), so short prompts, which set the admissions of a
-busy step, count as much as long ones.
+busy step, count as much as long ones. The decode-iteration line that stands for Eq. 1's
+"current TPOT" is fitted (non-negative least squares) to decode steps of `DECODE_SEQS`
+sequences at `DECODE_CONTEXTS` tokens of context each.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.runners.cost_model import CostModel, LayerTransfers, StepShape
+from jserve.runners.cost_model import CostModel, LayerTransfers, StepShape, nnls
 from jserve.runners.hardware import Hardware
 from models.config import ModelConfig
 
 # Prompt lengths profiled: 64 tokens up to the engine's longest prompt, doubling.
 MIN_FIT_TOKENS = 64
+DECODE_SEQS = (1, 4, 16, 64, 256)
+DECODE_CONTEXTS = (128, 512, 2048)
 
 
 def fit_lengths(max_model_len: int) -> tuple[int, ...]:
@@ -62,4 +66,9 @@ def layerkv_costs_from_cost_model(cost: CostModel, cfg: ModelConfig, hw: Hardwar
     offload = np.array([cost.step_time(offload_step(int(n) * per_token_layer, cfg.num_layers)) for n in s])
     alpha = relative_factor(bare.prefill_time(s), prefill)
     beta = relative_factor(bare.offload_time(s, cfg.num_layers), offload)
-    return dataclasses.replace(bare, alpha=alpha, beta=beta)
+    grid = [(n, c) for n in DECODE_SEQS for c in DECODE_CONTEXTS]
+    x = np.array([[1.0, n, n * c] for n, c in grid])
+    y = np.array([cost.step_time(StepShape.decode([c] * n)) for n, c in grid])
+    base, per_seq, per_token = nnls(x, y)
+    return dataclasses.replace(bare, alpha=alpha, beta=beta, decode_base=float(base),
+                               decode_per_seq=float(per_seq), decode_per_token=float(per_token))
