@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
@@ -159,6 +160,15 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
         pad(x.top_k), pad(x.seeds), pad(x.output_index),
     )
+
+
+def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Moves' source and destination blocks, concatenated per layer."""
+    grouped: dict[int, list[LayerMove]] = {}
+    for m in moves:
+        grouped.setdefault(m.layer, []).append(m)
+    return {layer: (np.concatenate([m.src for m in ms]), np.concatenate([m.dst for m in ms]))
+            for layer, ms in grouped.items()}
 
 
 class JaxRunner:
@@ -308,28 +318,31 @@ class JaxRunner:
         return out
 
     def _offload_prefills(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
-        """The offloaded layers' K/V this step's prefills computed, staging -> host pool."""
-        for i, tables in batch.inputs.layer_tables.items():
-            ids = staging[i]
-            for layer, host in enumerate(tables.host):
-                if len(host):
-                    k, v = self.layer_pool.gather(self.cache, layer, ids)
-                    self.layer_pool.write_from_device(layer, host[: len(ids)], k, v)
+        """The offloaded layers' K/V this step's prefills computed, staging -> host pool:
+        one gather and one host write per layer."""
+        moves = [LayerMove(-1, layer, ids, host[: len(ids)])
+                 for i, tables in batch.inputs.layer_tables.items()
+                 for ids in (staging[i],) for layer, host in enumerate(tables.host) if len(host)]
+        for layer, (src, dst) in _by_layer(moves).items():
+            self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
 
     def _move_layers(self, batch: Batch) -> None:
-        """Residency changes before the step: every source read (host pool rows, device
-        blocks) before anything is written, since a slot one request frees may be another's
-        destination."""
+        """Residency changes before the step, one gather or scatter per layer and kind:
+        every source read (host pool rows, device blocks) before anything is written, since
+        a slot one request frees may be another's destination."""
         if not (batch.layers_to_host or batch.layers_to_device or batch.layers_copy):
             return
         pool = self.layer_pool
-        from_host = [(m, pool.read(m.layer, m.src)) for m in batch.layers_to_device]
-        to_host = [(m, pool.gather(self.cache, m.layer, m.src)) for m in batch.layers_to_host]
-        copies = [(m, pool.gather(self.cache, m.layer, m.src)) for m in batch.layers_copy]
-        for m, (k, v) in to_host:
-            pool.write_from_device(m.layer, m.dst, k, v)
-        for m, (k, v) in copies + from_host:
-            self.cache = pool.scatter(self.cache, m.layer, m.dst, k, v)
+        from_host = [(layer, dst, pool.read(layer, src))
+                     for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
+        to_host = [(layer, dst, pool.gather(self.cache, layer, src))
+                   for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
+        copies = [(layer, dst, pool.gather(self.cache, layer, src))
+                  for layer, (src, dst) in _by_layer(batch.layers_copy).items()]
+        for layer, dst, (k, v) in to_host:
+            pool.write_from_device(layer, dst, k, v)
+        for layer, dst, (k, v) in copies + from_host:
+            self.cache = pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
