@@ -118,14 +118,16 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         num_blocks = num_blocks_for_budget(model, config.block_size, dbytes, budget)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")
+    num_host_blocks = num_blocks_for_budget(model, config.block_size, dbytes, config.swap_space * 2**30)
+    policy = config.make_policy()
     runner = JaxRunner(
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,
         max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len, attention=config.attention,
+        layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
     )
     # The real runner's costs come only from a profile measured on it; without one the
     # policy keeps its documented fallback.
-    policy = config.make_policy()
     if config.profile is not None:
         swaps = RooflineCostModel(model, get_hardware(config.hardware), dtype_bytes=dbytes,
                                   swap_path=SwapPath.GATHERED)
@@ -140,8 +142,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
-        num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
-                                              config.swap_space * 2**30),
+        num_host_blocks=num_host_blocks,
     )
     if config.warmup:
         runner.warmup(progress=True)

@@ -133,6 +133,10 @@ class EngineConfig:
                 _check_at_least(name, getattr(self, name), 1)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.prefix_cache is not None and getattr(self.make_policy(), "offloads_layers", False):
+            raise ValueError(f"policy {self.policy_name!r} keeps some requests' layers on the host "
+                             "(LayerKV), which splits blocks per layer; a prefix cache shares whole "
+                             "blocks between requests: use one or the other")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

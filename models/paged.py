@@ -51,8 +51,11 @@ class KVCache:
     v: list[jax.Array]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
+              staging_blocks: int = 0) -> KVCache:
+        """`staging_blocks` more blocks per layer after the engine's `num_blocks`, where a
+        runner computes K/V that go straight to host memory (LayerKV's offloaded layers)."""
+        shape = (num_blocks + staging_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         return cls(
             k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
             v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
@@ -83,12 +86,14 @@ def run_blocks(
 
     Families differ inside their blocks, not in how the cache is threaded, so they share this.
     Blocks are stateless nnx Modules, each run as a nested jit (`_run_block`); `attention`
-    is a static argument of it, so it must be hashable.
+    is a static argument of it, so it must be hashable. Each layer reads its own tables
+    where the metadata has per-layer ones (`AttentionMetadata.for_layer`).
     """
     k_out, v_out = [], []
-    for block, k_pages, v_pages in zip(blocks, cache.k, cache.v, strict=True):
+    for layer, (block, k_pages, v_pages) in enumerate(zip(blocks, cache.k, cache.v, strict=True)):
         graphdef, state = nnx.split(block)
-        x, k_pages, v_pages = _run_block(graphdef, state, x, k_pages, v_pages, meta, attention)
+        x, k_pages, v_pages = _run_block(graphdef, state, x, k_pages, v_pages, meta.for_layer(layer),
+                                         attention)
         k_out.append(k_pages)
         v_out.append(v_pages)
     return x, KVCache(k=k_out, v=v_out)

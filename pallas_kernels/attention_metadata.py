@@ -8,6 +8,7 @@ tokens of context. Prefill chunks and decodes mix freely; padding tokens sit aft
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,19 @@ class AttentionMetadata:
     # Static: every real sequence has exactly one query token. Lets a backend pick its
     # decode kernel at trace time; a different value is a different compiled step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
+    # Per-layer tables and write slots `[L, S, max_blocks]`, `[L, T]`, when some sequence's
+    # layers live in different blocks (LayerKV's partly offloaded requests); None: every
+    # layer uses `block_tables` and `slot_mapping`.
+    layer_block_tables: jax.Array | None = None
+    layer_slot_mapping: jax.Array | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` attends and writes through."""
+        if self.layer_block_tables is None:
+            return self
+        return dataclasses.replace(self, block_tables=self.layer_block_tables[layer],
+                                   slot_mapping=self.layer_slot_mapping[layer],
+                                   layer_block_tables=None, layer_slot_mapping=None)
 
 
 def ragged_metadata(
@@ -63,3 +77,21 @@ def ragged_metadata(
     context_lens = np.zeros(num_seqs, np.int32)
     context_lens[:n] = np.asarray(starts) + np.asarray(query_lens)
     return AttentionMetadata(positions, slots, query_start, context_lens, block_tables, decode_only)
+
+
+def with_layer_tables(meta: AttentionMetadata, layer_tables: dict[int, Sequence[np.ndarray]],
+                      num_layers: int, block_size: int) -> AttentionMetadata:
+    """`meta` (host-side) with per-layer tables: sequence `i` in `layer_tables` reads and
+    writes layer `l` through `layer_tables[i][l]`, the others through `meta.block_tables`."""
+    tables = np.repeat(np.asarray(meta.block_tables)[None], num_layers, axis=0)
+    for i, per_layer in layer_tables.items():
+        for layer, table in enumerate(per_layer):
+            tables[layer, i, : len(table)] = table
+    slots = np.repeat(np.asarray(meta.slot_mapping)[None], num_layers, axis=0)
+    query_start = np.asarray(meta.query_start)
+    positions = np.asarray(meta.positions)
+    for i in layer_tables:
+        tok = np.arange(query_start[i], query_start[i + 1])
+        pos = positions[tok]
+        slots[:, tok] = tables[:, i, pos // block_size] * block_size + pos % block_size
+    return dataclasses.replace(meta, layer_block_tables=tables, layer_slot_mapping=slots)

@@ -91,6 +91,7 @@ class ForcedLayerOffload:
     reshuffle: bool = False
     name: str = "forced-layer-offload"
     chunked_prefill: bool = False
+    offloads_layers: bool = True
 
     def schedule(self, view: SchedulerView) -> Plan:
         r, L = view.requests, view.num_layers

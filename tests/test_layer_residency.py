@@ -211,3 +211,12 @@ def test_the_simulator_runs_forced_residencies_and_hands_layer_bytes_to_the_cost
     assert moved and any(sum(m.prefill_to_host) for m in moved) and any(sum(m.to_device) for m in moved)
     per_layer_block = 2 * 128 * 32 * 16 * 2  # K and V, 32 heads x 128, 16 tokens, bf16
     assert all(b % per_layer_block == 0 for m in moved for b in m.prefill_to_host)
+
+
+def test_layer_offload_and_a_prefix_cache_are_refused_together():
+    from jserve.cache.prefix import PrefixCacheConfig
+    from jserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="prefix cache"):
+        EngineConfig(runner="sim", model="llama-2-7b", policy=ForcedLayerOffload(),
+                     prefix_cache=PrefixCacheConfig())

@@ -17,6 +17,10 @@ class Policy(Protocol):
     A policy that allocates by predicted output length also names its predictor in a
     `predictor_kind` attribute (`cacheopt`, `rlp`, `s3`); the engine's front ends then fill
     each request's `predicted_len` / `predicted_dir` when it arrives.
+
+    A policy that keeps some requests' layers on the host (`Plan.layers`, LayerKV) says so
+    with a true `offloads_layers` attribute: the real runner then sets aside staging blocks
+    for those requests' prefills and a per-layer host pool (`runners/jax_runner.py`).
     """
 
     name: str

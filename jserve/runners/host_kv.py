@@ -67,3 +67,87 @@ class HostKVStore:
     def drop(self, seq_id: int) -> None:
         """Forget a request that ended while swapped out."""
         self._held.pop(seq_id, None)
+
+
+def _pad_ids(ids: np.ndarray, fill: int) -> np.ndarray:
+    """Block ids padded to a power of two with `fill` (the scratch block), so the copy jits
+    compile once per size class rather than once per length."""
+    n = max(1, 1 << max(0, len(ids) - 1).bit_length())
+    out = np.full(n, fill, np.int32)
+    out[: len(ids)] = ids
+    return out
+
+
+class LayerHostPool:
+    """Offloaded layers' K/V (LayerKV) in host memory, one pool per layer and per K/V.
+
+    Laid out per layer, `[num_host_blocks, block_size, kv_heads, head_dim]` each, rather than
+    one buffer per request as swaps keep: a request's layers move one at a time and in
+    different steps (its prefill writes some layers, an offload later adds others, a bring-
+    back takes a few of them back), and the engine hands out host slots per layer
+    (`jserve.cache.layers`), so the host copy of layer `l` of block `b` needs a fixed place
+    of its own. The pools are numpy (pageable) arrays allocated zeroed, so the OS maps pages
+    only as they are written. Transfers go through `device_put` to pinned host memory where
+    the backend has it (and to the device); a device -> host copy is issued without waiting
+    for it and lands in the pool when the next step starts (`flush`), so on a GPU it
+    overlaps the host's work and the next step's dispatch. On XLA:CPU "device" and "pinned
+    host" are both host memory and every copy is a memcpy done at once.
+    """
+
+    def __init__(self, gather_blocks: Callable, scatter_blocks: Callable, shape: tuple[int, ...],
+                 dtype: np.dtype, num_layers: int, scratch_block: int) -> None:
+        self.k = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.scratch_block = scratch_block
+        self._gather = jax.jit(lambda k, v, ids: (gather_blocks(k, ids), gather_blocks(v, ids)))
+        self._scatter = jax.jit(lambda k, v, ids, kb, vb: (scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb)),
+                                donate_argnums=(0, 1))
+        self._host = host_sharding()
+        self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device") \
+            if self._host is not None else None
+        self._pending: list[tuple[int, np.ndarray, jax.Array, jax.Array]] = []
+
+    def read(self, layer: int, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s K and V blocks at `host_ids` (copies)."""
+        self.flush()
+        return self.k[layer][host_ids], self.v[layer][host_ids]
+
+    def gather(self, cache: KVCache, layer: int, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s device blocks `ids`, padded (the caller keeps `len(ids)`)."""
+        padded = jnp.asarray(_pad_ids(ids, self.scratch_block))
+        return self._gather(cache.k[layer], cache.v[layer], padded)
+
+    def write_from_device(self, layer: int, host_ids: np.ndarray, k: jax.Array, v: jax.Array) -> None:
+        """Copy gathered device blocks (the first `len(host_ids)`) to the host pool: issued
+        now, landing at the next `flush`."""
+        if self._host is not None:
+            k, v = jax.device_put(k, self._host), jax.device_put(v, self._host)
+        self._pending.append((layer, host_ids, k, v))
+
+    def flush(self) -> None:
+        for layer, host_ids, k, v in self._pending:
+            n = len(host_ids)
+            self.k[layer][host_ids] = np.asarray(k)[:n]
+            self.v[layer][host_ids] = np.asarray(v)[:n]
+        self._pending.clear()
+
+    def scatter(self, cache: KVCache, layer: int, ids: np.ndarray, k: np.ndarray | jax.Array,
+                v: np.ndarray | jax.Array) -> KVCache:
+        """`cache` with layer `layer`'s blocks `ids` set to `k`, `v` (blocks read from the
+        host pool, or gathered on the device by `gather`); only those blocks are written
+        (the layer's pools are donated)."""
+        padded = _pad_ids(ids, self.scratch_block)
+        k, v = self._on_device(k, len(padded)), self._on_device(v, len(padded))
+        new_k, new_v = self._scatter(cache.k[layer], cache.v[layer], jnp.asarray(padded), k, v)
+        ks, vs = list(cache.k), list(cache.v)
+        ks[layer], vs[layer] = new_k, new_v
+        return KVCache(k=ks, v=vs)
+
+    def _on_device(self, x: np.ndarray | jax.Array, n: int) -> jax.Array:
+        """Host blocks padded to `n` and moved to the device; device ones are `gather`'s,
+        already `n` long."""
+        if not isinstance(x, np.ndarray):
+            return x
+        if len(x) < n:
+            x = np.concatenate([x, np.zeros((n - len(x), *x.shape[1:]), x.dtype)])
+        return jax.device_put(x, self._device) if self._device is not None else jnp.asarray(x)

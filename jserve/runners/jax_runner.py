@@ -9,6 +9,18 @@ earlier start built it, without executing anything. `warmup()` does that for the
 vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
 `T == S`); anything else compiles on first use. The KV pages are donated to the step, so
 XLA writes new K/V in place.
+
+Layer-wise residency (LayerKV, built with `layer_staging`): a partly offloaded request's
+layers live in per-layer slots, so a step with one in it carries per-layer block tables
+(`AttentionMetadata.layer_block_tables`, a separately compiled variant of its bucket). Its
+prefill computes the offloaded layers' K/V into staging blocks after the engine's (sized
+to a full token budget, the analogue of the K/V activations vLLM's profiler sets aside),
+from which they are copied to the per-layer host pool (`host_kv.LayerHostPool`) right
+after the step is dispatched. Offloads, bring-backs and slot -> whole-block copies are
+block gathers and scatters per layer before the step, every source read before anything
+is written. These copies run outside the step's jit: on a GPU the device -> host copies
+are issued asynchronously and overlap the host's work and the next dispatch, not the
+step's own layers; on XLA:CPU every copy is a memcpy done when issued.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -24,13 +37,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.view import SchedulerLimits
-from jserve.runners.host_kv import HostKVStore
+from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
 from models.loading import CausalLM
 from models.paged import KVCache
-from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
+from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata, with_layer_tables
 from pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
@@ -40,8 +53,9 @@ log = logging.getLogger(__name__)
 # GIL, and loading 14 cached steps took 5.7 s with two threads on two cores, 8.3 s with one.
 COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
-# A compiled step's key: tokens T, sequences S, and whether it is an all-decode step.
-Shape = tuple[int, int, bool]
+# A compiled step's key: tokens T, sequences S, whether it is an all-decode step, and
+# whether its layers have tables of their own (LayerKV).
+Shape = tuple[int, int, bool, bool]
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -104,14 +118,17 @@ class Buckets:
 
 
 def _shape_of(x: StepInputs) -> Shape:
-    return x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only
+    return (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only,
+            x.meta.layer_block_tables is not None)
 
 
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
-                      mark_decode: bool = False) -> StepInputs:
+                      mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None
+                      ) -> StepInputs:
     """Pad a batch to its bucket; padding tokens write to the scratch block, padded
     sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
-    backends with a decode kernel."""
+    backends with a decode kernel. `staging`: the staging blocks each partly offloaded
+    sequence (by batch index) computes its offloaded layers' K/V in."""
     n, t_real = batch.num_seqs, batch.num_tokens
     t = b.tokens(t_real)
     s = b.seqs(n, t)
@@ -125,6 +142,10 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=scratch_block,
         decode_only=mark_decode and bool(np.all(q == 1)),
     )
+    if x.layer_tables:
+        per_layer = {i: [d if len(d) else staging[i] for d in tables.device]
+                     for i, tables in x.layer_tables.items()}
+        meta = with_layer_tables(meta, per_layer, len(next(iter(per_layer.values()))), bs)
     token_ids = np.zeros(t, np.int32)
     token_ids[:t_real] = x.token_ids
     sample_index = np.zeros(s, np.int32)
@@ -141,6 +162,15 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     )
 
 
+def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Moves' source and destination blocks, concatenated per layer."""
+    grouped: dict[int, list[LayerMove]] = {}
+    for m in moves:
+        grouped.setdefault(m.layer, []).append(m)
+    return {layer: (np.concatenate([m.src for m in ms]), np.concatenate([m.dst for m in ms]))
+            for layer, ms in grouped.items()}
+
+
 class JaxRunner:
     needs_inputs = True
 
@@ -155,18 +185,29 @@ class JaxRunner:
         max_model_len: int,
         attention: str = "auto",
         kv_dtype: Any = None,
+        layer_staging: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`layer_staging`: room for prefills of partly offloaded requests (LayerKV), whose
+        offloaded layers go to a per-layer host pool of `num_host_blocks` blocks."""
         cfg = model.cfg
         self.block_size = block_size
         self.buckets = Buckets.for_limits(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len), block_size)
         graphdef, self.params = nnx.split(model)
         dtype = kv_dtype or model.embed.embedding.get_value().dtype
-        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype)
+        # A step's prefills fill at most T / block_size blocks plus one partial block each.
+        staging = (-(-self.buckets.max_tokens // block_size) + self.buckets.max_seqs) if layer_staging else 0
+        self.staging_start = num_blocks
+        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype, staging_blocks=staging)
         self.scratch_block = self.cache.scratch_block
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
+        self.layer_pool = LayerHostPool(
+            attention_fn.gather_blocks, attention_fn.scatter_blocks,
+            (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), np.dtype(dtype),
+            cfg.num_layers, self.scratch_block) if layer_staging and num_host_blocks else None
         # The step takes the weights as a flat list: flattening the nnx.State tree on every
         # call cost ~0.25 ms.
         self._weights, treedef = jax.tree.flatten(self.params)
@@ -214,7 +255,7 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
         """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
         either all decodes or mixed (decodes plus short chunks), and each compiles apart."""
         return [(t, s, d) for t, s in shapes
@@ -229,7 +270,7 @@ class JaxRunner:
         exe = self._executables.get(shape)
         if exe is None:
             if self.warmed_up:
-                log.warning("compiling step for new bucket (T, S, decode_only)=%s while serving", shape)
+                log.warning("compiling step for new bucket (T, S, decode_only, layered)=%s while serving", shape)
             exe = self._executables[shape] = self._lower(x).compile()
         return exe
 
@@ -247,13 +288,61 @@ class JaxRunner:
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
         self._move_blocks(batch)
+        self._move_layers(batch)
         n = batch.num_seqs
         if n == 0:
             return StepOutput.empty()
+        staging = self._staging(batch)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
-                              self.mark_decode)
+                              self.mark_decode, staging)
         tokens, logprobs = self._run(x)
+        if staging:
+            self._offload_prefills(batch, staging)
         return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
+
+    def _staging(self, batch: Batch) -> dict[int, np.ndarray]:
+        """Staging blocks for each partly offloaded sequence's prefill, by batch index."""
+        if not batch.inputs.layer_tables:
+            return {}
+        if self.layer_pool is None:
+            raise RuntimeError("a partly offloaded prefill needs a runner built with layer_staging "
+                               "and a host tier")
+        out, nxt = {}, self.staging_start
+        for i in batch.inputs.layer_tables:
+            n = -(-int(batch.query_lens[i]) // self.block_size)
+            out[i] = np.arange(nxt, nxt + n, dtype=np.int32)
+            nxt += n
+        if nxt > self.scratch_block:
+            raise RuntimeError(f"partly offloaded prefills need {nxt - self.staging_start} staging "
+                               f"blocks, {self.scratch_block - self.staging_start} exist")
+        return out
+
+    def _offload_prefills(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
+        """The offloaded layers' K/V this step's prefills computed, staging -> host pool:
+        one gather and one host write per layer."""
+        moves = [LayerMove(-1, layer, ids, host[: len(ids)])
+                 for i, tables in batch.inputs.layer_tables.items()
+                 for ids in (staging[i],) for layer, host in enumerate(tables.host) if len(host)]
+        for layer, (src, dst) in _by_layer(moves).items():
+            self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
+
+    def _move_layers(self, batch: Batch) -> None:
+        """Residency changes before the step, one gather or scatter per layer and kind:
+        every source read (host pool rows, device blocks) before anything is written, since
+        a slot one request frees may be another's destination."""
+        if not (batch.layers_to_host or batch.layers_to_device or batch.layers_copy):
+            return
+        pool = self.layer_pool
+        from_host = [(layer, dst, pool.read(layer, src))
+                     for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
+        to_host = [(layer, dst, pool.gather(self.cache, layer, src))
+                   for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
+        copies = [(layer, dst, pool.gather(self.cache, layer, src))
+                  for layer, (src, dst) in _by_layer(batch.layers_copy).items()]
+        for layer, dst, (k, v) in to_host:
+            pool.write_from_device(layer, dst, k, v)
+        for layer, dst, (k, v) in copies + from_host:
+            self.cache = pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
