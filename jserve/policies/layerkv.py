@@ -159,6 +159,7 @@ class LayerKVPolicy:
     bucket_tokens: int = 50  # S3's predictor classes
     costs: LayerKVCosts | None = None  # Eqs. 3-4, filled by the builder
     predictor_kind = "s3"  # class attribute: whose output-length predictions it reads
+    offloads_layers = True  # class attribute: keeps layers on the host (no prefix cache with it)
 
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)
