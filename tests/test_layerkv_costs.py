@@ -9,7 +9,11 @@ import pytest
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
-from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model, relative_factor
+from jserve.runners.layerkv_cost import (
+    fit_lengths,
+    layerkv_costs_from_cost_model,
+    relative_factor,
+)
 from models.registry import get_config
 
 # Round figures, so each equation can be checked by hand.

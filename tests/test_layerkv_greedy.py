@@ -23,7 +23,7 @@ def _identical(llm: LLM, loaded: LoadedModel, prompts: list[list[int]], max_toke
     """Outputs equal the roomy vLLM run's and everything is given back; returns the moves."""
     roomy = LLM(loaded, num_blocks=512, warmup=False)
     expected = [e[: max_len - len(p)] for e, p in zip(_ids(roomy, prompts, max_tokens), prompts)]
-    seen = dict(partial_prefills=0, to_host=0, to_device=0)
+    seen = {"partial_prefills": 0, "to_host": 0, "to_device": 0}
     execute = llm.runner.execute
 
     def counting(batch):

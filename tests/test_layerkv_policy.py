@@ -12,19 +12,17 @@ from hypothesis import strategies as st
 from policy_harness import Harness, aborts_strategy, configs, specs_for
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.policies import POLICIES
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.request_table import RequestArrays
 from jserve.engine.view import SchedulerLimits, SchedulerView
+from jserve.policies import POLICIES
 from jserve.policies.layerkv import (
     Forecast,
     LayerKVPolicy,
     allowed_prefill_time,
     forecast_free,
     future_tokens,
-    prefills_within,
 )
-
 
 
 def test_future_tokens_from_the_predicted_buckets_lower_edge():
@@ -49,18 +47,8 @@ def test_eq1_allowed_prefill_time():
     assert out[2] == pytest.approx(0.2 * 4 - (0.05 + 0.05 * 4))
 
 
-def test_algorithm1_admits_while_the_summed_prefill_stays_strictly_below():
-    times = np.array([1.0, 2.0, 0.5, 3.0])  # cumulative 1, 3, 3.5, 6.5
-    assert prefills_within(times, 3.5) == 2  # 3.5 < 3.5 fails: strict, as Eq. 2
-    assert prefills_within(times, 3.51) == 3
-    assert prefills_within(times, 0.5) == 0
-    assert prefills_within(times, math.inf) == 4
-    assert prefills_within(times, -1.0) == 0
-    assert prefills_within(np.zeros(0), 1.0) == 0
-
-
 def _forecast(held=(), ends=(), need=(), queue_held=(), queue_ends=(), grow=2) -> Forecast:
-    a = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    a = lambda v: np.asarray(v, np.float64)
     return Forecast(a(held), a(ends), a(need), a(queue_held), a(queue_ends), grow)
 
 
@@ -112,13 +100,13 @@ def make_view(rows: list[dict], *, num_blocks: int = 100, free: int = 0, free_ho
 def decoding(arrival: float, first: float, generated: int, prompt: int = 32, slo: float = 0.2,
              predicted: int = 0, status: int = RUNNING, **kw) -> dict:
     n = prompt + generated
-    return {**dict(status=status, arrival_time=arrival, prompt_len=prompt, num_tokens=n, num_computed=n - 1,
-                   num_blocks=-(-n // BS), first_token_time=first, last_token_time=first, tbt_slo=slo,
-                   predicted_len=predicted), **kw}
+    return {"status": status, "arrival_time": arrival, "prompt_len": prompt, "num_tokens": n,
+            "num_computed": n - 1, "num_blocks": -(-n // BS), "first_token_time": first,
+            "last_token_time": first, "tbt_slo": slo, "predicted_len": predicted, **kw}
 
 
 def waiting(arrival: float, prompt: int = 100) -> dict:
-    return dict(status=WAITING, arrival_time=arrival, prompt_len=prompt, num_tokens=prompt)
+    return {"status": WAITING, "arrival_time": arrival, "prompt_len": prompt, "num_tokens": prompt}
 
 
 def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
@@ -132,8 +120,8 @@ def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
     view = make_view(d + q, free=0)  # no whole block free: every prompt needs offloading
     assert policy.min_allowed_prefill_time(view) == pytest.approx(allow)
     plan = policy.schedule(view)
-    n = prefills_within(COSTS.prefill_time(np.array([100, 100, 100])), allow)
-    assert n == 1 and list(plan.run) == [2] and dict(plan.layers) == {2: 0}
+    assert allow < 2 * COSTS.prefill_time(100)  # Eq. 2: one prompt's 1 s fits, two do not
+    assert list(plan.run) == [2] and dict(plan.layers) == {2: 0}
     assert plan.allocate[2] == 7  # its logical blocks, all of them host slots
     # without the SLO-aware scheduler (the ablation) all three go, every layer offloaded
     ablation = LayerKVPolicy(name="layerkv/SLO", slo_aware=False, costs=COSTS).schedule(view)
@@ -141,6 +129,23 @@ def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
     # prompts vLLM would admit (whole blocks free) go whole, whatever T_allow says
     roomy = policy.schedule(make_view(d + q, free=60))
     assert list(roomy.run) == [2, 3, 4] and not roomy.layers
+
+
+def test_algorithm1_admits_while_the_summed_prefill_stays_strictly_below():
+    # one decoding request without a prediction: T_allow = 0.2 (N_past + 1) - T_past - 0.05;
+    # T_past = 0.2 N_past - 1.95 + slack gives T_allow = slack + 2.0 - ... set so that it
+    # is exactly 2 s (two 1 s prompts: 2 < 2 fails, Eq. 2 is strict) and a little more
+    def admitted(allow: float) -> list[int]:
+        t_past = 0.2 * 21 - 0.05 - allow  # N_past 20, N_future 1
+        view = make_view([decoding(0.0, 100.0 - t_past, 21)] + [waiting(10.0 + k) for k in range(3)], free=0)
+        assert LayerKVPolicy(costs=COSTS).min_allowed_prefill_time(view) == pytest.approx(allow)
+        return [s for s in LayerKVPolicy(costs=COSTS).schedule(view).run if s != 0]
+
+    one_s = float(COSTS.prefill_time(100))
+    assert admitted(2 * one_s) == [1]
+    assert admitted(2 * one_s + 1e-6) == [1, 2]
+    assert admitted(0.5) == []
+    assert admitted(10.0) == [1, 2, 3]
 
 
 def test_no_prefill_is_added_for_a_request_already_behind_its_tpot_slo():

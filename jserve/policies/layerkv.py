@@ -83,7 +83,7 @@ from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.plan import Plan
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
-from jserve.policies.vllm import VLLMPolicy, decode_repeat
+from jserve.policies.vllm import VLLMPolicy
 
 
 # ------------------------------------------------------------------ Eqs. 1-2, Algorithm 1
@@ -102,11 +102,6 @@ def allowed_prefill_time(tpot_slo: np.ndarray, n_past: np.ndarray, n_future: np.
     n_past = np.asarray(n_past, np.float64)
     allow = tpot_slo * (n_past + n_future) - (t_past + np.asarray(tpot) * n_future)
     return np.where(np.isnan(tpot_slo), np.inf, allow)
-
-
-def prefills_within(prefill_times: np.ndarray, allowed: float) -> int:
-    """Algorithm 1: the largest n with sum_{k <= n} T_prefill(q_k) < min_i T_allow (Eq. 2)."""
-    return int(np.searchsorted(np.cumsum(prefill_times), allowed, side="left"))
 
 
 # ------------------------------------------------------------------ Eq. 5
@@ -194,7 +189,7 @@ class LayerKVPolicy:
     def forecast(self, view: SchedulerView, layers: dict[int, int] | None = None) -> Forecast:
         """Eq. 5's inputs from the view, with `layers` (seq -> kept layers) applied to the
         OFFLOADED requests."""
-        r, bs, L = view.requests, view.block_size, view.num_layers
+        r, L = view.requests, view.num_layers
         run = r.with_status(RUNNING)
         queue = r.with_status(OFFLOADED)
         kept = r.device_layers[queue].astype(np.int64)
