@@ -18,7 +18,7 @@ to a full token budget, the analogue of the K/V activations vLLM's profiler sets
 from which they are copied to the per-layer host pool (`host_kv.LayerHostPool`) right
 after the step is dispatched. Offloads, bring-backs and slot -> whole-block copies are
 block gathers and scatters per layer before the step, every source read before anything
-is written. These copies run outside the step's jit: on a GPU the device -> host copies
+is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
 are issued asynchronously and overlap the host's work and the next dispatch, not the
 step's own layers; on XLA:CPU every copy is a memcpy done when issued.
 """
@@ -287,8 +287,9 @@ class JaxRunner:
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
+        layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
-        self._move_layers(batch)
+        self._write_layers(layer_reads)
         n = batch.num_seqs
         if n == 0:
             return StepOutput.empty()
@@ -326,23 +327,26 @@ class JaxRunner:
         for layer, (src, dst) in _by_layer(moves).items():
             self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
 
-    def _move_layers(self, batch: Batch) -> None:
-        """Residency changes before the step, one gather or scatter per layer and kind:
-        every source read (host pool rows, device blocks) before anything is written, since
-        a slot one request frees may be another's destination."""
+    def _read_layers(self, batch: Batch) -> list[tuple[str, int, np.ndarray, tuple]]:
+        """The residency changes' sources, read before the swaps and any write (a swap-in,
+        or another copy, may land where a source is): one host read or device gather per
+        layer and kind. Returns (kind, layer, destination blocks, (K, V))."""
         if not (batch.layers_to_host or batch.layers_to_device or batch.layers_copy):
-            return
+            return []
         pool = self.layer_pool
-        from_host = [(layer, dst, pool.read(layer, src))
-                     for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
-        to_host = [(layer, dst, pool.gather(self.cache, layer, src))
+        return ([("device", layer, dst, pool.read(layer, src))
+                 for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
+                + [("host", layer, dst, pool.gather(self.cache, layer, src))
                    for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
-        copies = [(layer, dst, pool.gather(self.cache, layer, src))
-                  for layer, (src, dst) in _by_layer(batch.layers_copy).items()]
-        for layer, dst, (k, v) in to_host:
-            pool.write_from_device(layer, dst, k, v)
-        for layer, dst, (k, v) in copies + from_host:
-            self.cache = pool.scatter(self.cache, layer, dst, k, v)
+                + [("device", layer, dst, pool.gather(self.cache, layer, src))
+                   for layer, (src, dst) in _by_layer(batch.layers_copy).items()])
+
+    def _write_layers(self, reads: list[tuple[str, int, np.ndarray, tuple]]) -> None:
+        for kind, layer, dst, (k, v) in reads:
+            if kind == "host":
+                self.layer_pool.write_from_device(layer, dst, k, v)
+            else:
+                self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
