@@ -269,6 +269,10 @@ class PlanChecker:
              lambda i: f"seq {seq_ids[i]}: a waiting request keeps fewer layers only in the plan "
                        "that prefills it"),
         ])
+        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
+                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
+        if not plan.layers and not partial:  # only decodes and releases of partial requests
+            return rows, None
         device, host = np.zeros(L, np.int64), np.zeros(L, np.int64)
         whole = 0
         for seq_id, x, n in zip(seq_ids, xs.tolist(), cols.num_blocks[rows].tolist()):
@@ -279,8 +283,6 @@ class PlanChecker:
             host[list(before - after)] += n
             device[list(after - before)] += n
         every = set(range(L))
-        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
-                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
         for seq_id in partial:
             x = plan.layers.get(seq_id, len(res.kept(seq_id)))
             kept, n = set(kept_layers(L, x)), plan.allocate[seq_id]

@@ -239,8 +239,8 @@ class JaxRunner:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
-            for t, s, decode_only in self._variants(shapes):
-                x = self._padding_inputs(t, s, decode_only)
+            for t, s, decode_only, layered in self._variants(shapes):
+                x = self._padding_inputs(t, s, decode_only, layered)
                 shape = _shape_of(x)
                 if shape not in self._executables and shape not in pending:
                     pending[shape] = pool.submit(self._lower(x).compile)
@@ -255,11 +255,15 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
         """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
-        either all decodes or mixed (decodes plus short chunks), and each compiles apart."""
-        return [(t, s, d) for t, s in shapes
-                for d in ((False, True) if self.mark_decode and t == s else (False,))]
+        either all decodes or mixed (decodes plus short chunks), and each compiles apart;
+        with layer staging, a step that is not all decodes may also have per-layer tables
+        (a partly offloaded prefill in it)."""
+        layered = (False, True) if self.layer_pool is not None else (False,)
+        return [(t, s, d, lay) for t, s in shapes
+                for d in ((False, True) if self.mark_decode and t == s else (False,))
+                for lay in (layered if not d else (False,))]
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
         return self._step.lower(self._weights, self.cache, x)
@@ -274,7 +278,8 @@ class JaxRunner:
             exe = self._executables[shape] = self._lower(x).compile()
         return exe
 
-    def _padding_inputs(self, t: int, s: int, decode_only: bool = False) -> StepInputs:
+    def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False
+                        ) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         none = z(0, np.int32)
@@ -282,6 +287,8 @@ class JaxRunner:
                                max_blocks=self.buckets.max_blocks_per_seq,
                                block_size=self.block_size, scratch_block=self.scratch_block,
                                decode_only=decode_only)
+        if layered:
+            meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
 
