@@ -220,3 +220,68 @@ def test_layer_offload_and_a_prefix_cache_are_refused_together():
     with pytest.raises(ValueError, match="prefix cache"):
         EngineConfig(runner="sim", model="llama-2-7b", policy=ForcedLayerOffload(),
                      prefix_cache=PrefixCacheConfig())
+
+
+def test_getting_every_layer_back_reuses_the_blocks_its_slots_free():
+    """A request keeping 2 of 4 layers in 3 split blocks comes back whole with one whole
+    block free: its own blocks merge back when their slots are released, before the take."""
+    engine, _ = _engine(num_blocks=4)
+    s = _add(engine, "a", 5).seq_id
+    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 2}))
+    view = engine.state.snapshot(0.0)
+    assert view.num_free_blocks == 1 and view.free_layer_slots.tolist() == [3, 0, 3, 0]
+    batch = _apply(engine, Plan(run={s: 1}, allocate={s: 1}, layers={s: 4}))
+    assert batch.layer_traffic.device_copy.tolist() == [0, 3, 0, 3]
+    assert engine.state.snapshot(0.0).num_free_blocks == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_plans_are_refused_whole_or_applied_whole(data):
+    """Random residency plans (offloads, bring-backs, partial prefills, decodes, recompute
+    preemptions) straight at the state, often past its room: a plan the checker passes
+    always applies (no take fails half way), one it refuses changes nothing, and the fake
+    per-layer KV stays right."""
+    L = data.draw(st.integers(1, 4))
+    num_blocks, bs = data.draw(st.integers(4, 10)), data.draw(st.integers(1, 2))
+    engine, _ = _engine(num_blocks=num_blocks, block_size=bs, num_layers=L,
+                        num_host_blocks=data.draw(st.integers(0, 12)))
+    state = engine.state
+    for k in range(data.draw(st.integers(1, 5))):
+        _add(engine, f"r{k}", data.draw(st.integers(1, 3 * bs)))
+    for _ in range(data.draw(st.integers(1, 12))):
+        view = state.snapshot(0.0)
+        r = view.requests
+        run, allocate, layers, preempt = {}, {}, {}, {}
+        for i in data.draw(st.permutations(range(len(r)))):
+            seq, status = int(r.seq_id[i]), int(r.status[i])
+            choice = data.draw(st.sampled_from(["none", "run", "layers", "preempt"]))
+            need = view.blocks_for(int(r.num_computed[i]) + 1 if status != 0 else int(r.num_tokens[i]))
+            grow = max(0, need - int(r.num_blocks[i])) + data.draw(st.integers(0, 1))
+            if choice == "run" and status in (0, 1, 4):
+                run[seq] = int(r.num_tokens[i] - r.num_computed[i])
+                allocate[seq] = grow
+                if status == 4 or data.draw(st.booleans()):
+                    layers[seq] = data.draw(st.integers(0, L))
+            elif choice == "layers" and status in (1, 4):
+                layers[seq] = data.draw(st.integers(0, L))
+            elif choice == "preempt" and status in (1, 4):
+                preempt[seq] = PreemptMode.RECOMPUTE
+        plan = Plan(run=run, allocate=allocate, layers=layers, preempt=preempt)
+        before = (state.snapshot(0.0).requests.status.tobytes(), state.blocks.num_free,
+                  state.residency.slab.used.tobytes(), state.residency.free_slots().tobytes())
+        try:
+            state.apply(plan, 0.0)
+        except PlanError as e:
+            event(f"refused: {str(e).split(':')[-1][:40]}")
+            after = (state.snapshot(0.0).requests.status.tobytes(), state.blocks.num_free,
+                     state.residency.slab.used.tobytes(), state.residency.free_slots().tobytes())
+            assert after == before, f"a refused plan changed the state: {e}"
+            state.check_invariants()
+            continue
+        batch = state.batch(with_inputs=True)
+        out = engine.runner.execute(batch) if batch.num_seqs or batch.moves_blocks else StepOutput.empty()
+        state.commit(batch, out, 0.0)
+        state.check_invariants()
+        if not state.has_unfinished:
+            break

@@ -45,7 +45,8 @@ class BatchBuilder:
     def _partial_runs(self, seq_ids: np.ndarray) -> dict[int, int]:
         """Batch index -> seq id of the sequences that run with layers on the host."""
         partial = self.residency.partial
-        return {i: s for i, s in enumerate(seq_ids.tolist()) if s in partial}
+        found = np.flatnonzero(np.isin(seq_ids, np.fromiter(partial, np.int64, len(partial))))
+        return dict(zip(found.tolist(), seq_ids[found].tolist()))
 
     def _traffic(self, layer_moves: dict[str, tuple[LayerMove, ...]], partial: dict[int, int]) -> LayerTraffic:
         L = self.residency.num_layers

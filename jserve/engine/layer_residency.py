@@ -13,6 +13,7 @@ back, so decoding, growth and everything after never see slots.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,26 @@ class PartialKV:
         )
 
 
+@dataclass(frozen=True)
+class LayerChange:
+    """A residency change between its phases: the device slots of the layers a request
+    stops keeping there (`lost`) and the host slots of those it gets back (`gained`), both
+    already freed, by layer."""
+
+    seq_id: int
+    x: int
+    lost: dict[int, list[int]]
+    gained: dict[int, list[int]]
+
+
+def _merges(split: np.ndarray, used: np.ndarray) -> tuple[int, np.ndarray]:
+    """Split blocks with no slot held (they go back to whole), and the free slots per layer
+    of the others."""
+    held = used.any(axis=1)
+    still = split & held
+    return int((split & ~held).sum()), (still[:, None] & ~used).sum(axis=0)
+
+
 @dataclass
 class LayerMoves:
     """The copies a plan's residency changes make, all before the step's compute: every
@@ -70,60 +91,95 @@ class LayerResidency:
         return tuple(range(self.num_layers)) if part is None else part.kept
 
     # ------------------------------------------------------------ a plan's changes, in order
-    def offload(self, seq_id: int, x: int, moves: LayerMoves) -> None:
-        """First phase of setting `seq_id` to keep `x` layers: the layers it stops keeping
-        go to the host (their device slots freed). A fully resident request's whole blocks
-        become split blocks it keeps the slots of `x` layers in; a request that holds
-        nothing yet (it starts now) only records which layers it will keep."""
+    def release_for(self, seq_id: int, x: int) -> LayerChange | None:
+        """Phase 1 of setting `seq_id` to keep `x` layers: free what it stops holding (the
+        device slots of layers it offloads or of every kept layer when it gets all of them
+        back as whole blocks; the host slots of layers coming back), remembering where the
+        K/V is for the copies. A fully resident request's whole blocks become split blocks
+        first; a request that holds nothing yet (it starts now) only records its layers.
+        None: nothing changes."""
         L, new = self.num_layers, kept_layers(self.num_layers, x)
         part = self.partial.get(seq_id)
         if part is None:
             if x == L:
-                return
+                return None
             table = self.blocks.lend_table(seq_id)
             self.slab.adopt(table)
-            part = self.partial[seq_id] = PartialKV(tuple(range(L)), {l: list(table) for l in range(L)}, {})
             if not table:
-                part.device = {l: [] for l in new}
-                part.host = {l: [] for l in range(L) if l not in part.device}
-                part.kept = new
-                return
+                self.partial[seq_id] = PartialKV(new, {l: [] for l in new},
+                                                 {l: [] for l in range(L) if l not in new})
+                return None
+            part = self.partial[seq_id] = PartialKV(tuple(range(L)), {l: list(table) for l in range(L)}, {})
         if x == L:
-            return
-        for layer in sorted(set(part.kept) - set(new)):
-            slots = part.device.pop(layer)
-            host = self.host_slab.take(layer, len(slots))
-            moves.to_host.append(LayerMove(seq_id, layer, np.asarray(slots, np.int32), np.asarray(host, np.int32)))
+            lost, gained = dict(part.device), dict(part.host)
+        else:
+            lost = {l: part.device.pop(l) for l in sorted(set(part.kept) - set(new))}
+            gained = {l: part.host.pop(l) for l in sorted(set(new) - set(part.kept))}
+        for layer, slots in lost.items():
             self.slab.give(layer, slots)
-            part.host[layer] = host
-        part.kept = tuple(sorted(set(part.kept) & set(new)))
+        for layer, host in gained.items():
+            self.host_slab.give(layer, host)
+        return LayerChange(seq_id, x, lost, gained)
 
-    def make_whole(self, seq_id: int, moves: LayerMoves) -> None:
-        """Second phase, for a request set back to every layer: whole blocks for its table,
-        its kept slots copied into them and its host layers brought back, slots freed."""
+    def make_whole(self, change: LayerChange, moves: LayerMoves) -> None:
+        """Phase 2, for a request set back to every layer: whole blocks for its table (its
+        own split blocks, where phase 1 freed all their slots, among the first the free list
+        gives), its kept layers copied from their slots and its host layers brought back."""
+        seq_id = change.seq_id
         part = self.partial.pop(seq_id)
-        n = part.num_blocks
-        self.blocks.allocate(seq_id, n)
+        self.blocks.allocate(seq_id, part.num_blocks)
         whole = np.asarray(self.blocks.table(seq_id), np.int32)
-        for layer, slots in part.device.items():
+        for layer, slots in change.lost.items():
             moves.device_copies.append(LayerMove(seq_id, layer, np.asarray(slots, np.int32), whole))
-            self.slab.give(layer, slots)
-        for layer, host in part.host.items():
+        for layer, host in change.gained.items():
             moves.to_device.append(LayerMove(seq_id, layer, np.asarray(host, np.int32), whole))
-            self.host_slab.give(layer, host)
 
-    def bring_back(self, seq_id: int, x: int, moves: LayerMoves) -> None:
-        """Third phase, for a request that keeps more layers but not all: device slots for
-        the layers it gains, copied from the host (host slots freed)."""
-        part = self.partial[seq_id]
-        new = kept_layers(self.num_layers, x)
-        for layer in sorted(set(new) - set(part.kept)):
-            host = part.host.pop(layer)
-            slots = self.slab.take(layer, len(host))
+    def take_for(self, change: LayerChange, moves: LayerMoves) -> None:
+        """Phase 3, for a request keeping fewer than all layers: host slots for the layers it
+        offloads and device slots for those it gets back, with the copies."""
+        seq_id, part = change.seq_id, self.partial[change.seq_id]
+        for layer, slots in change.lost.items():
+            host = part.host[layer] = self.host_slab.take(layer, len(slots))
+            moves.to_host.append(LayerMove(seq_id, layer, np.asarray(slots, np.int32), np.asarray(host, np.int32)))
+        for layer, host in change.gained.items():
+            slots = part.device[layer] = self.slab.take(layer, len(host))
             moves.to_device.append(LayerMove(seq_id, layer, np.asarray(host, np.int32), np.asarray(slots, np.int32)))
-            self.host_slab.give(layer, host)
-            part.device[layer] = slots
-        part.kept = new
+        part.kept = kept_layers(self.num_layers, change.x)
+
+    def room_after_releases(self, changes: Mapping[int, int], preempted: Iterable[int]
+                            ) -> tuple[int, np.ndarray, int, np.ndarray]:
+        """What phase 1 of these residency changes (seq -> layers kept) and the release of
+        these preempted requests leave, computed on copies: (device blocks that merge back
+        to whole, device free slots per layer after, the same two for the host)."""
+        L = self.num_layers
+        split, used = self.slab.split.copy(), self.slab.used.copy()
+        host_used = None if self.host_slab is None else self.host_slab.used.copy()
+        for seq_id in preempted:
+            part = self.partial.get(seq_id)
+            if part is not None:
+                for layer, slots in part.device.items():
+                    used[slots, layer] = False
+                for layer, host in part.host.items():
+                    host_used[host, layer] = False
+        for seq_id, x in changes.items():
+            part, new = self.partial.get(seq_id), set(kept_layers(L, x))
+            if part is None:
+                table = self.blocks.table(seq_id)
+                if x < L and table:
+                    split[table] = True
+                    used[np.ix_(table, sorted(set(range(L)) - new))] = False
+                    used[np.ix_(table, sorted(new))] = True
+                continue
+            for layer, slots in part.device.items():
+                if x == L or layer not in new:
+                    used[slots, layer] = False
+            for layer, host in part.host.items():
+                if x == L or layer in new:
+                    host_used[host, layer] = False
+        merged, free = _merges(split, used)
+        if host_used is None:
+            return merged, free, 0, np.zeros(L, np.int64)
+        return (merged, free, *_merges(self.host_slab.split, host_used))
 
     def allocate(self, seq_id: int, n: int) -> None:
         """`n` more logical blocks of a partly offloaded request: a slot in each kept layer

@@ -31,8 +31,10 @@ class Plan:
        plan (LayerKV; `jserve.cache.layers.kept_layers` says which; absent: unchanged).
        Fewer than now offloads layers (their device slots freed, host slots taken, copied
        before the step), more brings them back (host -> device before the step); all of
-       them makes it an ordinary request again, in whole blocks (it takes that many whole
-       blocks and frees its slots). A request that starts now keeping fewer than all runs
+       them makes it an ordinary request again, in whole blocks (it takes as many whole
+       blocks as its table has; its slots are freed first, so its own split blocks that
+       become entirely free count among them). Every release of a plan comes before any
+       take, and whole blocks are taken before layer slots. A request that starts now keeping fewer than all runs
        its whole prompt in this step and its offloaded layers' new KV goes to host memory
        as it is computed. A request runs only a whole prefill with fewer than all layers:
        it decodes with every layer on the device;

@@ -3,9 +3,11 @@
 back, layer residency changes (LayerKV), allocations grow tables (a started request first
 taking over its cached prefix), then the requests that run and the reservations are booked.
 
-Every take of whole blocks comes before every take of layer slots (residency changes
-first release, then take whole blocks, and their slot takes come after the allocations),
-which is the order `PlanChecker`'s counting of layer slots assumes.
+Layer residency changes release everything first (before the swap-ins), then every whole
+block is taken (swap-ins, requests getting every layer back, allocations), then every
+layer slot: the order `PlanChecker`'s exact counting assumes. A block a release frees (or
+merges back to whole) may so serve a take of the same plan; runners read every source
+before writing anything.
 
 Nothing here checks anything: `PlanChecker` has, and a checked plan always applies.
 What comes out is the block copies the runner must make before the step's compute.
@@ -19,7 +21,7 @@ import numpy as np
 
 from jserve.cache.blocks import BlockManager
 from jserve.engine.batch import BlockMove
-from jserve.engine.layer_residency import LayerMoves, LayerResidency
+from jserve.engine.layer_residency import LayerChange, LayerMoves, LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
@@ -53,11 +55,17 @@ class PlanApplier:
         swap_out = self._preempt(checked, now)
         if plan.evict:
             swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
+        changes = self._release_layers(checked) if plan.layers else []
         swap_in = self._swap_in(sorted(plan.swap_in))
-        layer_moves = self._set_layers(checked) if plan.layers else None
+        layer_moves = LayerMoves() if plan.layers else None
+        L = self.residency.num_layers
+        for change in changes:
+            if change.x == L:
+                self.residency.make_whole(change, layer_moves)
         swap_in += self._allocate(checked)
-        if plan.layers:
-            self._bring_back(checked, layer_moves)
+        for change in changes:
+            if change.x < L:
+                self.residency.take_for(change, layer_moves)
         self._start_runs(checked, now)
         self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
         return Moves(tuple(swap_out), tuple(swap_in), layer_moves)
@@ -98,24 +106,13 @@ class PlanApplier:
             swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
         return swap_in
 
-    def _set_layers(self, checked: CheckedPlan) -> LayerMoves:
-        """Residency changes' releases (layers offloaded), then their whole-block takes
-        (requests given every layer back)."""
-        moves, res, L = LayerMoves(), self.residency, self.residency.num_layers
+    def _release_layers(self, checked: CheckedPlan) -> list[LayerChange]:
+        """Residency changes' releases, before any whole-block take; their takes follow
+        (`make_whole` with the whole-block takes, `take_for` with the slot takes)."""
         layers = checked.plan.layers
-        for seq_id, x in layers.items():
-            res.offload(seq_id, x, moves)
-        for seq_id, x in layers.items():
-            if x == L and seq_id in res.partial:
-                res.make_whole(seq_id, moves)
+        changes = [self.residency.release_for(seq_id, x) for seq_id, x in layers.items()]
         self.live.cols.device_layers[checked.layer_rows] = np.fromiter(layers.values(), np.int16, len(layers))
-        return moves
-
-    def _bring_back(self, checked: CheckedPlan, moves: LayerMoves) -> None:
-        """Residency changes' slot takes: layers brought back short of all of them."""
-        for seq_id, x in checked.plan.layers.items():
-            if x < self.residency.num_layers:
-                self.residency.bring_back(seq_id, x, moves)
+        return [c for c in changes if c is not None]
 
     def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
         """Grow the tables; returns the copies that load host-tier cached blocks. Whole

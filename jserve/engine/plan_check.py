@@ -79,15 +79,18 @@ def _member(keys: Collection[int], of: Collection[int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LayerDemand:
-    """What a plan's layer residency changes take and free (`_check_layers`): whole blocks
-    beyond `fresh_blocks`' count, and layer slots per layer on the device and the host.
-    Slots a plan frees count as slots of their layer (not as whole blocks) within it."""
+    """What a plan's layer residency changes take (`_check_layers`): whole blocks beyond
+    `fresh_blocks`' count, layer slots per layer on the device and the host, and the room
+    their releases (done before any take) leave: blocks merged back to whole and free slots
+    per layer, on each side."""
 
     whole: int
     device: np.ndarray
-    device_freed: np.ndarray
     host: np.ndarray
-    host_freed: np.ndarray
+    merged: int
+    free_slots: np.ndarray
+    host_merged: int
+    host_free_slots: np.ndarray
     partial_allocations: frozenset[int]
 
 
@@ -113,7 +116,8 @@ class PlanChecker:
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
         layer_rows, layers = self._check_layers(plan)
         wanted = self.fresh_blocks(plan, hits) + (0 if layers is None else layers.whole)
-        available = self.blocks.num_free + self._uncached(released) + len(plan.evict)
+        available = (self.blocks.num_free + self._uncached(released) + len(plan.evict)
+                     + (0 if layers is None else layers.merged))
         if wanted > available:
             from_host = self._swapped_in_blocks(plan)
             swapping = f" ({from_host} of them to swap in)" if from_host else ""
@@ -265,45 +269,40 @@ class PlanChecker:
              lambda i: f"seq {seq_ids[i]}: a waiting request keeps fewer layers only in the plan "
                        "that prefills it"),
         ])
-        device, device_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
-        host, host_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
-        every = set(range(L))
+        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
+                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
+        if not plan.layers and not partial:  # only decodes and releases of partial requests
+            return rows, None
+        device, host = np.zeros(L, np.int64), np.zeros(L, np.int64)
         whole = 0
         for seq_id, x, n in zip(seq_ids, xs.tolist(), cols.num_blocks[rows].tolist()):
             before, after = set(res.kept(seq_id)), set(kept_layers(L, x))
-            if x == L and seq_id in res.partial:  # whole blocks; slots and host layers freed
-                whole += n
-                device_freed[list(before)] += n
-                host_freed[list(every - before)] += n
+            if x == L:  # back to whole blocks (nothing for a fully resident request)
+                whole += n if seq_id in res.partial else 0
                 continue
-            device_freed[list(before - after)] += n
             host[list(before - after)] += n
             device[list(after - before)] += n
-            host_freed[list(after - before)] += n
-        for seq_id in set(plan.preempt).intersection(res.partial):
-            kept, n = set(res.kept(seq_id)), int(cols.num_blocks[self.live.row(seq_id)])
-            device_freed[list(kept)] += n
-            host_freed[list(every - kept)] += n
-        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
-                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
+        every = set(range(L))
         for seq_id in partial:
             x = plan.layers.get(seq_id, len(res.kept(seq_id)))
             kept, n = set(kept_layers(L, x)), plan.allocate[seq_id]
             whole -= n
             device[list(kept)] += n
             host[list(every - kept)] += n
-        return rows, LayerDemand(whole, device, device_freed, host, host_freed, partial)
+        room = res.room_after_releases(plan.layers, set(plan.preempt).intersection(res.partial))
+        return rows, LayerDemand(whole, device, host, *room, partial)
 
     def _check_layer_room(self, layers: LayerDemand, whole_left: int, to_host: int) -> None:
-        res = self.residency
-        short = layer_shortfall(layers.device, res.slab.free_slots + layers.device_freed, whole_left)
+        """Slot takes come after every release and whole-block take, so layer `l` can give
+        out its free slots plus the whole blocks left (`jserve.cache.layers`)."""
+        short = layer_shortfall(layers.device, layers.free_slots, whole_left)
         if short:
             raise PlanError(f"plan takes {short} device layer slots more than a layer has free "
                             f"({whole_left} whole blocks left after its whole-block takes)")
-        if res.host_slab is None:
+        if self.residency.host_slab is None:
             return
-        host_left = self.host_blocks.num_free - to_host
-        short = layer_shortfall(layers.host, res.host_slab.free_slots + layers.host_freed, host_left)
+        host_left = self.host_blocks.num_free - to_host + layers.host_merged
+        short = layer_shortfall(layers.host, layers.host_free_slots, host_left)
         if short:
             raise PlanError(f"plan offloads {short} host layer slots more than a layer has free "
                             f"({host_left} whole host blocks left after its swap-outs)")

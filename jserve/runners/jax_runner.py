@@ -18,7 +18,7 @@ to a full token budget, the analogue of the K/V activations vLLM's profiler sets
 from which they are copied to the per-layer host pool (`host_kv.LayerHostPool`) right
 after the step is dispatched. Offloads, bring-backs and slot -> whole-block copies are
 block gathers and scatters per layer before the step, every source read before anything
-is written. These copies run outside the step's jit: on a GPU the device -> host copies
+is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
 are issued asynchronously and overlap the host's work and the next dispatch, not the
 step's own layers; on XLA:CPU every copy is a memcpy done when issued.
 """
@@ -239,8 +239,8 @@ class JaxRunner:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
-            for t, s, decode_only in self._variants(shapes):
-                x = self._padding_inputs(t, s, decode_only)
+            for t, s, decode_only, layered in self._variants(shapes):
+                x = self._padding_inputs(t, s, decode_only, layered)
                 shape = _shape_of(x)
                 if shape not in self._executables and shape not in pending:
                     pending[shape] = pool.submit(self._lower(x).compile)
@@ -255,11 +255,15 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
         """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
-        either all decodes or mixed (decodes plus short chunks), and each compiles apart."""
-        return [(t, s, d) for t, s in shapes
-                for d in ((False, True) if self.mark_decode and t == s else (False,))]
+        either all decodes or mixed (decodes plus short chunks), and each compiles apart;
+        with layer staging, a step that is not all decodes may also have per-layer tables
+        (a partly offloaded prefill in it)."""
+        layered = (False, True) if self.layer_pool is not None else (False,)
+        return [(t, s, d, lay) for t, s in shapes
+                for d in ((False, True) if self.mark_decode and t == s else (False,))
+                for lay in (layered if not d else (False,))]
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
         return self._step.lower(self._weights, self.cache, x)
@@ -274,7 +278,8 @@ class JaxRunner:
             exe = self._executables[shape] = self._lower(x).compile()
         return exe
 
-    def _padding_inputs(self, t: int, s: int, decode_only: bool = False) -> StepInputs:
+    def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False
+                        ) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         none = z(0, np.int32)
@@ -282,13 +287,16 @@ class JaxRunner:
                                max_blocks=self.buckets.max_blocks_per_seq,
                                block_size=self.block_size, scratch_block=self.scratch_block,
                                decode_only=decode_only)
+        if layered:
+            meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
+        layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
-        self._move_layers(batch)
+        self._write_layers(layer_reads)
         n = batch.num_seqs
         if n == 0:
             return StepOutput.empty()
@@ -326,23 +334,26 @@ class JaxRunner:
         for layer, (src, dst) in _by_layer(moves).items():
             self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
 
-    def _move_layers(self, batch: Batch) -> None:
-        """Residency changes before the step, one gather or scatter per layer and kind:
-        every source read (host pool rows, device blocks) before anything is written, since
-        a slot one request frees may be another's destination."""
+    def _read_layers(self, batch: Batch) -> list[tuple[str, int, np.ndarray, tuple]]:
+        """The residency changes' sources, read before the swaps and any write (a swap-in,
+        or another copy, may land where a source is): one host read or device gather per
+        layer and kind. Returns (kind, layer, destination blocks, (K, V))."""
         if not (batch.layers_to_host or batch.layers_to_device or batch.layers_copy):
-            return
+            return []
         pool = self.layer_pool
-        from_host = [(layer, dst, pool.read(layer, src))
-                     for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
-        to_host = [(layer, dst, pool.gather(self.cache, layer, src))
+        return ([("device", layer, dst, pool.read(layer, src))
+                 for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
+                + [("host", layer, dst, pool.gather(self.cache, layer, src))
                    for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
-        copies = [(layer, dst, pool.gather(self.cache, layer, src))
-                  for layer, (src, dst) in _by_layer(batch.layers_copy).items()]
-        for layer, dst, (k, v) in to_host:
-            pool.write_from_device(layer, dst, k, v)
-        for layer, dst, (k, v) in copies + from_host:
-            self.cache = pool.scatter(self.cache, layer, dst, k, v)
+                + [("device", layer, dst, pool.gather(self.cache, layer, src))
+                   for layer, (src, dst) in _by_layer(batch.layers_copy).items()])
+
+    def _write_layers(self, reads: list[tuple[str, int, np.ndarray, tuple]]) -> None:
+        for kind, layer, dst, (k, v) in reads:
+            if kind == "host":
+                self.layer_pool.write_from_device(layer, dst, k, v)
+            else:
+                self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
