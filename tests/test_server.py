@@ -143,6 +143,18 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny: Served) -> None:
     assert scrape_metrics(tiny.url)[ABORTED] == aborted + 1
 
 
+def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(tiny: Served) -> None:
+    """A client that gives up on a non-streaming request (a timeout; the openai client then
+    retries) leaves nothing running: each abandoned copy is aborted."""
+    aborted = scrape_metrics(tiny.url).get(ABORTED, 0)
+    client = tiny.client.with_options(timeout=0.5, max_retries=1)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=TINY_CONTEXT - 3,
+                                  extra_body=NO_EOS)
+    wait_until_idle(tiny)
+    assert scrape_metrics(tiny.url)[ABORTED] == aborted + 2
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [

@@ -8,11 +8,12 @@ every error a client can cause comes back as OpenAI's error JSON with a 4xx stat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -68,6 +69,32 @@ class EventStreamResponse(StreamingResponse):
             self._stream.close()
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its non-streaming answer was ready."""
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    """Return once the client has gone. The body is already read, so the server's next
+    message is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """`work`'s result, or `ClientGone` as soon as the client disconnects (`work` is then
+    cancelled), so nobody waits on a request whose answer has nowhere to go."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        task.cancel()  # a no-op once it is done
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
@@ -85,15 +112,17 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ endpoints
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self._check_model(body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            return await self._generate(body, COMPLETION, self._tokenizer("prompt").encode(prompt),
+            return await self._generate(request, body, COMPLETION,
+                                        self._tokenizer("prompt").encode(prompt),
                                         prompt, DEFAULT_COMPLETION_MAX_TOKENS)
-        return await self._generate(body, COMPLETION, prompt, None, DEFAULT_COMPLETION_MAX_TOKENS)
+        return await self._generate(request, body, COMPLETION, prompt, None,
+                                    DEFAULT_COMPLETION_MAX_TOKENS)
 
-    async def chat(self, body: ChatCompletionRequest) -> Response:
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
         tokenizer = self._tokenizer("messages")
         try:
@@ -102,7 +131,8 @@ class OpenAIServer:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         ids = tokenizer.encode(text)
         # OpenAI's default for chat: whatever the context leaves.
-        return await self._generate(body, CHAT, ids, text, max(1, self.max_model_len - len(ids)))
+        return await self._generate(request, body, CHAT, ids, text,
+                                    max(1, self.max_model_len - len(ids)))
 
     def health(self) -> JSONResponse:
         ok = self.engine.running
@@ -110,8 +140,9 @@ class OpenAIServer:
                              "policy": self.policy}, status_code=200 if ok else 503)
 
     # ------------------------------------------------------------------ generation
-    async def _generate(self, body: GenerationRequest, fmt: ResponseFormat, prompt_ids: list[int],
-                        prompt: str | None, default_max_tokens: int) -> Response:
+    async def _generate(self, request: Request, body: GenerationRequest, fmt: ResponseFormat,
+                        prompt_ids: list[int], prompt: str | None,
+                        default_max_tokens: int) -> Response:
         params = body.sampling_params(default_max_tokens)
         header = ResponseHeader.new(fmt, self.model)
         try:
@@ -123,7 +154,11 @@ class OpenAIServer:
         if body.stream:
             return EventStreamResponse(stream, self._events(body, fmt, header, stream, len(prompt_ids)))
         try:
-            return JSONResponse(await self._collect(body, fmt, header, stream, len(prompt_ids)))
+            collected = self._collect(body, fmt, header, stream, len(prompt_ids))
+            return JSONResponse(await _unless_disconnected(request, collected))
+        except ClientGone:  # nobody reads the answer; close() below aborts the request
+            log.info("client of %s disconnected; request aborted", header.id)
+            return Response(status_code=499)  # nginx's "client closed request", for the log
         finally:
             stream.close()
 
@@ -219,12 +254,12 @@ def build_app(llm: LLM) -> FastAPI:
         return await openai_error(_, OpenAIError(500, f"internal error: {exc}", type="server_error"))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return await server.completions(body)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await server.completions(request, body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await server.chat(body)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await server.chat(request, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
