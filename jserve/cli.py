@@ -5,6 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class BadArguments(Exception):
+    """An option the configuration refused; `main` prints it as one `error:` line."""
+
+
+def _checked(make: Callable[[], T]) -> T:
+    """Build a configuration from the options: its `ValueError` is the user's mistake, not
+    a bug, so it becomes `BadArguments` (a ValueError later, while running, stays a bug
+    with its traceback)."""
+    try:
+        return make()
+    except ValueError as e:
+        raise BadArguments(str(e)) from None
 
 from jserve.config import add_engine_args, add_model_arg, engine_config_from_args
 
@@ -14,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr)
-    llm = LLM(engine_config_from_args(args))
+    llm = LLM(_checked(lambda: engine_config_from_args(args)))
     print(f"ready in {time.perf_counter() - t0:.1f}s"
           + ("" if args.warmup else " (step shapes compile on first use)"), file=sys.stderr)
     try:
@@ -83,16 +101,16 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
 
     from jserve.benchmarking.bench import BenchConfig
 
-    engine = dataclasses.replace(engine_config_from_args(args), policy=policy,
-                                 runner="real" if backend == "http" else args.runner)
-    return BenchConfig(
+    engine = _checked(lambda: dataclasses.replace(
+        engine_config_from_args(args), policy=policy, runner="real" if backend == "http" else args.runner))
+    return _checked(lambda: BenchConfig(
         engine, backend=backend, url=url, workload=args.workload, rate=rate,
         num_requests=args.num_requests, cv=args.cv, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
         slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
         trace=args.trace, predictions=args.predictions, tel_threshold=args.tel_threshold,
         conversation_process=args.conversation_process, turn_rate=args.turn_rate,
         end_rate=args.end_rate, think_time=args.think_time,
-    )
+    ))
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -130,7 +148,11 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from jserve.benchmarking.sweep import run_sweep, write_sweep
 
-    sweep = run_sweep(_bench_config(args, args.policies[0], args.rates[0]), args.policies, args.rates)
+    config = _bench_config(args, args.policies[0], args.rates[0])
+    for policy in args.policies:
+        for rate in args.rates:
+            _checked(lambda: config.with_policy(policy, rate))  # every point, before any runs
+    sweep = run_sweep(config, args.policies, args.rates)
     for policy in args.policies:
         print(f"{policy:>10}: effective throughput {sweep.effective_throughput(policy)} req/s")
         for rate, r in zip(args.rates, sweep.results[policy]):
@@ -160,7 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
-    serve(LLM(engine_config_from_args(args)), args.host, args.port)
+    serve(LLM(_checked(lambda: engine_config_from_args(args))), args.host, args.port)
     return 0
 
 
@@ -294,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BadArguments as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

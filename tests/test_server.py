@@ -156,26 +156,43 @@ def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(tiny: S
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "message"),
+    ("body", "status", "param", "message"),
     [
-        (b'{"model": "tiny-llama", "prompt": [1, 2', 400, "malformed JSON body"),
-        (b'{"model": "tiny-llama"}', 400, "prompt: Field required"),
-        (b'{"model": "gpt-4", "prompt": [1]}', 404, "The model `gpt-4` does not exist"),
-        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens must be"),
-        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "only n=1 is supported"),
-        (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo must be a positive number"),
-        (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt token ids must lie in"),
-        (json.dumps({"model": "tiny-llama", "prompt": [1] * TINY_CONTEXT}).encode(), 400,
+        (b'{"model": "tiny-llama", "prompt": [1, 2', 400, None, "malformed JSON body"),
+        (b'{"model": "tiny-llama"}', 400, "prompt", "prompt: Field required"),
+        (b'{"model": "gpt-4", "prompt": [1]}', 404, "model", "The model `gpt-4` does not exist"),
+        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens", "max_tokens must be"),
+        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "n", "only n=1 is supported"),
+        (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo",
+         "tbt_slo must be a positive number"),
+        (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt", "prompt token ids must lie in"),
+        (json.dumps({"model": "tiny-llama", "prompt": [1] * TINY_CONTEXT}).encode(), 400, "prompt",
          "the context limit is 1024"),
-        (b'{"model": "tiny-llama", "prompt": "text"}', 400, "no tokenizer"),
+        (b'{"model": "tiny-llama", "prompt": "text"}', 400, "prompt", "no tokenizer"),
+        (b'{"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 1000000000}', 400, "max_tokens",
+         "maximum context length is 1024 tokens. However, you requested 1000000002 tokens "
+         "(2 in the prompt, 1000000000 in the completion)"),
+        (b'{"model": "tiny-llama", "prompt": [1], "temperature": Infinity}', 400, "temperature",
+         "temperature must be a finite number"),
+        (b'{"model": "tiny-llama", "prompt": [1], "top_p": NaN}', 400, "top_p", "top_p must be a finite number"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int,
-                                                   message: str) -> None:
+                                                   param: str | None, message: str) -> None:
     r = httpx.post(f"{tiny.url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status
     err = r.json()["error"]
     assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+
+
+def test_chat_max_tokens_over_the_context_names_max_completion_tokens(smol: Served) -> None:
+    r = httpx.post(f"{smol.url}/v1/chat/completions", json={
+        "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10_000})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "max_completion_tokens" and "in the messages, 10000 in the completion" in err["message"]
 
 
 def test_bad_chat_requests_and_client_exceptions(tiny: Served) -> None:

@@ -39,6 +39,8 @@ from jserve.benchmarking.workload import (
     Trace,
     TraceRequest,
     build_trace,
+    check_rate_cv,
+    get_workload,
     load_trace,
     multiturn_conversations,
 )
@@ -86,6 +88,18 @@ class BenchConfig:
             raise ValueError(f"backend must be 'inprocess' or 'http', not {self.backend!r}")
         if self.backend == "http" and (self.engine.runner != "real" or not self.url):
             raise ValueError("the http backend benchmarks a real server: runner='real' and a url")
+        if self.trace is None:
+            get_workload(self.workload)  # unknown or malformed names fail with the known ones
+        check_rate_cv(self.rate, self.cv)
+        for name in ("ttft_slo", "tbt_slo"):
+            slo = getattr(self, name)
+            if slo is not None and not (math.isfinite(slo) and slo > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {slo!r}")
+        if self.slo_scale is not None and not 0 < self.slo_scale[0] <= self.slo_scale[1]:
+            raise ValueError(f"slo_scale must satisfy 0 < LO <= HI, got {self.slo_scale}")
+        if isinstance(self.num_requests, bool) or not isinstance(self.num_requests, int) \
+                or self.num_requests < 1:
+            raise ValueError(f"num_requests must be an int >= 1, got {self.num_requests!r}")
         if self.multiturn and self.backend == "http":
             raise ValueError("multi-turn conversations run in process only (the next turn is "
                              "built from the engine's reply)")

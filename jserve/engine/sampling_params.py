@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from jserve.errors import InvalidRequestError
@@ -35,13 +37,24 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+            return value
+
+        def integer(name: str, low: int, what: str = "") -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise InvalidRequestError(f"{name} must be an integer >= {low}{what}, got {value!r}", name)
+
+        if not number("temperature") >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < number("top_p") <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        integer("top_k", 0, " (0 disables it)")
+        integer("max_tokens", 1)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")

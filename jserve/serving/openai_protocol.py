@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -39,8 +39,11 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     @classmethod
-    def invalid(cls, err: InvalidRequestError) -> OpenAIError:
-        return cls(400, str(err))
+    def invalid(cls, err: InvalidRequestError, prompt_param: str = "prompt") -> OpenAIError:
+        """The engine's refusal as a 400 naming its field; `prompt_param` is what the
+        endpoint calls the prompt (chat: `messages`)."""
+        param = prompt_param if err.param == "prompt" else err.param
+        return cls(400, str(err), param=param)
 
     def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -85,14 +88,30 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    prompt_param: ClassVar[str] = "prompt"  # what the endpoint calls its prompt, in errors
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's options, or `OpenAIError` (400) naming what is wrong."""
+    def sampling_params(self, default_max_tokens: int, num_prompt_tokens: int,
+                        max_model_len: int) -> SamplingParams:
+        """The engine's options, or `OpenAIError` (400) naming what is wrong. An explicit
+        `max_tokens` must fit the context beside the prompt (vLLM's check and message); the
+        default is capped by the context instead."""
         if self.n not in (None, 1):
             raise OpenAIError(400, f"only n=1 is supported, got n={self.n}", param="n")
         max_tokens = self.requested_max_tokens()
+        if (max_tokens is not None and num_prompt_tokens < max_model_len
+                and num_prompt_tokens + max_tokens > max_model_len):
+            raise OpenAIError(
+                400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                     f"{self.prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                     f"of the {self.prompt_param} or completion.", param=self.max_tokens_param)
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -102,7 +121,9 @@ class GenerationRequest(BaseModel):
                 stop=self.stop or (), ignore_eos=self.ignore_eos, seed=self.seed,
             )
         except InvalidRequestError as e:
-            raise OpenAIError.invalid(e) from None
+            if e.param == "max_tokens":
+                e.param = self.max_tokens_param
+            raise OpenAIError.invalid(e, self.prompt_param) from None
 
 
 class CompletionRequest(GenerationRequest):
@@ -138,6 +159,11 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    prompt_param: ClassVar[str] = "messages"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

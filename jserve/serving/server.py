@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from jserve.errors import InvalidRequestError
 from jserve.serving.async_engine import AsyncEngine, EngineStopped, RequestStream
-from jserve.serving.llm import LLM
+from jserve.serving.llm import LLM, render_chat
 from jserve.serving.openai_protocol import (
     CHAT,
     COMPLETION,
@@ -126,9 +125,9 @@ class OpenAIServer:
         self._check_model(body.model)
         tokenizer = self._tokenizer("messages")
         try:
-            text = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
-        except (jinja2.TemplateError, ValueError) as e:
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            text = render_chat(tokenizer, [m.as_template_input() for m in body.messages])
+        except InvalidRequestError as e:
+            raise OpenAIError.invalid(e) from None
         ids = tokenizer.encode(text)
         # OpenAI's default for chat: whatever the context leaves.
         return await self._generate(request, body, CHAT, ids, text,
@@ -143,14 +142,14 @@ class OpenAIServer:
     async def _generate(self, request: Request, body: GenerationRequest, fmt: ResponseFormat,
                         prompt_ids: list[int], prompt: str | None,
                         default_max_tokens: int) -> Response:
-        params = body.sampling_params(default_max_tokens)
+        params = body.sampling_params(default_max_tokens, len(prompt_ids), self.max_model_len)
         header = ResponseHeader.new(fmt, self.model)
         try:
             stream = await self.engine.add_request(header.id, prompt_ids, params, prompt=prompt,
                                                    ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
                                                    conversation_id=body.conversation_id)
         except InvalidRequestError as e:
-            raise OpenAIError.invalid(e) from None
+            raise OpenAIError.invalid(e, body.prompt_param) from None
         if body.stream:
             return EventStreamResponse(stream, self._events(body, fmt, header, stream, len(prompt_ids)))
         try:
