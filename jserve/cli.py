@@ -24,7 +24,13 @@ def _checked(make: Callable[[], T]) -> T:
     except ValueError as e:
         raise BadArguments(str(e)) from None
 
-from jserve.config import add_engine_args, add_model_arg, engine_config_from_args
+from jserve.config import (
+    add_engine_args,
+    add_model_arg,
+    add_server_args,
+    engine_config_from_args,
+    server_config_from_args,
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -176,13 +182,20 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import os
 
     from jserve import LLM
-    from jserve.serving.server import serve
+    from jserve.serving.server import bind, serve
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
-    serve(LLM(_checked(lambda: engine_config_from_args(args))), args.host, args.port)
+    server = _checked(lambda: server_config_from_args(args, dict(os.environ)))
+    engine = _checked(lambda: engine_config_from_args(args))
+    try:
+        sock = bind(server)  # before the model loads: a busy port fails in a second, not a minute
+    except OSError as e:
+        raise BadArguments(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
+    serve(LLM(engine), server, sock)
     return 0
 
 
@@ -278,8 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

@@ -97,14 +97,23 @@ class EngineStopped(RuntimeError):
     """The server shut down before the request finished."""
 
 
+class QueueFull(RuntimeError):
+    """Too many requests wait for the engine already; the client should retry later."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
-                 predictor: LengthPredictor | None = None) -> None:
+                 predictor: LengthPredictor | None = None,
+                 max_waiting: int | None = None) -> None:
         """`predictor`: output-length predictions for policies that allocate by them (the
-        `LLM`'s; None: requests carry none)."""
+        `LLM`'s; None: requests carry none). `max_waiting`: refuse new requests with
+        `QueueFull` while this many wait (queued adds included); None: no limit."""
         self.engine = engine
         self.predictor = predictor
         self.metrics = metrics or ServerMetrics()
+        self.max_waiting = max_waiting
+        self._num_adding = 0  # adds queued for the loop, not yet in the engine's waiting count
+        self._draining = False
         self._live: dict[str, _Live] = {}
         self._ops: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -120,6 +129,20 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    async def drain(self, timeout: float) -> None:
+        """Shut down gracefully: refuse new requests, let those in flight finish for up to
+        `timeout` seconds, then stop, failing the rest with `EngineStopped` (their handlers
+        answer 503, their streams end with an error event)."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._live and self.running and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self._live:
+            log.warning("aborting %d request(s) still running after the %.0f s drain",
+                        len(self._live), timeout)
+        await self.stop()
 
     async def stop(self) -> None:
         """Let the running step finish, stop, and fail the requests still in flight."""
@@ -140,8 +163,11 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine has admitted it; raises the engine's
         `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
-        if not self.running or self._stopping:
-            raise EngineStopped("the engine loop is not running")
+        if not self.running or self._stopping or self._draining:
+            raise EngineStopped("the server is shutting down" if self._draining
+                                else "the engine loop is not running")
+        if self.max_waiting is not None and self.metrics.num_waiting + self._num_adding >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
         stream = RequestStream(self, request_id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = self.engine.clock()
@@ -151,6 +177,7 @@ class AsyncEngine:
             length, direction = prediction.columns
 
         def add() -> None:
+            self._num_adding -= 1
             if admitted.cancelled():  # the handler is gone already
                 return
             try:
@@ -165,6 +192,7 @@ class AsyncEngine:
             self._live[request_id] = _Live(stream, holdback)
             admitted.set_result(None)
 
+        self._num_adding += 1
         self._submit(add)
         try:
             await admitted

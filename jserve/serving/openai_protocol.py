@@ -34,9 +34,11 @@ class OpenAIError(Exception):
     """An error the client caused or must see, rendered as OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     @classmethod
     def invalid(cls, err: InvalidRequestError, prompt_param: str = "prompt") -> OpenAIError:
