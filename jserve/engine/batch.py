@@ -19,6 +19,12 @@ class BatchInputs:
     top_k: np.ndarray  # [S] int32, 0 = off
     seeds: np.ndarray  # [S] uint32
     output_index: np.ndarray  # [S] int32: index of the token being sampled (for the RNG)
+    # Only when a request asks (`SamplingParams.logprobs` / `prompt_logprobs`): the
+    # runner then also returns the top log-probabilities of sampled tokens, and with
+    # `next_token_ids` ([T] int32, the token after each flat position; 0 past the known
+    # ones) those of every position.
+    logprobs: bool = False
+    next_token_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,14 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """The `MAX_LOGPROBS` most likely next tokens of some positions, most likely first."""
+
+    token_ids: np.ndarray  # [N, K] int32
+    logprobs: np.ndarray  # [N, K] float32
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """Next token (and its log-probability) per scheduled sequence; unused where not sampled.
 
@@ -86,6 +100,10 @@ class StepOutput:
     next_tokens: np.ndarray  # [S] int32
     logprobs: np.ndarray  # [S] float32
     ended: np.ndarray | None = None  # [S] bool
+    top_logprobs: TopLogprobs | None = None  # of the sampled positions, if the batch asked
+    # of every flat position, if the batch asked for prompt log-probabilities: the
+    # next token's log-probability [T] and the top ones
+    position_logprobs: tuple[np.ndarray, TopLogprobs] | None = None
 
     @classmethod
     def empty(cls) -> StepOutput:

@@ -9,6 +9,11 @@ earlier start built it, without executing anything. `warmup()` does that for the
 vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
 `T == S`); anything else compiles on first use. The KV pages are donated to the step, so
 XLA writes new K/V in place.
+
+A batch with a request that asks for log-probabilities runs a second variant of the step,
+compiled on first use, that also returns the top `MAX_LOGPROBS` of each sampled position
+(and, for prompt log-probabilities, of every position: logits over all T tokens). Nobody
+asking costs nothing: the plain step is unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.engine.batch import Batch, StepOutput
+from jserve.engine.batch import Batch, StepOutput, TopLogprobs
+from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore
 from jserve.runners.sampling import sample_tokens
@@ -59,6 +65,19 @@ class StepInputs:
     top_k: jax.Array
     seeds: jax.Array
     output_index: jax.Array
+    next_token_ids: jax.Array  # [T]: read only by the prompt-logprobs variant
+
+
+# Which step a batch runs: plain, with the sampled positions' top log-probabilities, or
+# with every position's too.
+PLAIN, SAMPLED, POSITIONS = 0, 1, 2
+
+
+def _top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Log-softmax of `logits` [N, V] and its `MAX_LOGPROBS` largest entries (ids, values)."""
+    lsm = jax.nn.log_softmax(logits.astype(jax.numpy.float32), axis=-1)
+    values, ids = jax.lax.top_k(lsm, MAX_LOGPROBS)
+    return lsm, (ids.astype(jax.numpy.int32), values)
 
 
 @dataclass(frozen=True)
@@ -135,9 +154,12 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         out[:n] = a
         return out
 
+    next_ids = np.zeros(t, np.int32)
+    if x.next_token_ids is not None:
+        next_ids[:t_real] = x.next_token_ids
     return StepInputs(
         token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
-        pad(x.top_k), pad(x.seeds), pad(x.output_index),
+        pad(x.top_k), pad(x.seeds), pad(x.output_index), next_ids,
     )
 
 
@@ -181,7 +203,24 @@ class JaxRunner:
             )
             return tokens, logprobs, cache
 
+        def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
+                               variant: int) -> tuple[Any, ...]:
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+            hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
+            logits = m.logits(hidden[x.sample_index])
+            tokens, logprobs = sample_tokens(
+                logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index
+            )
+            _, top = _top(logits)
+            if variant == SAMPLED:
+                return tokens, logprobs, top, cache
+            lsm, position_top = _top(m.logits(hidden))
+            next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
+            return tokens, logprobs, top, (next_lp, position_top), cache
+
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,))
+        self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
         self._executables: dict[Shape, jax.stages.Compiled] = {}
         self.warmed_up = False
 
@@ -242,7 +281,8 @@ class JaxRunner:
                                block_size=self.block_size, scratch_block=self.scratch_block,
                                decode_only=decode_only)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
-                          np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
+                          np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
+                          z(t, np.int32))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
@@ -252,8 +292,29 @@ class JaxRunner:
             return StepOutput.empty()
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
                               self.mark_decode)
+        inputs = batch.inputs
+        if inputs is not None and inputs.logprobs:
+            return self._run_with_logprobs(x, n, batch.num_tokens,
+                                           POSITIONS if inputs.next_token_ids is not None else SAMPLED)
         tokens, logprobs = self._run(x)
         return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
+
+    def _run_with_logprobs(self, x: StepInputs, n: int, t: int, variant: int) -> StepOutput:
+        key = (_shape_of(x), variant)
+        exe = self._logprob_executables.get(key)
+        if exe is None:
+            exe = self._logprob_executables[key] = self._step_with_logprobs.lower(
+                self._weights, self.cache, x, variant).compile()
+        *outs, self.cache = exe(self._weights, self.cache, x)
+        tokens, logprobs, (top_ids, top_lp) = outs[:3]
+        positions = None
+        if variant == POSITIONS:
+            next_lp, (pos_ids, pos_lp) = outs[3]
+            positions = (np.asarray(next_lp)[:t],
+                         TopLogprobs(np.asarray(pos_ids)[:t], np.asarray(pos_lp)[:t]))
+        return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n],
+                          top_logprobs=TopLogprobs(np.asarray(top_ids)[:n], np.asarray(top_lp)[:n]),
+                          position_logprobs=positions)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
