@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from jserve import LLM
+from jserve import LLM, SamplingParams
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.http_client import scrape_metrics
 from jserve.benchmarking.http_client import wait_until_idle as server_idle
@@ -301,3 +301,46 @@ def test_http_load_script_passes(tmp_path: pathlib.Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(out.read_text())["passed"]
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def test_completion_logprobs_and_echo_in_openais_shape(tiny: Served) -> None:
+    prompt = [5, 6, 7, 8]
+    kw = dict(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True,
+              extra_body=NO_EOS)
+    full = tiny.client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    reference = LLM(tiny.llm.model, num_blocks=16, max_model_len=64, warmup=False)  # never the served one
+    [ref] = reference.generate(prompt_token_ids=[prompt], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3))
+    assert lp.tokens == [f"token_id:{t}" for t in prompt + ref.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [ref.prompt_logprobs[p][t] for p, t in enumerate(prompt) if p] + ref.logprobs
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [0] * len(lp.tokens)  # no tokenizer: the tokens have no text
+
+    chunks = list(tiny.client.completions.create(**kw, stream=True))
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-6)
+    plain = tiny.client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    assert plain.choices[0].logprobs is None
+    wait_until_idle(tiny)
+
+
+def test_chat_logprobs_and_top_logprobs(smol: Served) -> None:
+    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}],
+              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    full = smol.client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+               and c.bytes == list(c.token.encode()) for c in content)
+    streamed = [c for chunk in smol.client.chat.completions.create(**kw, stream=True)
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    r = httpx.post(f"{smol.url}/v1/chat/completions", json=kw | {"logprobs": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    wait_until_idle(smol)

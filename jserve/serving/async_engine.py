@@ -35,14 +35,24 @@ class Delta:
     text: str
     finish_reason: str | None = None  # set on the last delta
     metrics: RequestMetrics | None = None  # the finished request's timings, on the last delta
+    # Asked-for log-probabilities (`SamplingParams.logprobs`): the new tokens' own and their
+    # top alternatives; the prompt's (`prompt_logprobs`) on the first delta only.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def then(self, later: Delta) -> Delta:
+        def join(a: list | None, b: list | None) -> list | None:
+            return None if a is None and b is None else (a or []) + (b or [])
+
         return Delta(self.token_ids + later.token_ids, self.text + later.text,
-                     later.finish_reason, later.metrics)
+                     later.finish_reason, later.metrics, join(self.logprobs, later.logprobs),
+                     join(self.top_logprobs, later.top_logprobs),
+                     self.prompt_logprobs or later.prompt_logprobs)
 
 
 class RequestStream:
@@ -246,9 +256,13 @@ class AsyncEngine:
             text = req.text
             end = len(text) if req.finished else max(live.num_chars_sent, len(text) - live.holdback)
             finish = None if req.finish_reason is None else req.finish_reason.value
-            live.stream.put(Delta(req.output_token_ids[live.num_tokens_sent:],
-                                  text[live.num_chars_sent:end], finish,
-                                  req.metrics if req.finished else None))
+            sent = live.num_tokens_sent
+            asked = req.top_logprobs is not None
+            live.stream.put(Delta(req.output_token_ids[sent:], text[live.num_chars_sent:end], finish,
+                                  req.metrics if req.finished else None,
+                                  req.output_logprobs[sent:] if asked else None,
+                                  req.top_logprobs[sent:] if asked else None,
+                                  req.prompt_logprobs if sent == 0 else None))
             live.num_tokens_sent = len(req.output_token_ids)
             live.num_chars_sent = end
             if req.finished:

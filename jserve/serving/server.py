@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from jserve.config import ServerConfig
 from jserve.errors import InvalidRequestError
-from jserve.serving.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
+from jserve.serving.async_engine import AsyncEngine, Delta, EngineStopped, QueueFull, RequestStream
 from jserve.serving.llm import LLM, render_chat
 from jserve.serving.openai_protocol import (
     CHAT,
@@ -44,6 +44,7 @@ from jserve.serving.openai_protocol import (
     OpenAIError,
     ResponseFormat,
     ResponseHeader,
+    TokenLogprobs,
     model_list,
     model_not_found,
     preemption_info,
@@ -161,9 +162,9 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e, body.prompt_param) from None
         if body.stream:
-            return EventStreamResponse(stream, self._events(body, fmt, header, stream, len(prompt_ids)))
+            return EventStreamResponse(stream, self._events(body, fmt, header, stream, prompt_ids, prompt))
         try:
-            collected = self._collect(body, fmt, header, stream, len(prompt_ids))
+            collected = self._collect(body, fmt, header, stream, prompt_ids, prompt)
             return JSONResponse(await _unless_disconnected(request, collected))
         except ClientGone:  # nobody reads the answer; close() below aborts the request
             log.info("client of %s disconnected; request aborted", header.id)
@@ -172,31 +173,25 @@ class OpenAIServer:
             stream.close()
 
     async def _collect(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
-                       stream: RequestStream, num_prompt: int) -> dict[str, Any]:
-        token_ids: list[int] = []
-        text: list[str] = []
-        finish = None
-        cached = 0
+                       stream: RequestStream, prompt_ids: list[int], prompt: str | None) -> dict[str, Any]:
+        whole = Delta([], "")
         async for delta in stream:
-            token_ids += delta.token_ids
-            text.append(delta.text)
-            finish = delta.finish_reason
-            cached = delta.metrics.num_cached_tokens if delta.metrics is not None else cached
-        choice = fmt.choice("".join(text), finish, token_ids if body.return_token_ids else None,
-                            stream=False)
-        return header.body(fmt.object, [choice], usage=usage(num_prompt, len(token_ids), cached))
+            whole = whole.then(delta)
+        cached = whole.metrics.num_cached_tokens if whole.metrics is not None else 0
+        choice, _ = self._choice(body, fmt, whole, prompt_ids, prompt, stream=False, first=True, offset=0)
+        return header.body(fmt.object, [choice], usage=usage(len(prompt_ids), len(whole.token_ids), cached))
 
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
-                      stream: RequestStream, num_prompt: int) -> AsyncIterator[str]:
+                      stream: RequestStream, prompt_ids: list[int], prompt: str | None) -> AsyncIterator[str]:
         """One event per batch of tokens, the usage chunk if asked for, then `[DONE]`."""
         num_out = 0
         cached = 0
+        offset = 0
         try:
             async for delta in stream:
                 cached = delta.metrics.num_cached_tokens if delta.metrics is not None else cached
-                choice = fmt.choice(delta.text, delta.finish_reason,
-                                    delta.token_ids if body.return_token_ids else None,
-                                    stream=True, first=num_out == 0)
+                choice, offset = self._choice(body, fmt, delta, prompt_ids, prompt, stream=True,
+                                              first=num_out == 0, offset=offset)
                 num_out += len(delta.token_ids)
                 extra = {} if delta.metrics is None else {"jserve": preemption_info(delta.metrics)}
                 yield _sse(header.body(fmt.chunk_object, [choice], **extra))
@@ -207,8 +202,50 @@ class OpenAIServer:
             yield _sse(OpenAIError(500, str(e), type="server_error").to_json())
         else:
             if body.include_usage:
-                yield _sse(header.body(fmt.chunk_object, [], usage=usage(num_prompt, num_out, cached)))
+                yield _sse(header.body(fmt.chunk_object, [], usage=usage(len(prompt_ids), num_out, cached)))
         yield _sse("[DONE]")
+
+    def _choice(self, body: GenerationRequest, fmt: ResponseFormat, delta: Delta,
+                prompt_ids: list[int], prompt: str | None, *, stream: bool, first: bool,
+                offset: int) -> tuple[dict[str, Any], int]:
+        """A choice of `delta`'s tokens (the first also echoing the prompt, if asked) and the
+        text offset after it."""
+        text, ids = delta.text, delta.token_ids
+        lps: list[float | None] | None = delta.logprobs
+        tops: list[dict[int, float] | None] | None = delta.top_logprobs
+        if first and getattr(body, "echo", False):
+            text = (prompt if prompt is not None else self._decode(prompt_ids)) + text
+            if lps is not None and tops is not None:
+                prompt_tops = delta.prompt_logprobs or [None]
+                lps = [None if e is None else e[t] for e, t in zip(prompt_tops, prompt_ids)] + lps
+                tops = list(prompt_tops) + tops
+                ids = prompt_ids + ids
+        logprobs = None
+        if lps is not None and tops is not None:
+            num_top = body.requested_logprobs()[0] or 0
+            rendered = self._token_logprobs(ids, lps, tops, num_top)
+            logprobs = (rendered.chat() if fmt.chat
+                        else rendered.completion(offset, self.llm.tokenizer is not None))
+        choice = fmt.choice(text, delta.finish_reason,
+                            delta.token_ids if body.return_token_ids else None,
+                            stream=stream, first=first, logprobs=logprobs)
+        return choice, offset + len(text)
+
+    def _token_logprobs(self, ids: list[int], lps: list[float | None],
+                        tops: list[dict[int, float] | None], num_top: int) -> TokenLogprobs:
+        text = self._token_text
+        return TokenLogprobs(
+            [text(t) for t in ids], lps,
+            [None if e is None else {text(k): v for k, v in sorted(e.items(), key=lambda kv: -kv[1])}
+             for e in tops], num_top)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text; without a tokenizer, vLLM's `token_id:N`."""
+        tok = self.llm.tokenizer
+        return f"token_id:{token_id}" if tok is None else tok.decode([token_id], skip_special_tokens=False)
+
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(ids)
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, model: str) -> None:
