@@ -67,6 +67,9 @@ class EngineConfig:
             engine, the simulated accelerator's in the simulator). A test can force a tiny
             cache to provoke preemptions.
         gpu_memory_utilization: the share of device memory weights and KV may take.
+        kv_cache_space: GiB of KV cache when num_blocks is not given (vLLM's CPU backend
+            takes a fixed VLLM_CPU_KVCACHE_SPACE likewise); None: on CPU a quarter of the
+            RAM, at most 2 GiB, on an accelerator gpu_memory_utilization's share.
         swap_space: GiB of host memory for the K/V of requests preempted by swapping
             (vLLM's option and default); 0 leaves policies recompute preemption only.
         prefix_cache: keep finished requests' full KV blocks for prompts that start the
@@ -98,6 +101,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_space: float | None = None
     swap_space: float = 4.0
     prefix_cache: PrefixCacheConfig | None = None
     runner: Runner = "real"
@@ -133,6 +137,8 @@ class EngineConfig:
                 _check_at_least(name, getattr(self, name), 1)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_space is not None and not self.kv_cache_space > 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -227,6 +233,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
                              "the simulated hardware)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of device memory weights and KV may take (default: %(default)s)")
+    parser.add_argument("--kv-cache-space", type=float, default=None, metavar="GIB",
+                        help="GiB of KV cache when --num-blocks is not given (default: on CPU a "
+                             "quarter of RAM, at most 2 GiB; on accelerators "
+                             "--gpu-memory-utilization's share)")
     parser.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GIB",
                         help="GiB of host memory for K/V of requests preempted by swapping "
                              "(default: 4)")
@@ -289,6 +299,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
     )

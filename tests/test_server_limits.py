@@ -207,3 +207,20 @@ def test_the_api_key_comes_from_the_option_or_the_environment() -> None:
 
     assert key([], {}) is None and key([], {"JSERVE_API_KEY": "env"}) == "env"
     assert key(["--api-key", "opt"], {"JSERVE_API_KEY": "env"}) == "opt"
+
+
+def test_the_servers_warm_up_covers_a_burst_of_short_prompts(tiny_loaded: LoadedModel) -> None:
+    """A burst packs many short prompts into one prefill step: a bucket offline warm-up skips
+    ((512, 64) in the issue), which the server's warm-up compiles."""
+    from jserve import SamplingParams
+    from jserve.serving.server import warm_every_bucket
+
+    llm = LLM(tiny_loaded, num_blocks=256, max_model_len=128, max_num_seqs=32,
+              max_num_batched_tokens=128, warmup=True)
+    warm_every_bucket(llm)
+    compiled = llm.runner.num_compiled
+    rng = __import__("numpy").random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(2, 9, size=30)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=5, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.runner.num_compiled == compiled
