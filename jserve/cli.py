@@ -137,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
         print("error: --backend http needs --url", file=sys.stderr)
         return 2
     result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
-    print(format_table(result.summary))
+    print(format_table(result.summary, result.vllm))
     if result.multiturn is not None:
         m = result.multiturn
         print(f"turns {m['num_turns']} in {m['num_conversations']} conversations; "

@@ -33,6 +33,7 @@ from jserve.benchmarking.metrics import (
     Summary,
     assign_slos,
     summarize,
+    vllm_report,
 )
 from jserve.benchmarking.replay import replay
 from jserve.benchmarking.workload import (
@@ -139,8 +140,16 @@ class BenchResult:
     # (`jserve.benchmarking.conversations.multiturn_summary`), and the prompt tokens the cache served.
     multiturn: dict[str, Any] | None = None
 
+    @property
+    def vllm(self) -> dict[str, float | int | None]:
+        """`vllm bench serve`'s figures under its names (`metrics.vllm_report`)."""
+        return vllm_report(self.records, self.summary)
+
     def to_json(self) -> dict[str, Any]:
+        """vLLM's keys at the top level (as `vllm bench serve --save-result` writes them),
+        jserve's own summary beside them."""
         return {
+            **self.vllm,
             "config": config_json(self.config),
             "summary": self.summary.to_dict(),
             "wall_time_s": self.wall_time,
