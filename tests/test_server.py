@@ -5,6 +5,7 @@ per-request SLOs reaching the policy, and the benchmark's HTTP backend."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -143,9 +144,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny: Served) -> None:
     assert scrape_metrics(tiny.url)[ABORTED] == aborted + 1
 
 
-def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(tiny: Served) -> None:
+def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(
+        tiny: Served, caplog: pytest.LogCaptureFixture) -> None:
     """A client that gives up on a non-streaming request (a timeout; the openai client then
-    retries) leaves nothing running: each abandoned copy is aborted."""
+    retries) leaves nothing running: each abandoned copy is aborted, and no handler fails."""
+    caplog.set_level(logging.INFO, logger="jserve.serving.server")
     aborted = scrape_metrics(tiny.url).get(ABORTED, 0)
     client = tiny.client.with_options(timeout=0.5, max_retries=1)
     with pytest.raises(openai.APITimeoutError):
@@ -153,6 +156,8 @@ def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(tiny: S
                                   extra_body=NO_EOS)
     wait_until_idle(tiny)
     assert scrape_metrics(tiny.url)[ABORTED] == aborted + 2
+    gone = [r for r in caplog.records if "disconnected; request aborted" in r.getMessage()]
+    assert len(gone) == 2 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 @pytest.mark.parametrize(

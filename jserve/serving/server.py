@@ -94,13 +94,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[dict[str, Any]]
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_until_disconnected(request.receive))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        task.cancel()  # a no-op once it is done
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task  # let it unwind before the caller aborts the request
+    raise ClientGone
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -216,7 +218,10 @@ class OpenAIServer:
         if first and getattr(body, "echo", False):
             text = (prompt if prompt is not None else self._decode(prompt_ids)) + text
             if lps is not None and tops is not None:
-                prompt_tops = delta.prompt_logprobs or [None]
+                # None where nothing was computed: the first token, and positions a prefix
+                # cache served
+                known = list(delta.prompt_logprobs or [])
+                prompt_tops = known + [None] * (len(prompt_ids) - len(known))
                 lps = [None if e is None else e[t] for e, t in zip(prompt_tops, prompt_ids)] + lps
                 tops = list(prompt_tops) + tops
                 ids = prompt_ids + ids
