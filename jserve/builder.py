@@ -114,7 +114,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     limits = config.limits
     num_blocks = config.num_blocks
     if num_blocks is None:
-        budget = device_kv_budget(model.num_params * dbytes, config.gpu_memory_utilization)
+        budget = (config.kv_cache_space * 2**30 if config.kv_cache_space is not None
+                  else device_kv_budget(model.num_params * dbytes, config.gpu_memory_utilization))
         num_blocks = num_blocks_for_budget(model, config.block_size, dbytes, budget)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")

@@ -5,8 +5,32 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from jserve.config import add_engine_args, add_model_arg, engine_config_from_args
+T = TypeVar("T")
+
+
+class BadArguments(Exception):
+    """An option the configuration refused; `main` prints it as one `error:` line."""
+
+
+def _checked(make: Callable[[], T]) -> T:
+    """Build a configuration from the options: its `ValueError` is the user's mistake, not
+    a bug, so it becomes `BadArguments` (a ValueError later, while running, stays a bug
+    with its traceback)."""
+    try:
+        return make()
+    except ValueError as e:
+        raise BadArguments(str(e)) from None
+
+from jserve.config import (
+    add_engine_args,
+    add_model_arg,
+    add_server_args,
+    engine_config_from_args,
+    server_config_from_args,
+)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -14,7 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr)
-    llm = LLM(engine_config_from_args(args))
+    llm = LLM(_checked(lambda: engine_config_from_args(args)))
     print(f"ready in {time.perf_counter() - t0:.1f}s"
           + ("" if args.warmup else " (step shapes compile on first use)"), file=sys.stderr)
     try:
@@ -89,16 +113,16 @@ def _bench_config(args: argparse.Namespace, policy: str, rate: float, backend: s
 
     from jserve.benchmarking.bench import BenchConfig
 
-    engine = dataclasses.replace(engine_config_from_args(args), policy=policy,
-                                 runner="real" if backend == "http" else args.runner)
-    return BenchConfig(
+    engine = _checked(lambda: dataclasses.replace(
+        engine_config_from_args(args), policy=policy, runner="real" if backend == "http" else args.runner))
+    return _checked(lambda: BenchConfig(
         engine, backend=backend, url=url, workload=args.workload, rate=rate,
         num_requests=args.num_requests, cv=args.cv, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo,
         tbt_slo_on=args.tbt_slo_on, slo_scale=tuple(args.slo_scale) if args.slo_scale else None, seed=args.seed,
         trace=args.trace, predictions=args.predictions, tel_threshold=args.tel_threshold,
         conversation_process=args.conversation_process, turn_rate=args.turn_rate,
         end_rate=args.end_rate, think_time=args.think_time,
-    )
+    ))
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -119,7 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
         print("error: --backend http needs --url", file=sys.stderr)
         return 2
     result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
-    print(format_table(result.summary))
+    print(format_table(result.summary, result.vllm))
     if result.multiturn is not None:
         m = result.multiturn
         print(f"turns {m['num_turns']} in {m['num_conversations']} conversations; "
@@ -136,7 +160,11 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from jserve.benchmarking.sweep import run_sweep, write_sweep
 
-    sweep = run_sweep(_bench_config(args, args.policies[0], args.rates[0]), args.policies, args.rates)
+    config = _bench_config(args, args.policies[0], args.rates[0])
+    for policy in args.policies:
+        for rate in args.rates:
+            _checked(lambda: config.with_policy(policy, rate))  # every point, before any runs
+    sweep = run_sweep(config, args.policies, args.rates)
     for policy in args.policies:
         print(f"{policy:>10}: effective throughput {sweep.effective_throughput(policy)} req/s")
         for rate, r in zip(args.rates, sweep.results[policy]):
@@ -160,13 +188,20 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import os
 
     from jserve import LLM
-    from jserve.serving.server import serve
+    from jserve.serving.server import bind, serve
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
-    serve(LLM(engine_config_from_args(args)), args.host, args.port)
+    server = _checked(lambda: server_config_from_args(args, dict(os.environ)))
+    engine = _checked(lambda: engine_config_from_args(args))
+    try:
+        sock = bind(server)  # before the model loads: a busy port fails in a second, not a minute
+    except OSError as e:
+        raise BadArguments(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
+    serve(LLM(engine), server, sock)
     return 0
 
 
@@ -262,8 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=_serve)
 
@@ -300,7 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BadArguments as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

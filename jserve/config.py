@@ -67,6 +67,9 @@ class EngineConfig:
             engine, the simulated accelerator's in the simulator). A test can force a tiny
             cache to provoke preemptions.
         gpu_memory_utilization: the share of device memory weights and KV may take.
+        kv_cache_space: GiB of KV cache when num_blocks is not given (vLLM's CPU backend
+            takes a fixed VLLM_CPU_KVCACHE_SPACE likewise); None: on CPU a quarter of the
+            RAM, at most 2 GiB, on an accelerator gpu_memory_utilization's share.
         swap_space: GiB of host memory for the K/V of requests preempted by swapping
             (vLLM's option and default); 0 leaves policies recompute preemption only.
         prefix_cache: keep finished requests' full KV blocks for prompts that start the
@@ -98,6 +101,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_space: float | None = None
     swap_space: float = 4.0
     prefix_cache: PrefixCacheConfig | None = None
     runner: Runner = "real"
@@ -137,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"policy {self.policy_name!r} keeps some requests' layers on the host "
                              "(LayerKV), which splits blocks per layer; a prefix cache shares whole "
                              "blocks between requests: use one or the other")
+        if self.kv_cache_space is not None and not self.kv_cache_space > 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -231,6 +237,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
                              "the simulated hardware)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of device memory weights and KV may take (default: %(default)s)")
+    parser.add_argument("--kv-cache-space", type=float, default=None, metavar="GIB",
+                        help="GiB of KV cache when --num-blocks is not given (default: on CPU a "
+                             "quarter of RAM, at most 2 GiB; on accelerators "
+                             "--gpu-memory-utilization's share)")
     parser.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GIB",
                         help="GiB of host memory for K/V of requests preempted by swapping "
                              "(default: 4)")
@@ -293,6 +303,73 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
     )
+
+
+# --------------------------------------------------------------------------- the HTTP server
+
+
+API_KEY_ENV = "JSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `jserve serve` listens and what it refuses before a request reaches the engine.
+
+    host / port: where to listen (the port is bound before the model loads).
+    api_key: every /v1 route then needs `Authorization: Bearer KEY` (401 otherwise);
+        /health and /metrics stay open. None: no authentication.
+    max_request_bytes: larger bodies get 413 before they are parsed or tokenized.
+    max_waiting_requests: new requests get 503 with Retry-After while this many wait for
+        the engine (never started or preempted); None: no limit.
+    drain_s: on SIGINT/SIGTERM, how long running requests may go on finishing before the
+        rest are aborted.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = 4 * 2**20
+    max_waiting_requests: int | None = None
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (omit it to serve without one)")
+        _check_at_least("max_request_bytes", self.max_request_bytes, 1)
+        if self.max_waiting_requests is not None:
+            _check_at_least("max_waiting_requests", self.max_waiting_requests, 1)
+        if not self.drain_s >= 0:
+            raise ValueError(f"drain_s must be >= 0 seconds, got {self.drain_s}")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """`ServerConfig`'s options, for `jserve serve`."""
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "
+                             f"${API_KEY_ENV} if set, else none)")
+    parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, metavar="N",
+                        help="refuse larger request bodies with 413 (default: %(default)s)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                        help="answer 503 with Retry-After while N requests wait (default: no limit)")
+    parser.add_argument("--drain-timeout", dest="drain_s", type=float, default=d.drain_s,
+                        metavar="SECONDS",
+                        help="on Ctrl-C / SIGTERM, let running requests finish this long, then "
+                             "abort the rest (default: %(default)s)")
+
+
+def server_config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
+    """The `ServerConfig` of `add_server_args`' options; the API key falls back to
+    `$JSERVE_API_KEY` (kept out of the process list and shell history)."""
+    return ServerConfig(host=args.host, port=args.port,
+                        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+                        max_request_bytes=args.max_request_bytes,
+                        max_waiting_requests=args.max_waiting_requests, drain_s=args.drain_s)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses as given (bad sampling values, prompt too long, ...)."""
+    """A request the engine refuses as given (bad sampling values, prompt too long, ...).
+
+    `param` names the offending field as the OpenAI API spells it (`temperature`,
+    `prompt`, ...), so the HTTP server's error JSON can point at it; None if no one field is
+    to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PlanError(RuntimeError):

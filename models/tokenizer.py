@@ -117,8 +117,11 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def encode(self, text: str) -> list[int]:
-        """Token ids for `text`; special-token markers in the text map to their ids, no BOS is added."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids for `text`; special-token markers in the text map to their ids, no BOS is added.
+
+        Through `encode_batch`, which releases the GIL (`encode` holds it): a server
+        tokenizing a long prompt in a worker thread keeps answering meanwhile."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jserve import LLM, InvalidRequestError, SamplingParams
+from jserve.cli import main
 from models.loading import LoadedModel
 
 
@@ -21,12 +22,19 @@ def llm(tiny_loaded: LoadedModel) -> LLM:
         (dict(temperature=-0.5), "temperature must be >= 0"),
         (dict(top_p=0.0), "top_p must be in (0, 1]"),
         (dict(top_p=1.5), "top_p must be in (0, 1]"),
-        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
+        (dict(max_tokens=2.5), "max_tokens must be an integer >= 1"),
+        (dict(seed=1.5), "seed must be an integer"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
     ],
 )
 def test_bad_sampling_values(kwargs: dict, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace("]", r"\]")):
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace("]", r"\]")) as e:
         SamplingParams(**kwargs)
+    assert e.value.param == next(iter(kwargs))  # the field, as the HTTP error's `param`
 
 
 @pytest.mark.parametrize(
@@ -80,3 +88,28 @@ def test_slos_reach_the_view_and_bad_ones_are_refused(llm: LLM) -> None:
     for request_id in ("slo", "none"):
         engine.abort(request_id)
     assert not engine.state.has_unfinished
+
+
+def test_chat_with_a_malformed_message_names_messages(smollm2_loaded: LoadedModel) -> None:
+    llm = LLM(smollm2_loaded, num_blocks=8, max_model_len=64, warmup=False)
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\] must have a string 'role'") as e:
+        llm.chat([{"content": "x"}], use_tqdm=False)
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--rate", "0"], "error: rate must be > 0"),
+        (["bench", "--workload", "nosuch"], "error: unknown workload 'nosuch'"),
+        (["bench", "--workload", "fixed:abc"], "error: malformed fixed workload 'fixed:abc'"),
+        (["bench", "--max-num-seqs", "0"], "error: max_num_seqs must be an int >= 1"),
+        (["bench", "--slo-scale", "2", "1"], "error: slo_scale must satisfy"),
+        (["sweep", "--rates", "1,0"], "error: rate must be > 0"),
+    ],
+)
+def test_cli_reports_bad_arguments_in_one_line(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(message)

@@ -16,6 +16,7 @@ from jserve.benchmarking.metrics import (
     e2e,
     effective_throughput,
     format_table,
+    vllm_report,
     normalized_latency,
     p99_tbt,
     summarize,
@@ -212,7 +213,7 @@ def test_empty_records() -> None:
     assert s.ttft_mean is None and s.tbt_p99 is None and s.e2e_mean is None
     assert s.slo_attainment is None and s.goodput_rps is None
     assert s.num_preemptions == 0 and s.preempted_time_total == 0.0
-    assert isinstance(format_table(s), str)
+    assert isinstance(format_table(s, vllm_report([], s)), str)
 
 
 def test_all_aborted() -> None:
@@ -243,10 +244,28 @@ def test_to_dict_is_json_and_complete() -> None:
 
 
 def test_format_table_shows_milliseconds() -> None:
-    text = format_table(summarize([A, B, C], ttft_slo=0.8, tbt_slo=0.6))
+    s = summarize([A, B, C], ttft_slo=0.8, tbt_slo=0.6)
+    text = format_table(s, vllm_report([A, B, C], s))
     assert "750.0" in text  # TTFT mean 0.75 s
     assert "2/3 finished" in text
     assert "33.3%" in text
+    for name in ("TTFT", "TPOT", "ITL", "E2EL", "median", "p90", "std", "max"):
+        assert name in text
+    plain = summarize([A, B])
+    assert "no SLO given" in format_table(plain, vllm_report([A, B], plain))
+
+
+def test_vllm_report_uses_vllms_names_in_milliseconds() -> None:
+    """TTFTs 1.0 and 0.5 s; ITL pools the gaps 0.5, 1.0, 0.5 and 0.5 s; aborted C counts nowhere."""
+    r = vllm_report([A, B, C], summarize([A, B, C]))
+    assert r["mean_ttft_ms"] == pytest.approx(750.0) and r["median_ttft_ms"] == pytest.approx(750.0)
+    assert r["std_ttft_ms"] == pytest.approx(250.0) and r["max_ttft_ms"] == pytest.approx(1000.0)
+    assert r["p99_ttft_ms"] == pytest.approx(995.0) and r["p90_ttft_ms"] == pytest.approx(950.0)
+    assert r["mean_itl_ms"] == pytest.approx(625.0) and r["max_itl_ms"] == pytest.approx(1000.0)
+    assert r["mean_e2el_ms"] == pytest.approx(2000.0)
+    assert r["completed"] == 2 and r["request_goodput"] is None
+    assert {f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99", "std", "max")
+            for m in ("ttft", "tpot", "itl", "e2el")} <= set(r)
 
 
 # ----------------------------------------------------------------------------- SLO assignment
@@ -326,6 +345,6 @@ def test_tbt_slo_on_tpot_judges_the_mean_gap_not_the_p99():
     s = summarize([r], tbt_slo_on="tpot")
     assert s.tbt_slo_attainment == 1.0 and s.slo_attainment == 1.0 and s.tbt_slo_on == "tpot"
     assert summarize([r]).tbt_slo_attainment == 0.0
-    assert "TBT (tpot)" in format_table(s)
+    assert "TBT (tpot)" in format_table(s, vllm_report([r], s))
     with pytest.raises(ValueError, match="tpot"):
         summarize([r], tbt_slo_on="mean")

@@ -5,6 +5,7 @@ per-request SLOs reaching the policy, and the benchmark's HTTP backend."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -17,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from jserve import LLM
+from jserve import LLM, SamplingParams
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.http_client import scrape_metrics
 from jserve.benchmarking.http_client import wait_until_idle as server_idle
@@ -143,27 +144,60 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny: Served) -> None:
     assert scrape_metrics(tiny.url)[ABORTED] == aborted + 1
 
 
+def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(
+        tiny: Served, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that gives up on a non-streaming request (a timeout; the openai client then
+    retries) leaves nothing running: each abandoned copy is aborted, and no handler fails."""
+    caplog.set_level(logging.INFO, logger="jserve.serving.server")
+    aborted = scrape_metrics(tiny.url).get(ABORTED, 0)
+    client = tiny.client.with_options(timeout=0.5, max_retries=1)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=TINY_CONTEXT - 3,
+                                  extra_body=NO_EOS)
+    wait_until_idle(tiny)
+    assert scrape_metrics(tiny.url)[ABORTED] == aborted + 2
+    gone = [r for r in caplog.records if "disconnected; request aborted" in r.getMessage()]
+    assert len(gone) == 2 and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 @pytest.mark.parametrize(
-    ("body", "status", "message"),
+    ("body", "status", "param", "message"),
     [
-        (b'{"model": "tiny-llama", "prompt": [1, 2', 400, "malformed JSON body"),
-        (b'{"model": "tiny-llama"}', 400, "prompt: Field required"),
-        (b'{"model": "gpt-4", "prompt": [1]}', 404, "The model `gpt-4` does not exist"),
-        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens must be"),
-        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "only n=1 is supported"),
-        (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo must be a positive number"),
-        (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt token ids must lie in"),
-        (json.dumps({"model": "tiny-llama", "prompt": [1] * TINY_CONTEXT}).encode(), 400,
+        (b'{"model": "tiny-llama", "prompt": [1, 2', 400, None, "malformed JSON body"),
+        (b'{"model": "tiny-llama"}', 400, "prompt", "prompt: Field required"),
+        (b'{"model": "gpt-4", "prompt": [1]}', 404, "model", "The model `gpt-4` does not exist"),
+        (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens", "max_tokens must be"),
+        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "n", "only n=1 is supported"),
+        (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo",
+         "tbt_slo must be a positive number"),
+        (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt", "prompt token ids must lie in"),
+        (json.dumps({"model": "tiny-llama", "prompt": [1] * TINY_CONTEXT}).encode(), 400, "prompt",
          "the context limit is 1024"),
-        (b'{"model": "tiny-llama", "prompt": "text"}', 400, "no tokenizer"),
+        (b'{"model": "tiny-llama", "prompt": "text"}', 400, "prompt", "no tokenizer"),
+        (b'{"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 1000000000}', 400, "max_tokens",
+         "maximum context length is 1024 tokens. However, you requested 1000000002 tokens "
+         "(2 in the prompt, 1000000000 in the completion)"),
+        (b'{"model": "tiny-llama", "prompt": [1], "temperature": Infinity}', 400, "temperature",
+         "temperature must be a finite number"),
+        (b'{"model": "tiny-llama", "prompt": [1], "top_p": NaN}', 400, "top_p", "top_p must be a finite number"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int,
-                                                   message: str) -> None:
+                                                   param: str | None, message: str) -> None:
     r = httpx.post(f"{tiny.url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status
     err = r.json()["error"]
     assert message in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+
+
+def test_chat_max_tokens_over_the_context_names_max_completion_tokens(smol: Served) -> None:
+    r = httpx.post(f"{smol.url}/v1/chat/completions", json={
+        "model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10_000})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "max_completion_tokens" and "in the messages, 10000 in the completion" in err["message"]
 
 
 def test_bad_chat_requests_and_client_exceptions(tiny: Served) -> None:
@@ -272,3 +306,46 @@ def test_http_load_script_passes(tmp_path: pathlib.Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(out.read_text())["passed"]
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def test_completion_logprobs_and_echo_in_openais_shape(tiny: Served) -> None:
+    prompt = [5, 6, 7, 8]
+    kw = dict(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True,
+              extra_body=NO_EOS)
+    full = tiny.client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    reference = LLM(tiny.llm.model, num_blocks=16, max_model_len=64, warmup=False)  # never the served one
+    [ref] = reference.generate(prompt_token_ids=[prompt], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3))
+    assert lp.tokens == [f"token_id:{t}" for t in prompt + ref.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [ref.prompt_logprobs[p][t] for p, t in enumerate(prompt) if p] + ref.logprobs
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert all(3 <= len(top) <= 4 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [0] * len(lp.tokens)  # no tokenizer: the tokens have no text
+
+    chunks = list(tiny.client.completions.create(**kw, stream=True))
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-6)
+    plain = tiny.client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
+    assert plain.choices[0].logprobs is None
+    wait_until_idle(tiny)
+
+
+def test_chat_logprobs_and_top_logprobs(smol: Served) -> None:
+    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}],
+              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    full = smol.client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+               and c.bytes == list(c.token.encode()) for c in content)
+    streamed = [c for chunk in smol.client.chat.completions.create(**kw, stream=True)
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    r = httpx.post(f"{smol.url}/v1/chat/completions", json=kw | {"logprobs": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    wait_until_idle(smol)

@@ -33,12 +33,15 @@ from jserve.benchmarking.metrics import (
     Summary,
     assign_slos,
     summarize,
+    vllm_report,
 )
 from jserve.benchmarking.replay import replay
 from jserve.benchmarking.workload import (
     Trace,
     TraceRequest,
     build_trace,
+    check_rate_cv,
+    get_workload,
     load_trace,
     multiturn_conversations,
 )
@@ -87,6 +90,18 @@ class BenchConfig:
             raise ValueError(f"backend must be 'inprocess' or 'http', not {self.backend!r}")
         if self.backend == "http" and (self.engine.runner != "real" or not self.url):
             raise ValueError("the http backend benchmarks a real server: runner='real' and a url")
+        if self.trace is None:
+            get_workload(self.workload)  # unknown or malformed names fail with the known ones
+        check_rate_cv(self.rate, self.cv)
+        for name in ("ttft_slo", "tbt_slo"):
+            slo = getattr(self, name)
+            if slo is not None and not (math.isfinite(slo) and slo > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {slo!r}")
+        if self.slo_scale is not None and not 0 < self.slo_scale[0] <= self.slo_scale[1]:
+            raise ValueError(f"slo_scale must satisfy 0 < LO <= HI, got {self.slo_scale}")
+        if isinstance(self.num_requests, bool) or not isinstance(self.num_requests, int) \
+                or self.num_requests < 1:
+            raise ValueError(f"num_requests must be an int >= 1, got {self.num_requests!r}")
         if self.multiturn and self.backend == "http":
             raise ValueError("multi-turn conversations run in process only (the next turn is "
                              "built from the engine's reply)")
@@ -126,8 +141,16 @@ class BenchResult:
     # (`jserve.benchmarking.conversations.multiturn_summary`), and the prompt tokens the cache served.
     multiturn: dict[str, Any] | None = None
 
+    @property
+    def vllm(self) -> dict[str, float | int | None]:
+        """`vllm bench serve`'s figures under its names (`metrics.vllm_report`)."""
+        return vllm_report(self.records, self.summary)
+
     def to_json(self) -> dict[str, Any]:
+        """vLLM's keys at the top level (as `vllm bench serve --save-result` writes them),
+        jserve's own summary beside them."""
         return {
+            **self.vllm,
             "config": config_json(self.config),
             "summary": self.summary.to_dict(),
             "wall_time_s": self.wall_time,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jserve.benchmarking.metrics import EngineTotals, RequestRecord
 from jserve.benchmarking.replay import benchmark_params
 from jserve.benchmarking.workload import Trace, TraceRequest
+from jserve.config import API_KEY_ENV
 
 # Only connecting is timed out: a request may rightly wait long in the server's queue.
 CONNECT_TIMEOUT_S = 30.0
@@ -57,7 +59,9 @@ async def _replay(url: str, model: str, policy: str, trace: Trace,
     # keep-alive timeout ("server disconnected without sending a response").
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    key = os.environ.get(API_KEY_ENV)  # a server started with --api-key wants it on /v1
+    headers = {} if not key else {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=headers) as client:
         await _check_server(client, model, policy)
         before = await _engine_totals(client)
         start = time.perf_counter()

@@ -65,6 +65,7 @@ __all__ = [
     "tpot",
     "ttft",
     "ttft_slo_met",
+    "vllm_report",
 ]
 
 
@@ -362,11 +363,49 @@ def tail_excess_latency(ttfts: Iterable[float], threshold: float) -> float:
 # ----------------------------------------------------------------------------- display
 
 
-def format_table(summary: Summary) -> str:
-    """A compact human table of `summary`, latencies in milliseconds."""
+VLLM_METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
+VLLM_STATS = ("mean", "median", "p90", "p99", "std", "max")
 
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x * 1e3:.1f}"
+
+def vllm_report(records: Sequence[RequestRecord], summary: Summary) -> dict[str, float | int | None]:
+    """The figures `vllm bench serve` writes, under its names and units, so a run can sit
+    beside vLLM's without translating: `{stat}_{metric}_ms` for TTFT, TPOT, ITL (every gap
+    between tokens, pooled: our TBT) and E2EL (our E2E) over finished requests, `std` the
+    population deviation (numpy's, as vLLM's); throughputs per second of makespan; the
+    goodput None without an SLO."""
+    done = [r for r in records if r.finished]
+    series = {
+        "ttft": _values(ttft(r) for r in done),
+        "tpot": _values(tpot(r) for r in done),
+        "itl": np.concatenate([tbt_gaps(r) for r in done]) if done else np.empty(0),
+        "e2el": _values(e2e(r) for r in done),
+    }
+    stats = {"mean": np.mean, "median": np.median, "p90": lambda a: np.percentile(a, 90),
+             "p99": lambda a: np.percentile(a, 99), "std": np.std, "max": np.max}
+    out: dict[str, float | int | None] = {
+        "duration": summary.makespan,
+        "completed": summary.num_finished,
+        "total_input_tokens": int(sum(r.prompt_len for r in done)),
+        "total_output_tokens": int(sum(r.output_len for r in done)),
+        "request_throughput": summary.throughput_rps,
+        "output_throughput": summary.output_tokens_per_s,
+        "total_token_throughput": None if not summary.makespan else
+        float(sum(r.prompt_len + r.output_len for r in done) / summary.makespan),
+        "request_goodput": summary.goodput_rps,
+    }
+    for metric, _ in VLLM_METRICS:
+        a = series[metric]
+        for stat in VLLM_STATS:
+            out[f"{stat}_{metric}_ms"] = float(stats[stat](a) * 1e3) if a.size else None
+    return out
+
+
+def format_table(summary: Summary, report: dict[str, float | int | None]) -> str:
+    """A compact human table: `report`'s (`vllm_report`) latencies in milliseconds under
+    vLLM's names, then counts, throughput, SLOs and preemptions."""
+
+    def ms(x: float | int | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
 
     def num(x: float | None, fmt: str = ".2f") -> str:
         return "-" if x is None else format(x, fmt)
@@ -375,22 +414,19 @@ def format_table(summary: Summary) -> str:
         return "-" if x is None else f"{x * 100:.1f}%"
 
     s = summary
-    rows = [
-        ("TTFT", s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99),
-        ("TBT", s.tbt_mean, s.tbt_p50, s.tbt_p90, s.tbt_p99),
-        ("P99 TBT/req", s.per_request_p99_tbt_mean, None, None, s.per_request_p99_tbt_p99),
-        ("TPOT", s.tpot_mean, s.tpot_p50, None, s.tpot_p99),
-        ("E2E", s.e2e_mean, s.e2e_p50, None, s.e2e_p99),
-        ("E2E/token", s.norm_latency_mean, None, None, s.norm_latency_p99),
-    ]
-    lines = [f"{'latency (ms)':<13}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
-    lines += [f"{name:<13}" + "".join(f"{ms(v):>10}" for v in vals) for name, *vals in rows]
+    lines = [f"{'latency (ms)':<13}" + "".join(f"{stat:>9}" for stat in VLLM_STATS)]
+    lines += [f"{name:<13}" + "".join(f"{ms(report[f'{stat}_{metric}_ms']):>9}" for stat in VLLM_STATS)
+              for metric, name in VLLM_METRICS]
+    if s.slo_attainment is None:
+        slos = "no SLO given (--ttft-slo / --tbt-slo), so no attainment or goodput"
+    else:
+        slos = (f"joint {pct(s.slo_attainment)}, TTFT {pct(s.ttft_slo_attainment)}, "
+                f"TBT ({s.tbt_slo_on}) {pct(s.tbt_slo_attainment)}, goodput {num(s.goodput_rps)} req/s")
     lines += [
         f"requests      {s.num_finished}/{s.num_requests} finished, "
-        f"makespan {num(s.makespan)} s",
-        f"throughput    {num(s.throughput_rps)} req/s, {num(s.output_tokens_per_s, '.1f')} tok/s",
-        f"SLO attained  joint {pct(s.slo_attainment)}, TTFT {pct(s.ttft_slo_attainment)}, "
-        f"TBT ({s.tbt_slo_on}) {pct(s.tbt_slo_attainment)}, goodput {num(s.goodput_rps)} req/s",
+        f"duration {num(s.makespan)} s",
+        f"throughput    {num(s.throughput_rps)} req/s, {num(s.output_tokens_per_s, '.1f')} output tok/s",
+        f"SLO attained  {slos}",
         f"preemptions   {s.num_preemptions} ({s.preempted_time_total:.2f} s preempted)",
     ]
     return "\n".join(lines)

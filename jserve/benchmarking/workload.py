@@ -195,7 +195,7 @@ class Trace:
     cv: float
 
     def __post_init__(self) -> None:
-        _check_rate_cv(self.rate, self.cv)
+        check_rate_cv(self.rate, self.cv)
         ids = set()
         previous = 0.0
         for req in self.requests:
@@ -709,7 +709,8 @@ def sample_lengths(
     ]
 
 
-def _check_rate_cv(rate: float, cv: float) -> None:
+def check_rate_cv(rate: float, cv: float) -> None:
+    """Refuse an arrival process no trace can have (rate <= 0, NaN, cv <= 0 or infinite)."""
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or math.isnan(rate) or rate <= 0:
         raise ValueError(f"rate must be > 0 requests/s (inf for all at t=0), got {rate!r}")
     if isinstance(cv, bool) or not isinstance(cv, numbers.Real) or not math.isfinite(cv) or cv <= 0:
@@ -730,7 +731,7 @@ def arrival_times(num_requests: int, rate: float, cv: float = 1.0, seed: int = 0
     and ``cv>1`` gives bursts. As in vLLM's benchmark the first request arrives at t=0
     and each later one after one gap. ``rate=inf`` returns all zeros (offline batch).
     """
-    _check_rate_cv(rate, cv)
+    check_rate_cv(rate, cv)
     _check_seed(seed)
     if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 0:
         raise ValueError(f"num_requests must be an int >= 0, got {num_requests!r}")
@@ -763,7 +764,7 @@ def build_trace(
     Request ids are ``"0"``, ``"1"``, ... in arrival order. See :func:`sample_lengths`
     for ``output_len`` and ``encode``.
     """
-    _check_rate_cv(rate, cv)
+    check_rate_cv(rate, cv)
     samples = _samples(workload, num_requests, seed, max_total_len, output_len, encode)
     times = arrival_times(num_requests, rate, cv, seed)
     requests = tuple(

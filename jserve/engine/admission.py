@@ -65,7 +65,7 @@ class Admission:
         self._validate(request_id, ids, params)
         for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
             if slo is not None and not (math.isfinite(slo) and slo > 0):
-                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}")
+                raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}", name)
         cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
         detok = None
         if self.tokenizer is not None:
@@ -94,16 +94,17 @@ class Admission:
         if self.live.by_request_id(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
         limit = self.limits.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the context limit is {limit} "
-                f"(prompt + at least one output token)"
+                f"(prompt + at least one output token)", "prompt"
             )
         if len(ids) >= self.capacity_tokens:
             raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but the whole KV cache holds {self.capacity_tokens}"
+                f"prompt has {len(ids)} tokens but the whole KV cache holds {self.capacity_tokens}",
+                "prompt",
             )

@@ -22,6 +22,12 @@ class BatchInputs:
     # Sequences that keep only some layers on the device (LayerKV), by batch index: their
     # blocks per layer. Their `block_tables` entry is empty.
     layer_tables: dict[int, LayerTables] = field(default_factory=dict)
+    # Only when a request asks (`SamplingParams.logprobs` / `prompt_logprobs`): the
+    # runner then also returns the top log-probabilities of sampled tokens, and with
+    # `next_token_ids` ([T] int32, the token after each flat position; 0 past the known
+    # ones) those of every position.
+    logprobs: bool = False
+    next_token_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,14 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """The `MAX_LOGPROBS` most likely next tokens of some positions, most likely first."""
+
+    token_ids: np.ndarray  # [N, K] int32
+    logprobs: np.ndarray  # [N, K] float32
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """Next token (and its log-probability) per scheduled sequence; unused where not sampled.
 
@@ -138,6 +152,10 @@ class StepOutput:
     next_tokens: np.ndarray  # [S] int32
     logprobs: np.ndarray  # [S] float32
     ended: np.ndarray | None = None  # [S] bool
+    top_logprobs: TopLogprobs | None = None  # of the sampled positions, if the batch asked
+    # of every flat position, if the batch asked for prompt log-probabilities: the
+    # next token's log-probability [T] and the top ones
+    position_logprobs: tuple[np.ndarray, TopLogprobs] | None = None
 
     @classmethod
     def empty(cls) -> StepOutput:

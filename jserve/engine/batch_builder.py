@@ -70,6 +70,11 @@ class BatchBuilder:
         reqs = [self.live.requests[int(s)] for s in seq_ids]
         tokens = [_slice(r, b, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist())]
         params = [r.params for r in reqs]
+        next_ids = None
+        if any(p.prompt_logprobs is not None for p in params):
+            following = (_slice(r, b + 1, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist()))
+            next_ids = np.concatenate([np.pad(np.asarray(f, np.int32), (0, q - len(f)))
+                                       for f, q in zip(following, query_lens.tolist())])
         return BatchInputs(
             token_ids=np.fromiter((t for chunk in tokens for t in chunk), np.int32, int(query_lens.sum())),
             layer_tables={i: self.residency.tables(s) for i, s in partial.items()},
@@ -79,6 +84,8 @@ class BatchBuilder:
             top_k=np.array([p.top_k for p in params], np.int32),
             seeds=np.array([_seed(r) for r in reqs], np.uint32),
             output_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
+            logprobs=any(p.logprobs is not None for p in params) or next_ids is not None,
+            next_token_ids=next_ids,
         )
 
 

@@ -70,6 +70,12 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With `params.logprobs`: per output token, {token id: log-probability} of the sampled
+    # token and the top `params.logprobs`; with `params.prompt_logprobs`, the same for each
+    # prompt token (None for the first, which nothing predicts). Filled by
+    # `engine.logprobs.record_logprobs`.
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -105,6 +111,8 @@ class RequestOutput:
     stop_reason: int | str | None
     logprobs: list[float]
     metrics: RequestMetrics
+    top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -113,4 +121,6 @@ class RequestOutput:
             token_ids=list(req.output_token_ids), text=req.text, finished=req.finished,
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
             stop_reason=req.stop_reason, logprobs=list(req.output_logprobs), metrics=req.metrics,
+            top_logprobs=None if req.top_logprobs is None else list(req.top_logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )

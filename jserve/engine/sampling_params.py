@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from jserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (OpenAI's cap)
 
 
 @dataclass(frozen=True)
@@ -13,6 +17,11 @@ class SamplingParams:
 
     `top_k=0` disables top-k; `top_p=1` disables nucleus sampling. `seed` makes a sampled
     request reproducible regardless of which other requests share its batches.
+    `logprobs=N` (vLLM's meaning) returns, for every output token, the N most likely tokens'
+    log-probabilities beside the sampled one's; `prompt_logprobs=N` the same for every prompt
+    token after the first. None (the default) computes neither, and the step stays the
+    plain one. Log-probabilities are of the model's distribution, before temperature,
+    top-p and top-k.
     """
 
     temperature: float = 1.0
@@ -25,6 +34,8 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     # Lists are accepted for convenience and frozen into tuples.
     def __post_init__(self) -> None:
@@ -35,13 +46,30 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+            return value
+
+        def integer(name: str, low: int, what: str = "") -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise InvalidRequestError(f"{name} must be an integer >= {low}{what}, got {value!r}", name)
+
+        if not number("temperature") >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < number("top_p") <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        integer("top_k", 0, " (0 disables it)")
+        integer("max_tokens", 1)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, 0)
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got "
+                                              f"{getattr(self, name)}", name)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")

@@ -20,6 +20,7 @@ import numpy as np
 
 from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.live_requests import LiveRequests
+from jserve.engine.logprobs import record_logprobs
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.release import Finisher
 from jserve.engine.request import FinishReason, Request
@@ -50,6 +51,8 @@ class TokenCommit:
         _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
         _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
         _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        if out.top_logprobs is not None:
+            record_logprobs(batch, out, list(map(self.live.requests.__getitem__, batch.seq_ids.tolist())))
         self._first_tokens(reqs, rows, now)
         cols.num_tokens[rows] += 1
         cols.last_token_time[rows] = now

@@ -21,6 +21,11 @@ block gathers and scatters per layer before the step, every source read before a
 is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
 are issued asynchronously and overlap the host's work and the next dispatch, not the
 step's own layers; on XLA:CPU every copy is a memcpy done when issued.
+
+A batch with a request that asks for log-probabilities runs a second variant of the step,
+compiled on first use, that also returns the top `MAX_LOGPROBS` of each sampled position
+(and, for prompt log-probabilities, of every position: logits over all T tokens). Nobody
+asking costs nothing: the plain step is unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.engine.batch import Batch, LayerMove, StepOutput
+from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
+from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
@@ -73,6 +79,19 @@ class StepInputs:
     top_k: jax.Array
     seeds: jax.Array
     output_index: jax.Array
+    next_token_ids: jax.Array  # [T]: read only by the prompt-logprobs variant
+
+
+# Which step a batch runs: plain, with the sampled positions' top log-probabilities, or
+# with every position's too.
+PLAIN, SAMPLED, POSITIONS = 0, 1, 2
+
+
+def _top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Log-softmax of `logits` [N, V] and its `MAX_LOGPROBS` largest entries (ids, values)."""
+    lsm = jax.nn.log_softmax(logits.astype(jax.numpy.float32), axis=-1)
+    values, ids = jax.lax.top_k(lsm, MAX_LOGPROBS)
+    return lsm, (ids.astype(jax.numpy.int32), values)
 
 
 @dataclass(frozen=True)
@@ -156,9 +175,12 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         out[:n] = a
         return out
 
+    next_ids = np.zeros(t, np.int32)
+    if x.next_token_ids is not None:
+        next_ids[:t_real] = x.next_token_ids
     return StepInputs(
         token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
-        pad(x.top_k), pad(x.seeds), pad(x.output_index),
+        pad(x.top_k), pad(x.seeds), pad(x.output_index), next_ids,
     )
 
 
@@ -222,7 +244,24 @@ class JaxRunner:
             )
             return tokens, logprobs, cache
 
+        def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
+                               variant: int) -> tuple[Any, ...]:
+            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+            hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
+            logits = m.logits(hidden[x.sample_index])
+            tokens, logprobs = sample_tokens(
+                logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index
+            )
+            _, top = _top(logits)
+            if variant == SAMPLED:
+                return tokens, logprobs, top, cache
+            lsm, position_top = _top(m.logits(hidden))
+            next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
+            return tokens, logprobs, top, (next_lp, position_top), cache
+
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,))
+        self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
         self._executables: dict[Shape, jax.stages.Compiled] = {}
         self.warmed_up = False
 
@@ -290,7 +329,8 @@ class JaxRunner:
         if layered:
             meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
-                          np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32))
+                          np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
+                          z(t, np.int32))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
@@ -303,10 +343,16 @@ class JaxRunner:
         staging = self._staging(batch)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
                               self.mark_decode, staging)
-        tokens, logprobs = self._run(x)
+        inputs = batch.inputs
+        if inputs is not None and inputs.logprobs:
+            out = self._run_with_logprobs(x, n, batch.num_tokens,
+                                          POSITIONS if inputs.next_token_ids is not None else SAMPLED)
+        else:
+            tokens, logprobs = self._run(x)
+            out = StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
         if staging:
             self._offload_prefills(batch, staging)
-        return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
+        return out
 
     def _staging(self, batch: Batch) -> dict[int, np.ndarray]:
         """Staging blocks for each partly offloaded sequence's prefill, by batch index."""
@@ -354,6 +400,23 @@ class JaxRunner:
                 self.layer_pool.write_from_device(layer, dst, k, v)
             else:
                 self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
+
+    def _run_with_logprobs(self, x: StepInputs, n: int, t: int, variant: int) -> StepOutput:
+        key = (_shape_of(x), variant)
+        exe = self._logprob_executables.get(key)
+        if exe is None:
+            exe = self._logprob_executables[key] = self._step_with_logprobs.lower(
+                self._weights, self.cache, x, variant).compile()
+        *outs, self.cache = exe(self._weights, self.cache, x)
+        tokens, logprobs, (top_ids, top_lp) = outs[:3]
+        positions = None
+        if variant == POSITIONS:
+            next_lp, (pos_ids, pos_lp) = outs[3]
+            positions = (np.asarray(next_lp)[:t],
+                         TopLogprobs(np.asarray(pos_ids)[:t], np.asarray(pos_lp)[:t]))
+        return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n],
+                          top_logprobs=TopLogprobs(np.asarray(top_ids)[:n], np.asarray(top_lp)[:n]),
+                          position_logprobs=positions)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""

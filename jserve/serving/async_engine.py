@@ -35,14 +35,24 @@ class Delta:
     text: str
     finish_reason: str | None = None  # set on the last delta
     metrics: RequestMetrics | None = None  # the finished request's timings, on the last delta
+    # Asked-for log-probabilities (`SamplingParams.logprobs`): the new tokens' own and their
+    # top alternatives; the prompt's (`prompt_logprobs`) on the first delta only.
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def then(self, later: Delta) -> Delta:
+        def join(a: list | None, b: list | None) -> list | None:
+            return None if a is None and b is None else (a or []) + (b or [])
+
         return Delta(self.token_ids + later.token_ids, self.text + later.text,
-                     later.finish_reason, later.metrics)
+                     later.finish_reason, later.metrics, join(self.logprobs, later.logprobs),
+                     join(self.top_logprobs, later.top_logprobs),
+                     self.prompt_logprobs or later.prompt_logprobs)
 
 
 class RequestStream:
@@ -97,14 +107,23 @@ class EngineStopped(RuntimeError):
     """The server shut down before the request finished."""
 
 
+class QueueFull(RuntimeError):
+    """Too many requests wait for the engine already; the client should retry later."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
-                 predictor: LengthPredictor | None = None) -> None:
+                 predictor: LengthPredictor | None = None,
+                 max_waiting: int | None = None) -> None:
         """`predictor`: output-length predictions for policies that allocate by them (the
-        `LLM`'s; None: requests carry none)."""
+        `LLM`'s; None: requests carry none). `max_waiting`: refuse new requests with
+        `QueueFull` while this many wait (queued adds included); None: no limit."""
         self.engine = engine
         self.predictor = predictor
         self.metrics = metrics or ServerMetrics()
+        self.max_waiting = max_waiting
+        self._num_adding = 0  # adds queued for the loop, not yet in the engine's waiting count
+        self._draining = False
         self._live: dict[str, _Live] = {}
         self._ops: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -120,6 +139,20 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    async def drain(self, timeout: float) -> None:
+        """Shut down gracefully: refuse new requests, let those in flight finish for up to
+        `timeout` seconds, then stop, failing the rest with `EngineStopped` (their handlers
+        answer 503, their streams end with an error event)."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._live and self.running and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self._live:
+            log.warning("aborting %d request(s) still running after the %.0f s drain",
+                        len(self._live), timeout)
+        await self.stop()
 
     async def stop(self) -> None:
         """Let the running step finish, stop, and fail the requests still in flight."""
@@ -140,8 +173,11 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine has admitted it; raises the engine's
         `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
-        if not self.running or self._stopping:
-            raise EngineStopped("the engine loop is not running")
+        if not self.running or self._stopping or self._draining:
+            raise EngineStopped("the server is shutting down" if self._draining
+                                else "the engine loop is not running")
+        if self.max_waiting is not None and self.metrics.num_waiting + self._num_adding >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
         stream = RequestStream(self, request_id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = self.engine.clock()
@@ -151,6 +187,7 @@ class AsyncEngine:
             length, direction = prediction.columns
 
         def add() -> None:
+            self._num_adding -= 1
             if admitted.cancelled():  # the handler is gone already
                 return
             try:
@@ -165,6 +202,7 @@ class AsyncEngine:
             self._live[request_id] = _Live(stream, holdback)
             admitted.set_result(None)
 
+        self._num_adding += 1
         self._submit(add)
         try:
             await admitted
@@ -218,9 +256,13 @@ class AsyncEngine:
             text = req.text
             end = len(text) if req.finished else max(live.num_chars_sent, len(text) - live.holdback)
             finish = None if req.finish_reason is None else req.finish_reason.value
-            live.stream.put(Delta(req.output_token_ids[live.num_tokens_sent:],
-                                  text[live.num_chars_sent:end], finish,
-                                  req.metrics if req.finished else None))
+            sent = live.num_tokens_sent
+            asked = req.top_logprobs is not None
+            live.stream.put(Delta(req.output_token_ids[sent:], text[live.num_chars_sent:end], finish,
+                                  req.metrics if req.finished else None,
+                                  req.output_logprobs[sent:] if asked else None,
+                                  req.top_logprobs[sent:] if asked else None,
+                                  req.prompt_logprobs if sent == 0 else None))
             live.num_tokens_sent = len(req.output_token_ids)
             live.num_chars_sent = end
             if req.finished:

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import jinja2
+
 from jserve.builder import build_engine
 from jserve.config import EngineConfig
 from jserve.engine.request import RequestOutput
@@ -22,6 +24,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
+
+
+def render_chat(tokenizer: Tokenizer, messages: Messages) -> str:
+    """The conversation through the model's chat template; `InvalidRequestError` (param
+    `messages`) for a malformed message or one the template refuses."""
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise InvalidRequestError(f"messages[{i}] must have a string 'role' and 'content', "
+                                      f"got {m!r}", "messages")
+    try:
+        return tokenizer.apply_chat_template(list(messages))
+    except (jinja2.TemplateError, ValueError) as e:
+        raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from None
 
 
 class LLM:
@@ -163,7 +178,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._tokenizer().apply_chat_template(list(c)) for c in conversations]
+        prompts = [render_chat(self._tokenizer(), list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self) -> Iterator[RequestOutput]:

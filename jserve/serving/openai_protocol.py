@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -34,13 +34,18 @@ class OpenAIError(Exception):
     """An error the client caused or must see, rendered as OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     @classmethod
-    def invalid(cls, err: InvalidRequestError) -> OpenAIError:
-        return cls(400, str(err))
+    def invalid(cls, err: InvalidRequestError, prompt_param: str = "prompt") -> OpenAIError:
+        """The engine's refusal as a 400 naming its field; `prompt_param` is what the
+        endpoint calls the prompt (chat: `messages`)."""
+        param = prompt_param if err.param == "prompt" else err.param
+        return cls(400, str(err), param=param)
 
     def to_json(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -61,7 +66,7 @@ class StreamOptions(BaseModel):
 
 class GenerationRequest(BaseModel):
     """Fields both endpoints share. Nullable as in OpenAI's spec: null means the default.
-    Fields this server does not implement (penalties, logprobs, ...) are ignored."""
+    Fields this server does not implement (penalties, ...) are ignored."""
 
     model: str
     max_tokens: int | None = None
@@ -85,14 +90,34 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    prompt_param: ClassVar[str] = "prompt"  # what the endpoint calls its prompt, in errors
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's options, or `OpenAIError` (400) naming what is wrong."""
+    def requested_logprobs(self) -> tuple[int | None, int | None]:
+        """(alternatives per output token, per prompt token); None: not asked."""
+        return None, None
+
+    def sampling_params(self, default_max_tokens: int, num_prompt_tokens: int,
+                        max_model_len: int) -> SamplingParams:
+        """The engine's options, or `OpenAIError` (400) naming what is wrong. An explicit
+        `max_tokens` must fit the context beside the prompt (vLLM's check and message); the
+        default is capped by the context instead."""
         if self.n not in (None, 1):
             raise OpenAIError(400, f"only n=1 is supported, got n={self.n}", param="n")
         max_tokens = self.requested_max_tokens()
+        if (max_tokens is not None and num_prompt_tokens < max_model_len
+                and num_prompt_tokens + max_tokens > max_model_len):
+            raise OpenAIError(
+                400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                     f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                     f"{self.prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                     f"of the {self.prompt_param} or completion.", param=self.max_tokens_param)
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -100,15 +125,23 @@ class GenerationRequest(BaseModel):
                 top_k=0 if self.top_k in (None, -1) else self.top_k,
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                 stop=self.stop or (), ignore_eos=self.ignore_eos, seed=self.seed,
+                logprobs=self.requested_logprobs()[0], prompt_logprobs=self.requested_logprobs()[1],
             )
         except InvalidRequestError as e:
-            raise OpenAIError.invalid(e) from None
+            if e.param == "max_tokens":
+                e.param = self.max_tokens_param
+            raise OpenAIError.invalid(e, self.prompt_param) from None
 
 
 class CompletionRequest(GenerationRequest):
     """/v1/completions: one prompt, as text or token ids (a one-element batch is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # alternatives per token (OpenAI caps it at 5; we at 20)
+    echo: bool = False  # the prompt comes back before the completion (with logprobs, its own)
+
+    def requested_logprobs(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -138,6 +171,18 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_logprobs(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+    prompt_param: ClassVar[str] = "messages"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -157,7 +202,8 @@ class ResponseFormat:
     chat: bool
 
     def choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
-               *, stream: bool, first: bool = False) -> dict[str, Any]:
+               *, stream: bool, first: bool = False,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}
         if not self.chat:
             c["text"] = text
@@ -165,11 +211,40 @@ class ResponseFormat:
             c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             c["message"] = {"role": "assistant", "content": text}
-        c["logprobs"] = None
+        c["logprobs"] = logprobs
         c["finish_reason"] = finish_reason
         if token_ids is not None:
             c["token_ids"] = token_ids
         return c
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of some tokens, with their text: what both endpoints render."""
+
+    tokens: list[str]
+    logprobs: list[float | None]  # None: the prompt's first token, which nothing predicts
+    top: list[dict[str, float] | None]  # alternatives by text, most likely first
+    num_top: int  # alternatives asked for
+
+    def completion(self, text_offset: int, tokens_are_text: bool = True) -> dict[str, Any]:
+        """/v1/completions' shape; offsets count from `text_offset` into the choice's text
+        (which token labels such as `token_id:N` are not part of)."""
+        offsets = []
+        for token in self.tokens:
+            offsets.append(text_offset)
+            text_offset += len(token) if tokens_are_text else 0
+        return {"tokens": self.tokens, "token_logprobs": self.logprobs, "top_logprobs": self.top,
+                "text_offset": offsets}
+
+    def chat(self) -> dict[str, Any]:
+        """/v1/chat/completions' shape: `content`, one entry per token, `top_logprobs` a list."""
+        def item(token: str, logprob: float | None) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [item(t, lp) | {"top_logprobs": [item(a, b) for a, b in list((top or {}).items())[:self.num_top]]}
+                            for t, lp, top in zip(self.tokens, self.logprobs, self.top)],
+                "refusal": None}
 
 
 COMPLETION = ResponseFormat("cmpl-", "text_completion", "text_completion", chat=False)

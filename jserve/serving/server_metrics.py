@@ -44,6 +44,7 @@ class ServerMetrics:
         self.tbt = Histogram("jserve_time_between_tokens_seconds", "Gap between consecutive "
                              "output tokens", buckets=TBT_BUCKETS, registry=r)
         self._seen = {"num_preemptions": 0, "num_steps": 0}  # engine.stats already counted
+        self.num_waiting = 0  # the waiting gauge's value, for admission control
 
     def observe_tokens(self, req: Request, num_seen: int) -> None:
         """Record the latencies of `req`'s tokens after the first `num_seen`."""
@@ -58,7 +59,8 @@ class ServerMetrics:
         state = engine.state
         status = state.snapshot(engine.clock()).requests.status
         self.running.set(int((status == RequestStatus.RUNNING).sum()))
-        self.waiting.set(int((status == RequestStatus.WAITING).sum()))
+        self.num_waiting = int((status == RequestStatus.WAITING).sum())
+        self.waiting.set(self.num_waiting)
         self.free_blocks.set(state.blocks.num_free)
         self.cached_blocks.set(state.blocks.num_evictable)
         self.total_blocks.set(state.blocks.num_blocks)
