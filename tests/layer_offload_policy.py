@@ -83,7 +83,8 @@ class ForcedLayerOffload:
     """`keep(seq, num_layers)`: how many layers a prefill keeps (default: none).
     `offload_running`: the newest request about to decode its second token is offloaded to
     `keep` layers instead (once each, so it cannot livelock). `reshuffle`: partly
-    offloaded requests not brought back move to another partial residency now and then."""
+    offloaded requests not brought back move to another partial residency now and then
+    (chosen by token counts, not the wall clock, so a run is the same on a loaded machine)."""
 
     inner: Policy = field(default_factory=VLLMPolicy)
     keep: Callable[[int, int], int] = lambda seq, num_layers: 0
@@ -136,7 +137,7 @@ class ForcedLayerOffload:
                 room.whole -= n
         if self.offload_running:
             self._offload_one(view, run, allocate, layers, room, inner)
-        if self.reshuffle and run and int(view.now) % 3 == 0:
+        if self.reshuffle and run and int(r.num_tokens.sum()) % 3 == 0:  # every few steps, not by the clock
             for i in offloaded:
                 seq = int(r.seq_id[i])
                 x = int(r.device_layers[i])
