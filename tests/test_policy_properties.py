@@ -226,6 +226,8 @@ def test_schedule_is_pure_and_state_accepts_plan(policy: Policy, data: st.DataOb
     h.state.apply(plan, view.now)  # raises PlanError if the state cannot honour it
     h.state.check_invariants()
     batch = h.state.batch()
+    if batch.moves_blocks and not batch.num_seqs:  # as Engine.step: a lone swap-out still runs
+        h.runner.execute(batch)
     out = h.runner.execute(batch) if batch.num_seqs else StepOutput.empty()
     h.state.commit(batch, out, h.clock())
     h.check()
