@@ -48,6 +48,7 @@ faithful or our choice and why, is tabled in bench/results/cacheopt_components.m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,6 +173,19 @@ def victim_order(view: SchedulerView, idx: np.ndarray, remaining: np.ndarray,
     return idx[np.lexsort((-seq, -r.arrival_time[idx], held, -left, -bucket))].tolist()
 
 
+def ranked_on_demand(order: Callable[[], list[int]]) -> Callable[[int], int]:
+    """A key giving each row its place in `order()`, which is computed at the first call
+    only: most steps preempt nobody and never ask."""
+    rank: dict[int, int] = {}
+
+    def key(i: int) -> int:
+        if not rank:
+            rank.update((row, k) for k, row in enumerate(order()))
+        return rank[i]
+
+    return key
+
+
 def swap_preferred(costs: PreemptionCosts | None, cached_tokens: int) -> bool:
     """Swap at or above the sweet spot of the fitted latency curves, recompute below it;
     without fitted costs, always swap (the host's room is checked by the caller)."""
@@ -273,9 +287,8 @@ class CacheOptPolicy:
 
         running = r.with_status(RequestStatus.RUNNING)
         if self.preemption_order:
-            rank = {i: k for k, i in enumerate(victim_order(view, running, est.remaining,
-                                                            self.tbt_buckets, self.token_range))}
-            victim_key = rank.__getitem__
+            victim_key = ranked_on_demand(lambda: victim_order(view, running, est.remaining,
+                                                               self.tbt_buckets, self.token_range))
         else:
             victim_key = latest_arrival_first(view)
         ledger, work = Ledger.of(view), Work()
