@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
+from models.loading import LoadedModel
 
 
 @dataclass
@@ -188,3 +190,37 @@ class ForcedLayerOffload:
                 room.book(*change)
                 layers[int(r.seq_id[i])] = 0
                 return
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def identical_to_roomy_run(llm: LLM, loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, max_len: int) -> dict[str, int]:
+    """Greedy outputs of `llm` equal a roomy vLLM run's and everything is given back after;
+    returns what moved (partly offloaded prefills, layer copies to host, to device, slot
+    copies), so a test can check the layer paths really ran."""
+    roomy = LLM(loaded, num_blocks=512, warmup=False)
+    expected = [e[: max_len - len(p)] for e, p in zip(greedy_ids(roomy, prompts, max_tokens), prompts)]
+    seen = {"prefills": 0, "to_host": 0, "to_device": 0, "copies": 0}
+    execute = llm.runner.execute
+
+    def counting(batch):
+        seen["prefills"] += len(batch.inputs.layer_tables)
+        seen["to_host"] += len(batch.layers_to_host)
+        seen["to_device"] += len(batch.layers_to_device)
+        seen["copies"] += len(batch.layers_copy)
+        return execute(batch)
+
+    llm.runner.execute = counting
+    assert greedy_ids(llm, prompts, max_tokens) == expected
+    state = llm.engine.state
+    assert state.blocks.num_free == state.blocks.num_blocks and not state.residency.partial
+    assert int(state.residency.slab.used.sum()) == 0 and int(state.residency.host_slab.used.sum()) == 0
+    return seen

@@ -6,23 +6,15 @@ interpreted-kernel backends) and SmolLM2."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from layer_offload_policy import ForcedLayerOffload
+from layer_offload_policy import (
+    ForcedLayerOffload,
+    identical_to_roomy_run,
+    random_prompts,
+)
 
-from jserve import LLM, SamplingParams
+from jserve import LLM
 from models.loading import LoadedModel
-
-
-def _ids(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
-    return [o.token_ids for o in outs]
-
-
-def _prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
 def _none(seq: int, num_layers: int) -> int:
@@ -33,37 +25,14 @@ def _mixed(seq: int, num_layers: int) -> int:
     return seq % (num_layers + 1)
 
 
-def _check(llm: LLM, loaded: LoadedModel, prompts: list[list[int]], max_tokens: int,
-           max_len: int) -> dict[str, int]:
-    """Outputs equal the roomy run's and everything is given back; returns what moved."""
-    roomy = LLM(loaded, num_blocks=512, warmup=False)
-    expected = [e[: max_len - len(p)] for e, p in zip(_ids(roomy, prompts, max_tokens), prompts)]
-    seen = dict(prefills=0, to_host=0, to_device=0, copies=0)
-    execute = llm.runner.execute
-
-    def counting(batch):
-        seen["prefills"] += len(batch.inputs.layer_tables)
-        seen["to_host"] += len(batch.layers_to_host)
-        seen["to_device"] += len(batch.layers_to_device)
-        seen["copies"] += len(batch.layers_copy)
-        return execute(batch)
-
-    llm.runner.execute = counting
-    assert _ids(llm, prompts, max_tokens) == expected
-    state = llm.engine.state
-    assert state.blocks.num_free == state.blocks.num_blocks and not state.residency.partial
-    assert int(state.residency.slab.used.sum()) == 0 and int(state.residency.host_slab.used.sum()) == 0
-    return seen
-
-
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
 @pytest.mark.parametrize("keep, name", [(_none, "every layer offloaded"), (_mixed, "mixed")])
 def test_tiny_model_identical_with_layers_offloaded(tiny_loaded: LoadedModel, attention: str, keep, name: str) -> None:
-    prompts = _prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33])
+    prompts = random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33])
     policy = ForcedLayerOffload(keep=keep, offload_running=True, reshuffle=name == "mixed")
     tight = LLM(tiny_loaded, policy=policy, num_blocks=12, block_size=4, max_model_len=48,
                 attention=attention, warmup=False, swap_space=0.001)
-    seen = _check(tight, tiny_loaded, prompts, 40, 48)
+    seen = identical_to_roomy_run(tight, tiny_loaded, prompts, 40, 48)
     print(f"tiny model, {attention}, {name}: {tight.num_preemptions} preemptions, moves {seen}")
     assert seen["prefills"] and seen["to_device"]
     if name == "mixed":  # some prefills keep every layer, then are offloaded while decoding
@@ -77,7 +46,7 @@ def test_smollm2_identical_with_mixed_residencies(smollm2_loaded: LoadedModel) -
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
     policy = ForcedLayerOffload(keep=_mixed, offload_running=True, reshuffle=True)
     tight = LLM(smollm2_loaded, policy=policy, num_blocks=10, warmup=False, swap_space=0.01)
-    seen = _check(tight, smollm2_loaded, prompts, 12, tight.engine.state.limits.max_model_len)
+    seen = identical_to_roomy_run(tight, smollm2_loaded, prompts, 12, tight.engine.state.limits.max_model_len)
     print(f"smollm2, mixed: {tight.num_preemptions} preemptions, moves {seen}")
     assert seen["prefills"] and seen["to_host"] and seen["to_device"] and seen["copies"]
 
