@@ -83,6 +83,10 @@ class EngineConfig:
         warmup: compile the step's shape buckets at start-up rather than on first use.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
+        tensor_parallel_size: devices one model is split across, Megatron-style (attention
+            heads and the MLP's inner dimension; the KV cache by KV head). The real engine
+            needs that many JAX devices; the simulator prices the all-reduces over the
+            hardware's interconnect.
         profile: a step-time profile from `jserve profile`: the simulator charges steps
             from it, and on either runner CacheOpt's swap-vs-recompute costs are fitted to
             it (the simulator fits them to its cost model when no profile is given; the
@@ -109,6 +113,7 @@ class EngineConfig:
     warmup: bool = True
     hardware: str = "a100-80g"
     profile: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_cache, str):  # a rule's name is shorthand for its defaults
@@ -135,6 +140,7 @@ class EngineConfig:
         for name in ("num_blocks", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_at_least(name, getattr(self, name), 1)
+        _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.prefix_cache is not None and getattr(self.make_policy(), "offloads_layers", False):
@@ -257,6 +263,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
     parser.add_argument("--hardware", default=d.hardware, choices=sorted(HARDWARE),
                         help="accelerator the simulator models; the real engine reads only its "
                              "host link, to price swaps for --profile (default: %(default)s)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        metavar="N",
+                        help="devices the model is split across (attention heads, MLP, KV heads); "
+                             "the simulator prices the all-reduces (default: %(default)s)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="step-time profile from `jserve profile`: the simulator charges "
                              "steps from it, and CacheOpt fits its swap-vs-recompute costs to it")
@@ -306,6 +316,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
