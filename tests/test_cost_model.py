@@ -122,10 +122,12 @@ def test_step_time_monotone_in_tokens_and_context():
     # a faster device is faster
     assert (RooflineCostModel(OPT13B, get_hardware("h100")).step_time(StepShape.prefill(2048))
             < model.step_time(StepShape.prefill(2048)))
-    # tensor parallelism divides the work
+    # tensor parallelism divides the work and adds its all-reduces
     tp2 = RooflineCostModel(OPT13B, A100, tensor_parallel=2, step_overhead=0)
     tp1 = RooflineCostModel(OPT13B, A100, step_overhead=0)
-    assert tp2.step_time(StepShape.prefill(512)) == pytest.approx(tp1.step_time(StepShape.prefill(512)) / 2)
+    shape = StepShape.prefill(512)
+    assert tp1.communication_time(shape) == 0
+    assert tp2.step_time(shape) == pytest.approx(tp1.step_time(shape) / 2 + tp2.communication_time(shape))
 
 
 def test_extras_are_charged():
