@@ -159,11 +159,6 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     return load_model(config.model, weights=config.weights, dtype=jnp.dtype(dtype), seed=config.seed)
 
 
-def sim_dtype_bytes(config: EngineConfig) -> int:
-    """Bytes per value the simulator assumes: bf16 unless the config names a dtype."""
-    return dtype_bytes(jnp.bfloat16 if config.dtype == "auto" else jnp.dtype(config.dtype))
-
-
 def sim_cost_model(config: EngineConfig) -> CostModel:
     """The cost model the simulator charges `config`'s steps from: a roofline of its
     hardware entry for one GPU of a group of `tensor_parallel_size` (work and weights split
@@ -176,7 +171,7 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
     # by block.
     swap_path = SwapPath.GATHERED if config.profile else SwapPath.PER_BLOCK_LAYER
     roofline = RooflineCostModel(config.model_config(), get_hardware(config.hardware),
-                                 dtype_bytes=sim_dtype_bytes(config),
+                                 dtype_bytes=config.sim_dtype_bytes,
                                  tensor_parallel=config.tensor_parallel_size, swap_path=swap_path)
     return CalibratedCostModel.load(config.profile, extras=roofline) if config.profile else roofline
 
@@ -184,15 +179,14 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
     model = config.model_config()
     hw = get_hardware(config.hardware)
-    dbytes = sim_dtype_bytes(config)
+    dbytes = config.sim_dtype_bytes
     tp = config.tensor_parallel_size
-    # Refuses weights that do not fit the TP group, whether or not num_blocks is given.
-    capacity = kv_capacity_blocks(model, hw, config.block_size, dtype_bytes=dbytes,
-                                  utilization=config.gpu_memory_utilization, tensor_parallel=tp)
     cost = sim_cost_model(config)
     cache = _with_prefill_fit(cache, cost)
     limits = config.limits
-    num_blocks = config.num_blocks or capacity
+    num_blocks = config.num_blocks or kv_capacity_blocks(
+        model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization,
+        tensor_parallel=tp)
     clock = VirtualClock()
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)

@@ -298,10 +298,10 @@ def test_kv_capacity_opt13b_a100_80g():
 
 
 def test_kv_capacity_errors():
-    with pytest.raises(ValueError, match=r"tensor_parallel >= 5"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(--tensor-parallel-size\) >= 5"):
         kv_capacity_blocks(get_config("opt-175b"), A100, 16)
     assert kv_capacity_blocks(get_config("opt-175b"), A100, 16, tensor_parallel=8) > 0
-    with pytest.raises(ValueError, match="tensor_parallel >= 2"):
+    with pytest.raises(ValueError, match=r"tensor-parallel-size\) >= 2"):
         kv_capacity_blocks(get_config("opt-30b"), get_hardware("a100-40g"), 16)
     with pytest.raises(ValueError, match="block_size"):
         kv_capacity_blocks(OPT13B, A100, 0)

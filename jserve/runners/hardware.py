@@ -244,6 +244,6 @@ def kv_capacity_blocks(cfg: ModelConfig, hw: Hardware, block_size: int, dtype_by
         raise ValueError(
             f"{cfg.name} ({weights / GB:.1f} GB of weights at {dtype_bytes} B/param) does not fit "
             f"on {tensor_parallel} x {hw.name} ({hw.memory_bytes / GiB:.0f} GiB each) at "
-            f"utilization {utilization}: needs tensor_parallel >= {need}"
+            f"utilization {utilization}: needs tensor_parallel_size (--tensor-parallel-size) >= {need}"
         )
     return int(free // per_block)
