@@ -163,7 +163,8 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
     """The cost model the simulator charges `config`'s steps from: a roofline of its
     hardware entry for one GPU of a group of `tensor_parallel_size` (work and weights split
     over the group, two ring all-reduces a layer over the entry's interconnect), or the
-    profile's fitted model with that roofline pricing what a profile does not measure.
+    profile's fitted model with that roofline pricing what a profile does not measure (the
+    profile is taken as measured on the same group: no all-reduce is added to it).
     `cost.step_time(StepShape...)` is the TP-aware step-time prediction; the roofline's
     `breakdown` shows its terms (`allreduce` among them)."""
     # A profile was measured on the JAX runner: model its gathered swaps (and, in
