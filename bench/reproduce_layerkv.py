@@ -53,7 +53,7 @@ throughput "below 3%" lower: the largest relative gap over the rates. The ablati
 without the SLO-aware scheduler TPOT rises and its violations can exceed vLLM's.
 
 Usage:
-    nice -n 5 python bench/reproduce_layerkv.py            # the full run (~15 min, 2 cores)
+    nice -n 5 python bench/reproduce_layerkv.py            # the full run (~7 min, 2 cores)
     python bench/reproduce_layerkv.py --quick              # 3 lengths, 3 rates, fewer requests (~1 min)
 Writes bench/results/layerkv_reproduction.json and .md (the printed tables).
 """
