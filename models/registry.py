@@ -46,6 +46,11 @@ MODELS: dict[str, ModelConfig] = {
                ctx=131072, theta=500000.0),
         _llama("yi-34b", vocab=64000, d=7168, layers=60, heads=56, kv=8, ffn=20480, ctx=4096,
                theta=5000000.0),
+        # LayerKV's Yi-34B-200K (Section 5.1): Yi-34B's shape with the 200,000-token context of
+        # 01-ai/Yi-34B-200K (max_position_embeddings). Its rope base, 1e7 as we recall that
+        # config, is not verified here; the simulator, which is what runs it, reads only shapes.
+        _llama("yi-34b-200k", vocab=64000, d=7168, layers=60, heads=56, kv=8, ffn=20480,
+               ctx=200000, theta=10000000.0),
         # The OPT counterpart of tiny-llama, for tests against the dense OPT oracle.
         _opt("tiny-opt", d=64, layers=2, heads=4, vocab=512, ctx=1024),
         _opt("opt-13b", d=5120, layers=40, heads=40),
