@@ -1,0 +1,81 @@
+"""Tensor-parallel checks, run in a process of its own with forced CPU devices (JAX fixes the
+device count when it starts, so the pytest process, with one, cannot run them):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/tensor_parallel_checks.py
+
+Prints one JSON object: per model, tensor-parallel size and cache pressure (recompute
+preemptions, swaps), whether greedy ids equal the single-device roomy run's, the
+preemption and swap counts, and the collectives in each compiled step's HLO.
+`tests/test_tensor_parallel.py` runs it once and asserts on the result.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jserve import LLM, SamplingParams  # noqa: E402
+from models.loading import load_model  # noqa: E402
+
+MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-opt")
+MAX_TOKENS, MAX_LEN = 40, 48
+# The tight cache of tests/test_engine_greedy.py: 12 blocks of 4 tokens, two or three
+# sequences at a time, so growth preempts.
+TIGHT = dict(num_blocks=12, block_size=4, max_model_len=MAX_LEN, warmup=False)
+COLLECTIVE = re.compile(r"= \S+ (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+                        r"(?:-start)?\(")
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, vocab, size=n).tolist() for n in [7, 12, 30, 9, 21, 15, 4, 33]]
+
+
+def greedy(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def collectives(llm: LLM) -> list[dict[str, int]]:
+    """Collective ops in each step the runner compiled."""
+    return [dict(collections.Counter(COLLECTIVE.findall(exe.as_text())))
+            for exe in llm.runner._executables.values()]
+
+
+def check(loaded, ps, expected, tp: int, policy: str, attention: str = "reference") -> dict:
+    t0 = time.perf_counter()
+    llm = LLM(loaded, policy=policy, tensor_parallel_size=tp, attention=attention, **TIGHT)
+    got = greedy(llm, ps)
+    state = llm.engine.state
+    return dict(model=loaded.config.name, layers=loaded.config.num_layers, tp=tp, policy=policy,
+                attention=attention, identical=got == expected,
+                preemptions=llm.num_preemptions, swaps=llm.engine.stats.num_swaps,
+                all_freed=state.blocks.num_free == TIGHT["num_blocks"] and len(llm.runner.host_kv) == 0,
+                collectives=collectives(llm), seconds=round(time.perf_counter() - t0, 2))
+
+
+def main() -> None:
+    results = []
+    for name in MODELS:
+        loaded = load_model(name, seed=0)
+        ps = prompts(loaded.config.vocab_size)
+        roomy = greedy(LLM(loaded, num_blocks=512, warmup=False), ps)
+        expected = [e[: MAX_LEN - len(p)] for e, p in zip(roomy, ps)]
+        # Each size once, under each kind of preemption: 2 devices recompute, 4 swap.
+        results += [check(loaded, ps, expected, 2, "vllm"), check(loaded, ps, expected, 4, "vllm-swap")]
+        if name == "tiny-llama":  # the Pallas kernels per shard, KV heads repeated (kv=2 < 4)
+            results.append(check(loaded, ps, expected, 4, "vllm-swap", "pallas-interpret"))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
