@@ -43,6 +43,7 @@ from jserve.runners.cost_model import (
 )
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
+from jserve.runners import multihost
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.sharding import TensorParallel, sharded_config
@@ -108,6 +109,7 @@ def _enable_compilation_cache() -> None:
 
 
 def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
+    multihost.initialize()  # across hosts, before anything touches a device
     _enable_compilation_cache()
     tp_size = config.tensor_parallel_size
     tp = TensorParallel.over(tp_size) if tp_size > 1 else None
@@ -134,6 +136,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
         tensor_parallel=tp,
     )
+    # Several processes: this one runs the engine loop (process 0), or follows its steps.
+    runner = multihost.coordinate(runner, config.warmup)
     # The real runner's costs come only from a profile measured on it; without one the
     # policy keeps its documented fallback.
     if config.profile is not None:

@@ -3,7 +3,8 @@ device count when it starts, so the pytest process, with one, cannot run them):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/tensor_parallel_checks.py
 
-Prints one JSON object: per model, tensor-parallel size and cache pressure (recompute
+With `--across-processes`, one of two processes of the same check across processes
+(`across_processes`). Prints one JSON object: per model, tensor-parallel size and cache pressure (recompute
 preemptions, swaps), whether greedy ids equal the single-device roomy run's, the
 preemption and swap counts, and the collectives in each compiled step's HLO.
 `tests/test_tensor_parallel.py` runs it once and asserts on the result.
@@ -22,11 +23,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
+
 from jserve import LLM, SamplingParams  # noqa: E402
+from jserve.runners import multihost  # noqa: E402
 from models.loading import load_model  # noqa: E402
 
 MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-opt")
 MAX_TOKENS, MAX_LEN = 40, 48
+ACROSS_TOKENS = 12
 # The tight cache of tests/test_engine_greedy.py: 12 blocks of 4 tokens, two or three
 # sequences at a time, so growth preempts.
 TIGHT = dict(num_blocks=12, block_size=4, max_model_len=MAX_LEN, warmup=False)
@@ -39,8 +44,14 @@ def prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, size=n).tolist() for n in [7, 12, 30, 9, 21, 15, 4, 33]]
 
 
-def greedy(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate(prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+def across_processes_prompts(vocab: int) -> list[list[int]]:
+    """The four longest prompts: still preempted on the tight cache, in fewer steps (a step
+    across processes waits for gloo's all-reduces, ~0.1 s on this machine's CPUs)."""
+    return sorted(prompts(vocab), key=len)[-4:]
+
+
+def greedy(llm: LLM, ps: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
                         use_tqdm=False)
     return [o.token_ids for o in outs]
 
@@ -77,5 +88,16 @@ def main() -> None:
     print(json.dumps(results))
 
 
+def across_processes() -> None:
+    """One process of a multi-process run (`JAX_COORDINATOR_ADDRESS` etc. set by the caller):
+    tiny-llama over 4 devices of 2 processes on the tight cache with swaps; process 0 prints
+    the ids, the other follows its steps and exits while building the engine."""
+    multihost.initialize()
+    loaded = load_model("tiny-llama", seed=0)
+    llm = LLM(loaded, policy="vllm-swap", tensor_parallel_size=4, **TIGHT)
+    print(json.dumps(dict(ids=greedy(llm, across_processes_prompts(loaded.config.vocab_size), ACROSS_TOKENS),
+                          swaps=llm.engine.stats.num_swaps, processes=jax.process_count())))
+
+
 if __name__ == "__main__":
-    main()
+    across_processes() if sys.argv[1:] == ["--across-processes"] else main()

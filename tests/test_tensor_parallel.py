@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,14 @@ import jax
 import pytest
 from flax import nnx
 
+from jserve import LLM
 from jserve.runners.sharding import AXIS, param_spec, sharded_config
-from models.loading import load_model
+from models.loading import LoadedModel, load_model
 from models.registry import get_config
 
 CHECKS = Path(__file__).with_name("tensor_parallel_checks.py")
+sys.path.insert(0, str(CHECKS.parent))
+from tensor_parallel_checks import ACROSS_TOKENS, across_processes_prompts, greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,27 @@ def test_each_step_has_two_all_reduces_per_layer_and_nothing_else(results: list[
         assert r["collectives"], r
         for ops in r["collectives"]:
             assert ops == {"all-reduce": 2 * r["layers"]}, r
+
+
+def test_across_two_processes_identical_to_one_device(tiny_loaded: LoadedModel) -> None:
+    """Multi-host as it runs on several machines, here two local processes of two CPU
+    devices each (gloo collectives): process 0's engine loop feeds the step of both, swaps
+    included, and its greedy ids equal a single-device run's."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, str(CHECKS), "--across-processes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                        "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+                        "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    got = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert got["processes"] == 2 and got["swaps"] > 0 and "ids" not in outs[1][0]  # the follower printed nothing
+    llm = LLM(tiny_loaded, policy="vllm-swap", num_blocks=12, block_size=4, max_model_len=48, warmup=False)
+    assert got["ids"] == greedy(llm, across_processes_prompts(tiny_loaded.config.vocab_size), ACROSS_TOKENS)
 
 
 def test_specs_by_parameter_path() -> None:
