@@ -177,20 +177,34 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     return load_model(config.model, weights=config.weights, dtype=jnp.dtype(dtype), seed=config.seed)
 
 
+def sim_cost_model(config: EngineConfig) -> CostModel:
+    """The cost model the simulator charges `config`'s steps from: a roofline of its
+    hardware entry for one GPU of a group of `tensor_parallel_size` (work and weights split
+    over the group, two ring all-reduces a layer over the entry's interconnect), or the
+    profile's fitted model with that roofline pricing what a profile does not measure.
+    `cost.step_time(StepShape...)` is the TP-aware step-time prediction; the roofline's
+    `breakdown` shows its terms (`allreduce` among them)."""
+    # A profile was measured on the JAX runner: model its gathered swaps (and, in
+    # `_build_sim`, its padding); the roofline alone models vLLM v0, whose swaps copy block
+    # by block.
+    swap_path = SwapPath.GATHERED if config.profile else SwapPath.PER_BLOCK_LAYER
+    roofline = RooflineCostModel(config.model_config(), get_hardware(config.hardware),
+                                 dtype_bytes=config.sim_dtype_bytes,
+                                 tensor_parallel=config.tensor_parallel_size, swap_path=swap_path)
+    return CalibratedCostModel.load(config.profile, extras=roofline) if config.profile else roofline
+
+
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
     model = config.model_config()
     hw = get_hardware(config.hardware)
-    dbytes = dtype_bytes(jnp.bfloat16 if config.dtype == "auto" else jnp.dtype(config.dtype))
-    # A profile was measured on the JAX runner: model its gathered swaps (and, below, its
-    # padding); the roofline alone models vLLM v0, whose swaps copy block by block.
-    swap_path = SwapPath.GATHERED if config.profile else SwapPath.PER_BLOCK_LAYER
-    roofline = RooflineCostModel(model, hw, dtype_bytes=dbytes, swap_path=swap_path)
-    cost: CostModel = (CalibratedCostModel.load(config.profile, extras=roofline)
-                       if config.profile else roofline)
+    dbytes = config.sim_dtype_bytes
+    tp = config.tensor_parallel_size
+    cost = sim_cost_model(config)
     cache = _with_prefill_fit(cache, cost)
     limits = config.limits
     num_blocks = config.num_blocks or kv_capacity_blocks(
-        model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization)
+        model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization,
+        tensor_parallel=tp)
     clock = VirtualClock()
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)
@@ -202,8 +216,9 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
+        # vLLM's swap_space is per GPU: each holds its shard of a swapped block.
         num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
-                                              config.swap_space * 2**30),
+                                              config.swap_space * 2**30 * tp),
     )
     return BuiltEngine(engine, clock, model)
 

@@ -158,21 +158,31 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from jserve.benchmarking.sweep import run_sweep, write_sweep
+    import pathlib
+
+    from jserve.benchmarking.sweep import run_sweeps, write_sweep
 
     config = _bench_config(args, args.policies[0], args.rates[0])
     for policy in args.policies:
         for rate in args.rates:
             _checked(lambda: config.with_policy(policy, rate))  # every point, before any runs
-    sweep = run_sweep(config, args.policies, args.rates)
-    for policy in args.policies:
-        print(f"{policy:>10}: effective throughput {sweep.effective_throughput(policy)} req/s")
-        for rate, r in zip(args.rates, sweep.results[policy]):
-            s = r.summary
-            print(f"{'':>10}  rate {rate:>7.2f}: attainment {s.slo_attainment}, "
-                  f"P99 TTFT {s.ttft_p99}, P99 TBT {s.tbt_p99}")
-    png = write_sweep(sweep, args.output)
-    print(f"wrote {args.output} and {png}", file=sys.stderr)
+    seeds = args.seeds or [args.seed]
+    sweeps = run_sweeps(config, args.policies, args.rates, seeds, workers=args.workers,
+                        ray_address=args.ray)
+    for seed, sweep in zip(seeds, sweeps):
+        if len(seeds) > 1:
+            print(f"seed {seed}")
+        for policy in args.policies:
+            print(f"{policy:>10}: effective throughput {sweep.effective_throughput(policy)} req/s")
+            for rate, r in zip(args.rates, sweep.results[policy]):
+                s = r.summary
+                print(f"{'':>10}  rate {rate:>7.2f}: attainment {s.slo_attainment}, "
+                      f"P99 TTFT {s.ttft_p99}, P99 TBT {s.tbt_p99}")
+        out = pathlib.Path(args.output)
+        if len(seeds) > 1:
+            out = out.with_name(f"{out.stem}-seed{seed}{out.suffix}")
+        png = write_sweep(sweep, out)
+        print(f"wrote {out} and {png}", file=sys.stderr)
     return 0
 
 
@@ -275,6 +285,10 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -317,7 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("sweep", help="SLO attainment and tail latency versus rate, per policy")
     w.add_argument("--policies", type=_names, default=["vllm"], help="comma-separated (default: vllm)")
     w.add_argument("--rates", type=_floats, required=True, help="comma-separated requests/s")
-    w.add_argument("--output", default="sweep.json", help="JSON path; the PNG goes beside it")
+    w.add_argument("--output", default="sweep.json",
+                   help="JSON path; the PNG goes beside it (with several seeds, NAME-seedS.json each)")
+    w.add_argument("--seeds", type=_ints, default=None,
+                   help="comma-separated: run every point at each seed (default: --seed)")
+    w.add_argument("--workers", type=int, default=None,
+                   help="local processes the points run in (default: one per CPU; 1 runs them "
+                        "in this process)")
+    w.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run the points as tasks on the Ray cluster at ADDRESS ('auto', "
+                        "'HOST:PORT', 'ray://HOST:PORT', or 'local' to start one here); its "
+                        "workers must be able to import jserve")
     _add_bench_args(w, sweep=True)
     w.set_defaults(func=_sweep)
 

@@ -23,7 +23,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
-from jserve.runners.hardware import HARDWARE
+from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
 from models.config import ModelConfig
 from models.registry import DEFAULT_MODEL, MODELS, get_config
 
@@ -151,6 +151,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.runner == "sim":  # the simulated TP group must hold the weights
+            kv_capacity_blocks(self.model_config(), get_hardware(self.hardware), self.block_size,
+                               self.sim_dtype_bytes, self.gpu_memory_utilization,
+                               self.tensor_parallel_size)
+
+    @property
+    def sim_dtype_bytes(self) -> int:
+        """Bytes per weight and K/V value in the simulator: bf16 unless a dtype is named."""
+        return 4 if self.dtype == "float32" else 2
 
     @property
     def model_name(self) -> str:

@@ -122,10 +122,12 @@ def test_step_time_monotone_in_tokens_and_context():
     # a faster device is faster
     assert (RooflineCostModel(OPT13B, get_hardware("h100")).step_time(StepShape.prefill(2048))
             < model.step_time(StepShape.prefill(2048)))
-    # tensor parallelism divides the work
+    # tensor parallelism divides the work and adds its all-reduces
     tp2 = RooflineCostModel(OPT13B, A100, tensor_parallel=2, step_overhead=0)
     tp1 = RooflineCostModel(OPT13B, A100, step_overhead=0)
-    assert tp2.step_time(StepShape.prefill(512)) == pytest.approx(tp1.step_time(StepShape.prefill(512)) / 2)
+    shape = StepShape.prefill(512)
+    assert tp1.communication_time(shape) == 0
+    assert tp2.step_time(shape) == pytest.approx(tp1.step_time(shape) / 2 + tp2.communication_time(shape))
 
 
 def test_extras_are_charged():
@@ -296,10 +298,10 @@ def test_kv_capacity_opt13b_a100_80g():
 
 
 def test_kv_capacity_errors():
-    with pytest.raises(ValueError, match=r"tensor_parallel >= 5"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(--tensor-parallel-size\) >= 5"):
         kv_capacity_blocks(get_config("opt-175b"), A100, 16)
     assert kv_capacity_blocks(get_config("opt-175b"), A100, 16, tensor_parallel=8) > 0
-    with pytest.raises(ValueError, match="tensor_parallel >= 2"):
+    with pytest.raises(ValueError, match=r"tensor-parallel-size\) >= 2"):
         kv_capacity_blocks(get_config("opt-30b"), get_hardware("a100-40g"), 16)
     with pytest.raises(ValueError, match="block_size"):
         kv_capacity_blocks(OPT13B, A100, 0)

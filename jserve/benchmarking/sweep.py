@@ -1,10 +1,21 @@
-"""Rate sweeps: SLO attainment and tail latency versus arrival rate, per policy."""
+"""Rate sweeps: SLO attainment and tail latency versus arrival rate, per policy.
+
+A sweep's points (policies x rates x seeds) are independent benchmarks, so they run in
+parallel: in local processes by default, or as tasks on a Ray cluster (`ray_address`). Each
+point is deterministic (the simulator's clock is virtual), so the results are those of the
+sequential run, returned in the same order.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 import math
+import multiprocessing
+import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +57,62 @@ class SweepResult:
         }
 
 
-def run_sweep(base: BenchConfig, policies: list[str], rates: list[float], progress: bool = True
-              ) -> SweepResult:
-    results = {
-        p: [run_benchmark(base.with_policy(p, r), progress) for r in rates]
-        for p in policies
-    }
-    return SweepResult(base, rates, results)
+def run_sweep(base: BenchConfig, policies: list[str], rates: list[float], progress: bool = True,
+              workers: int | None = 1, ray_address: str | None = None) -> SweepResult:
+    """Every policy at every rate, at `base.seed` (see `run_sweeps` for `workers` and
+    `ray_address`; one worker, the default here, runs the points in this process)."""
+    return run_sweeps(base, policies, rates, [base.seed], progress, workers, ray_address)[0]
+
+
+def run_sweeps(base: BenchConfig, policies: list[str], rates: list[float], seeds: Sequence[int],
+               progress: bool = True, workers: int | None = None, ray_address: str | None = None
+               ) -> list[SweepResult]:
+    """One sweep per seed, all their points run together by `run_points`."""
+    points = [dataclasses.replace(base.with_policy(p, r), seed=seed)
+              for seed in seeds for p in policies for r in rates]
+    results = iter(run_points(points, progress, workers, ray_address))
+    return [SweepResult(dataclasses.replace(base, seed=seed), rates,
+                        {p: [next(results) for _ in rates] for p in policies})
+            for seed in seeds]
+
+
+def run_points(configs: Sequence[BenchConfig], progress: bool = True, workers: int | None = None,
+               ray_address: str | None = None) -> list[BenchResult]:
+    """Each benchmark's result, in `configs`' order: as Ray tasks on the cluster at
+    `ray_address` ('auto', 'host:port', 'ray://host:port', or 'local' for a new cluster on
+    this machine; a Ray already initialised in this process is used as it is), else in
+    `workers` local processes (None: one per CPU), or in this process for one worker."""
+    if ray_address is not None:
+        return _run_on_ray(configs, ray_address, progress)
+    workers = min(len(configs), workers or os.cpu_count() or 1)
+    if workers <= 1:
+        return [run_benchmark(c, progress) for c in configs]
+    # spawn, not fork: the parent has JAX's threads running, which a forked child would lack
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(_progress(pool.map(run_point, configs), len(configs), progress))
+
+
+def run_point(config: BenchConfig) -> BenchResult:
+    """One sweep point, run where a worker runs it (without a progress bar of its own)."""
+    return run_benchmark(config, progress=False)
+
+
+def _run_on_ray(configs: Sequence[BenchConfig], address: str, progress: bool) -> list[BenchResult]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    task = ray.remote(num_cpus=1)(run_point)
+    refs = [task.remote(c) for c in configs]
+    return list(_progress((ray.get(r) for r in refs), len(refs), progress))
+
+
+def _progress(results, total: int, progress: bool):
+    if not progress:
+        return results
+    from tqdm import tqdm
+
+    return tqdm(results, total=total, desc="sweep points", unit="point")
 
 
 def plot_sweep(sweep: SweepResult, path: str | pathlib.Path) -> None:

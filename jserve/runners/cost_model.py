@@ -233,7 +233,7 @@ class SwapPath(enum.Enum):
 
 
 def overlap_layers(work: float, before: np.ndarray, out_before: np.ndarray,
-                   out_after: np.ndarray) -> float:
+                   out_after: np.ndarray, allreduce: float = 0.0, shared_link: bool = False) -> float:
     """Seconds of a step whose `work` is split evenly over its layers while LayerKV's layer
     copies run on their own streams (Section 4: a dedicated copy stream), per layer `l`:
     `before[l]` host -> device (an offloaded layer brought back) must end before layer `l`
@@ -244,16 +244,47 @@ def overlap_layers(work: float, before: np.ndarray, out_before: np.ndarray,
     runs the offloads first, in layer order, then the prefill's writes. With one kind of copy of x
     seconds a layer and c of compute, the step takes `L * max(c, x) + min(c, x)`:
     `max(C, X) + min(C, X) / L`, the compute hidden under the copies or the other way round
-    but for one layer."""
+    but for one layer.
+
+    Under tensor parallelism each layer ends with `allreduce` seconds of all-reduces (its
+    two, after attention and after the MLP, counted together at the layer's end). With
+    `shared_link` (no NVLink: the all-reduces cross the PCIe link the copies use) the copies
+    pause while an all-reduce runs, in both directions, and advance only in the link's idle
+    time: LayerKV Section 3.1.3 checks the link before each sub-unit of a copy and holds it
+    back while an all-reduce is on, so the all-reduce keeps its speed and the copies wait.
+    (The sub-unit in flight when an all-reduce starts is not modelled.)"""
     num_layers = len(before)
     c = work / num_layers
-    ready_in, ready_out = np.cumsum(before), np.cumsum(out_before)
-    t_out = float(ready_out[-1])  # the offloads are queued first, then the prefill's writes
+    busy: list[tuple[float, float]] = []  # the all-reduces' windows on a shared link
+    t_in = t_out = 0.0
+    i_in = i_out = 0
     t_compute = 0.0
+    ends = []
     for l in range(num_layers):
-        t_compute = max(t_compute, ready_in[l], ready_out[l]) + c
-        t_out = max(t_out, t_compute) + out_after[l]
+        t_in, i_in = _advance(t_in, float(before[l]), busy, i_in)
+        t_out, i_out = _advance(t_out, float(out_before[l]), busy, i_out)
+        t_compute = max(t_compute, t_in, t_out) + c
+        ends.append(t_compute)
+        if shared_link and allreduce > 0:
+            busy.append((t_compute, t_compute + allreduce))
+        t_compute += allreduce
+    for l in range(num_layers):  # the prefill's writes, queued after the offloads
+        t_out, i_out = _advance(max(t_out, ends[l]), float(out_after[l]), busy, i_out)
     return max(t_compute, t_out)
+
+
+def _advance(t: float, amount: float, busy: list[tuple[float, float]], i: int) -> tuple[float, int]:
+    """When a copy of `amount` seconds of link time, started at `t`, ends if it cannot use
+    the link during the sorted windows `busy` (`i`: the first window not yet passed, which
+    is returned updated, since a stream's copies only move forward in time)."""
+    while i < len(busy) and busy[i][1] <= t:
+        i += 1
+    while i < len(busy) and busy[i][0] < t + amount:
+        start, end = busy[i]
+        amount -= max(start - t, 0.0)
+        t = max(t, end)
+        i += 1
+    return t + amount, i
 
 
 # Per-iteration cost that does not scale with the work: the engine's Python scheduling,
@@ -261,11 +292,15 @@ def overlap_layers(work: float, before: np.ndarray, out_before: np.ndarray,
 # step (less with CUDA graphs on decode); 2 ms is a middle figure. Pass `step_overhead` to
 # change it, or fit a `CalibratedCostModel`, whose intercept measures it.
 DEFAULT_STEP_OVERHEAD = 2e-3
+# Megatron-LM's tensor-parallel transformer layer all-reduces twice: after the attention's
+# output projection and after the MLP's down projection (Shoeybi et al., 2019, Section 3).
+ALLREDUCES_PER_LAYER = 2
 
 
 class RooflineCostModel:
-    """`step_time = overlap(max(compute, memory), layer transfers) + swaps + step_overhead`
-    (0 for an empty step).
+    """`step_time = overlap(max(compute, memory) + all-reduces, layer transfers) + swaps +
+    step_overhead` (0 for an empty step), for one GPU of a tensor-parallel group of
+    `tensor_parallel` (each computes and reads its 1/tp share at once).
 
     - compute = FLOPs / (peak * mfu * tp) with FLOPs = `2 * num_params` per scheduled token
       (every parameter counted as a matmul weight for every token: the LM head really runs
@@ -284,10 +319,15 @@ class RooflineCostModel:
       (LayerKV Section 4, its own copy stream), each direction at `pcie * tp` (the link is
       full duplex); kept layers' slots copied into whole blocks cost a read and a write at
       HBM speed.
-      Each GPU of a TP group has its own link and issues its own copies in parallel.
-      Tensor-parallel communication is ignored, and with it the PCIe contention LayerKV's
-      Section 3.1.3 describes for all-reduce without NVLink: the simulator has no tensor
-      parallelism yet (`tensor_parallel` only divides the work).
+      Each GPU of a TP group issues its own copies in parallel over its host link, and GPUs
+      that share one link (`Hardware.gpus_per_host_link`) split it: host copies move at
+      `pcie * hw.host_links(tp)`.
+    - all-reduces (`allreduce_time`): Megatron-style tensor parallelism all-reduces the
+      layer's output twice a layer (after attention, after the MLP), each of `tokens *
+      hidden * dtype_bytes` (tokens after padding when the shape has them) as a ring over
+      the hardware's `Interconnect`, serially with the compute. Without NVLink the
+      all-reduces share the PCIe link with LayerKV's layer copies, which then wait for them
+      (`overlap_layers`' `shared_link`; LayerKV Section 3.1.3). Swaps wait anyway (serial).
     """
 
     def __init__(self, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
@@ -310,7 +350,8 @@ class RooflineCostModel:
         self.hidden_bytes_per_token = float(cfg.hidden_size * dtype_bytes * cfg.num_layers)
         self.flop_rate = hw.peak_flops * hw.mfu * tensor_parallel
         self.byte_rate = hw.hbm_bandwidth * hw.mbu * tensor_parallel
-        self.pcie_rate = hw.pcie_bandwidth * tensor_parallel
+        self.pcie_rate = hw.pcie_bandwidth * hw.host_links(tensor_parallel)
+        self.allreduce_bytes_per_token = float(cfg.hidden_size * dtype_bytes)
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.cfg.name}, {self.hw.name}, tp={self.tensor_parallel}, "
@@ -329,6 +370,19 @@ class RooflineCostModel:
         hidden = shape.hidden_tokens * self.hidden_bytes_per_token
         return (self.weight_bytes + kv + hidden) / self.byte_rate
 
+    def allreduce_time(self, shape: StepShape) -> float:
+        """One of a layer's all-reduces (0 without tensor parallelism): the step's tokens'
+        hidden states, as many as the runner computes (padded when it pads)."""
+        tokens = max(shape.num_tokens, shape.padded_tokens)
+        if tokens == 0:
+            return 0.0
+        return self.hw.interconnect.allreduce_time(tokens * self.allreduce_bytes_per_token,
+                                                   self.tensor_parallel)
+
+    def communication_time(self, shape: StepShape) -> float:
+        """All the step's all-reduces: two a layer."""
+        return ALLREDUCES_PER_LAYER * self.cfg.num_layers * self.allreduce_time(shape)
+
     def transfer_time(self, shape: StepShape) -> float:
         """Swaps, which the step waits for."""
         return shape.swap_bytes / self.pcie_rate + self.swap_fixed_time(shape)
@@ -340,16 +394,19 @@ class RooflineCostModel:
             return 0.0
         return max(sum(t.prefill_to_host) + sum(t.to_host), sum(t.to_device)) / self.pcie_rate
 
-    def layered_time(self, work: float, shape: StepShape) -> float:
-        """`work` seconds of compute split evenly over the layers, pipelined with the step's
-        layer moves (`overlap_layers`), plus the device-to-device copies of kept layers'
-        slots into whole blocks (read and written once, at HBM speed)."""
+    def layered_time(self, work: float, shape: StepShape, allreduce: float = 0.0) -> float:
+        """`work` seconds of compute split evenly over the layers, each followed by
+        `allreduce` seconds of all-reduces, pipelined with the step's layer moves
+        (`overlap_layers`, with the link shared when the interconnect is PCIe), plus the
+        device-to-device copies of kept layers' slots into whole blocks (read and written
+        once, at HBM speed)."""
         t = shape.layer_bytes
         if t is None:
-            return work
+            return work + allreduce * self.cfg.num_layers
         rate = self.pcie_rate
         return (overlap_layers(work, np.asarray(t.to_device) / rate, np.asarray(t.to_host) / rate,
-                               np.asarray(t.prefill_to_host) / rate)
+                               np.asarray(t.prefill_to_host) / rate, allreduce,
+                               self.hw.interconnect.shares_host_link)
                 + 2 * sum(t.device_copy) / self.byte_rate)
 
     def swap_fixed_time(self, shape: StepShape) -> float:
@@ -370,6 +427,7 @@ class RooflineCostModel:
             "memory": self.memory_time(shape),
             "transfer": self.transfer_time(shape),
             "layer_transfer": self.layer_transfer_time(shape),
+            "allreduce": self.communication_time(shape),
             "overhead": self.step_overhead if busy else 0.0,
         }
 
@@ -378,7 +436,8 @@ class RooflineCostModel:
         if shape.num_tokens == 0:
             return self.layered_time(0.0, shape) + transfer
         work = max(self.compute_time(shape), self.memory_time(shape))
-        return self.layered_time(work, shape) + transfer + self.step_overhead
+        per_layer = ALLREDUCES_PER_LAYER * self.allreduce_time(shape)
+        return self.layered_time(work, shape, per_layer) + transfer + self.step_overhead
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ link's theoretical rate. `copy_latency` is the fixed cost of one host<->device c
 what a swap that copies block by block pays per block (see `cost_model.SwapPath`). `mfu` / `mbu` are the fractions of peak FLOP/s and HBM bandwidth
 that large bf16 GEMMs / streaming reads achieve in practice; 0.6 / 0.8 are conventional
 planning figures, not measurements: fit a `CalibratedCostModel` where accuracy matters.
+
+Each entry also names the GPU-to-GPU `Interconnect` of the server it is modelled in (NVLink,
+or PCIe only), which prices tensor parallelism's all-reduces, and how many GPUs share one
+host link (`gpus_per_host_link`), which caps a TP group's host<->device bandwidth.
 """
 
 from __future__ import annotations
@@ -27,6 +31,65 @@ TFLOPS = 1e12
 # A published figure, not measured here: no GPU of ours ran vLLM's per-block copies.
 CUDA_MEMCPY_LATENCY = 6e-6
 
+# NCCL's own cost model of a ring all-reduce (src/graph/tuning.cc, `baseLat` and `hwLat`,
+# Ring with the LL protocol it picks for the small messages of decode steps): 6.6 us per
+# call plus 0.6 us per ring step over NVLink, 1.0 us over PCIe. NCCL's tuning figures, not
+# measured here.
+NCCL_RING_BASE_LATENCY = 6.6e-6
+NCCL_NVLINK_STEP_LATENCY = 0.6e-6
+NCCL_PCIE_STEP_LATENCY = 1.0e-6
+# Achieved fraction of an interconnect's per-direction peak in a ring all-reduce: the `mbu`
+# planning figure, not a measurement (NCCL reaches ~80% of NVLink's peak in nccl-tests, as
+# commonly reported; we found no figure to cite for A100 or L20).
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """How the GPUs of one server talk to each other, for tensor parallelism's all-reduces.
+
+    `kind` is 'nvlink' or 'pcie'. `bandwidth` is the effective one-direction rate one GPU
+    sends (and receives) at in a ring; `step_latency` the fixed cost of each of a ring's
+    2(N-1) steps and `call_latency` that of one collective call. Over PCIe the all-reduce
+    uses the same link as host copies (`shares_host_link`), which is what makes LayerKV's
+    offload contend with it (LayerKV Section 3.1.3)."""
+
+    kind: str
+    bandwidth: float  # B/s, one direction, per GPU, effective
+    step_latency: float
+    call_latency: float = NCCL_RING_BASE_LATENCY
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("nvlink", "pcie"):
+            raise ValueError(f"interconnect kind must be 'nvlink' or 'pcie', got {self.kind!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"interconnect bandwidth must be > 0, got {self.bandwidth}")
+        if self.step_latency < 0 or self.call_latency < 0:
+            raise ValueError("interconnect latencies must be >= 0")
+
+    @property
+    def shares_host_link(self) -> bool:
+        return self.kind == "pcie"
+
+    def allreduce_time(self, num_bytes: float, num_gpus: int) -> float:
+        """Seconds of one ring all-reduce of `num_bytes` (each GPU's whole tensor) over
+        `num_gpus`: reduce-scatter then all-gather, 2(N-1) steps each moving 1/N of it,
+        `2(N-1)/N * bytes / bandwidth + 2(N-1) * step_latency + call_latency`; 0 for one GPU."""
+        if num_gpus <= 1:
+            return 0.0
+        steps = 2 * (num_gpus - 1)
+        return steps / num_gpus * num_bytes / self.bandwidth + steps * self.step_latency + self.call_latency
+
+
+# NVIDIA A100 datasheet: third-generation NVLink, 600 GB/s total bidirectional per GPU (12
+# links x 50 GB/s), i.e. 300 GB/s a direction. H100 / H200 SXM datasheets: fourth-generation
+# NVLink, 900 GB/s total, 450 GB/s a direction.
+NVLINK3 = Interconnect("nvlink", LINK_EFFICIENCY * 300 * GB, NCCL_NVLINK_STEP_LATENCY)
+NVLINK4 = Interconnect("nvlink", LINK_EFFICIENCY * 450 * GB, NCCL_NVLINK_STEP_LATENCY)
+# PCIe 4.0 x16 peer-to-peer: 25 GB/s a direction effective, the host link's effective rate
+# below (79% of 31.5 GB/s); not measured on an L20.
+PCIE4 = Interconnect("pcie", 25 * GB, NCCL_PCIE_STEP_LATENCY)
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -40,6 +103,8 @@ class Hardware:
     copy_latency: float = CUDA_MEMCPY_LATENCY  # fixed seconds per host<->device copy call
     mfu: float = 0.6  # achievable fraction of peak_flops for large matmuls
     mbu: float = 0.8  # achievable fraction of hbm_bandwidth
+    interconnect: Interconnect = PCIE4  # GPU-to-GPU, for tensor parallelism (PCIe unless named)
+    gpus_per_host_link: int = 1  # GPUs sharing one host PCIe link (through a switch)
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "hbm_bandwidth", "pcie_bandwidth", "memory_bytes"):
@@ -50,6 +115,13 @@ class Hardware:
         for field in ("mfu", "mbu"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"{self.name}: {field} must be in (0, 1], got {getattr(self, field)}")
+        if self.gpus_per_host_link < 1:
+            raise ValueError(f"{self.name}: gpus_per_host_link must be >= 1, got {self.gpus_per_host_link}")
+
+    def host_links(self, tensor_parallel: int) -> int:
+        """Host links a TP group of `tensor_parallel` GPUs (numbered together, as
+        CUDA_VISIBLE_DEVICES=0..N-1 gives them) copies over at once."""
+        return -(-tensor_parallel // self.gpus_per_host_link)
 
     @property
     def effective_flops(self) -> float:
@@ -68,11 +140,12 @@ HARDWARE: dict[str, Hardware] = {
         # PCIe 4.0 x16: 31.5 GB/s per direction theoretical (16 GT/s x 16 lanes, 128b/130b);
         # 25 GB/s effective pinned copies is 79% of it, the fraction our H100 measured of
         # its link (53 of 63 GB/s, below). Not measured on an A100.
+        # SXM parts: GPUs talk over NVLink 3 (NVLINK3 above), each with its own host link.
         Hardware("a100-40g", peak_flops=312 * TFLOPS, hbm_bandwidth=1555 * GB,
-                 pcie_bandwidth=25 * GB, memory_bytes=40 * GiB),
+                 pcie_bandwidth=25 * GB, memory_bytes=40 * GiB, interconnect=NVLINK3),
         # Same datasheet, A100 80GB SXM: HBM2e 2,039 GB/s; reported capacity 81920 MiB.
         Hardware("a100-80g", peak_flops=312 * TFLOPS, hbm_bandwidth=2039 * GB,
-                 pcie_bandwidth=25 * GB, memory_bytes=80 * GiB),
+                 pcie_bandwidth=25 * GB, memory_bytes=80 * GiB, interconnect=NVLINK3),
         # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 tensor 1,979 TFLOPS with
         # sparsity = 989 TFLOPS dense; HBM3 3.35 TB/s; 80 GB (reported 81559 MiB).
         # PCIe 5.0 x16: 63 GB/s per direction theoretical. Measured 2026-11-22 on one
@@ -80,11 +153,11 @@ HARDWARE: dict[str, Hardware] = {
         # jax.device_put to/from pinned_host moved 51.7-54.0 GB/s each way for 256 MiB-1 GiB
         # buffers (32-34 GB/s at 16 MiB); the table had 50.
         Hardware("h100", peak_flops=989 * TFLOPS, hbm_bandwidth=3350 * GB,
-                 pcie_bandwidth=53 * GB, memory_bytes=81559 * MiB),
+                 pcie_bandwidth=53 * GB, memory_bytes=81559 * MiB, interconnect=NVLINK4),
         # NVIDIA H200 datasheet (SXM): same compute as H100 SXM, 989 TFLOPS BF16 dense;
         # HBM3e 4.8 TB/s, 141 GB (reported 143771 MiB); PCIe 5.0 x16, ~50 GB/s effective.
         Hardware("h200", peak_flops=989 * TFLOPS, hbm_bandwidth=4800 * GB,
-                 pcie_bandwidth=50 * GB, memory_bytes=143771 * MiB),
+                 pcie_bandwidth=50 * GB, memory_bytes=143771 * MiB, interconnect=NVLINK4),
         # NVIDIA L20 (Ada AD102, 92 SMs, 2,520 MHz boost): 48 GB GDDR6, 864 GB/s, PCIe 4.0
         # x16. NVIDIA publishes no full public datasheet; the product brief as widely
         # reproduced gives FP16/BF16 tensor 119.5 TFLOPS and FP8 239 TFLOPS. The SM count,
@@ -98,8 +171,13 @@ HARDWARE: dict[str, Hardware] = {
         # per-SM dense rate as the L40's 181 TFLOPS (142 SMs). Uncertainty: if the brief's
         # figure were with sparsity, dense would be half. Capacity: 46068 MiB reported with
         # ECC on (ECC on GDDR6 reserves part of the 48 GB).
+        # The L20 has no NVLink: GPUs all-reduce over PCIe 4.0 (PCIE4), the link their host
+        # copies use. Servers: the LayerKV testbed (Section 5.1, eight L20s) has "each two
+        # GPUs share one PCIe connection" to the CPU, so two GPUs of a TP group split one
+        # host link's 25 GB/s (gpus_per_host_link=2); a TP = 1 run has it to itself.
         Hardware("l20", peak_flops=119.5 * TFLOPS, hbm_bandwidth=864 * GB,
-                 pcie_bandwidth=25 * GB, memory_bytes=46068 * MiB),
+                 pcie_bandwidth=25 * GB, memory_bytes=46068 * MiB, interconnect=PCIE4,
+                 gpus_per_host_link=2),
     ]
 }
 
@@ -166,6 +244,6 @@ def kv_capacity_blocks(cfg: ModelConfig, hw: Hardware, block_size: int, dtype_by
         raise ValueError(
             f"{cfg.name} ({weights / GB:.1f} GB of weights at {dtype_bytes} B/param) does not fit "
             f"on {tensor_parallel} x {hw.name} ({hw.memory_bytes / GiB:.0f} GiB each) at "
-            f"utilization {utilization}: needs tensor_parallel >= {need}"
+            f"utilization {utilization}: needs tensor_parallel_size (--tensor-parallel-size) >= {need}"
         )
     return int(free // per_block)

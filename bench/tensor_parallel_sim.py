@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Tensor parallelism in the simulator: the papers' multi-GPU settings under vLLM, their step
+times beside the bandwidth bound and a published measurement where one exists.
+
+Settings (issue 17):
+- OPT-175B on 8 A100-80G SXM with NVLink 3 (CacheOpt's setting, AWS p4d.24xlarge; the
+  vLLM paper's too), `--tensor-parallel-size 8`;
+- Llama-3.1-70B on 4 L20 with PCIe only, two GPUs per host link (LayerKV's testbed,
+  Section 5.1), `--tensor-parallel-size 4`.
+
+For each, printed: (1) the cost model's step time for decode batches and prefills with its
+terms (compute, memory, all-reduce), beside the decode step's hard floor, every GPU
+streaming its weight shard once at the datasheet's peak HBM bandwidth
+(`weights / (tp * hbm)`), (2) a ShareGPT run under `vllm` at two rates: mean TPOT, median
+ITL (a decode step with its batch), mean TTFT, and the KV blocks the group holds, and (3)
+for the L20 group, two LayerKV steps priced with the all-reduces sharing PCIe with the layer
+copies (LayerKV Section 3.1.3: copies wait while an all-reduce runs) and, for comparison,
+on a link of the same speed of their own (what NVLink would give): a long prefill writing
+its K/V to host, whose copies hide under the compute either way, and a big decode step
+bringing a long request's layers back, which is copy-bound and pays for the waits.
+
+Published measurements: none found. We searched the docs and pages corpora for vLLM on
+OPT-175B / 8 x A100-80G and on Llama-3.1-70B / 4 x L20 (step time, TPOT or ITL). The vLLM
+paper (Kwon et al., SOSP 2023) and CacheOpt run OPT-175B on 8 A100s but publish normalised
+latency and times per request in figures, not step times; the LayerKV paper's 70B results
+(Figures 4-5) are images whose values its text does not state. The comparison is therefore
+with the bandwidth floor: a decode step must take longer than it, and vLLM's decode steps
+are usually within 1.2-2x of it at small batches (the cost model's own `mbu` = 0.8 and
+2 ms of per-step overhead are what separate them here).
+
+Usage:
+    python bench/tensor_parallel_sim.py            # ~1 min on 2 cores
+Writes bench/results/tensor_parallel_sim.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import pathlib
+from contextlib import redirect_stdout
+
+from jserve.benchmarking.bench import BenchConfig
+from jserve.benchmarking.sweep import run_points
+from jserve.builder import sim_cost_model
+from jserve.config import EngineConfig
+from jserve.runners.cost_model import LayerTransfers, RooflineCostModel, StepShape
+from jserve.runners.hardware import get_hardware
+from models.registry import get_config
+
+SETTINGS = (("opt-175b", "a100-80g", 8), ("llama-3.1-70b", "l20", 4))
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXT = 1024
+PREFILLS = (512, 2048)
+RATES = (0.5, 2.0)
+CONTENTION_SETTING = "llama-3.1-70b on 4 x l20"
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def engine(model: str, hardware: str, tp: int) -> EngineConfig:
+    return EngineConfig(runner="sim", model=model, hardware=hardware, tensor_parallel_size=tp,
+                        policy="vllm")
+
+
+def step_rows(model: str, hardware: str, tp: int) -> list[dict]:
+    """The cost model's step time and terms for decode batches and lone prefills."""
+    cost = sim_cost_model(engine(model, hardware, tp))
+    assert isinstance(cost, RooflineCostModel)
+    cfg, hw = get_config(model), get_hardware(hardware)
+    floor = cfg.num_params * 2 / (tp * hw.hbm_bandwidth)
+    shapes = [(f"decode x{b} @ {DECODE_CONTEXT}", StepShape.decode([DECODE_CONTEXT] * b), floor)
+              for b in DECODE_BATCHES]
+    shapes += [(f"prefill {n}", StepShape.prefill(n), None) for n in PREFILLS]
+    return [{"step": name, "ms": 1e3 * cost.step_time(shape),
+             **{k: 1e3 * v for k, v in cost.breakdown(shape).items()},
+             "bandwidth_floor_ms": None if f is None else 1e3 * f} for name, shape, f in shapes]
+
+
+def contention_rows(model: str, hardware: str, tp: int) -> list[dict]:
+    """LayerKV steps priced with the all-reduces on the host link (PCIe, as on the L20
+    server) and on a separate link of the same speed (as NVLink would be): a long prefill
+    writing every layer's K/V to host, and a big decode step that brings one long request's
+    layers back."""
+    cfg, hw = get_config(model), get_hardware(hardware)
+    per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    zeros = (0,) * cfg.num_layers
+
+    def moving(tokens: int, direction: str) -> LayerTransfers:
+        moved = (tokens * per_token_layer,) * cfg.num_layers
+        return LayerTransfers(moved if direction == "out" else zeros, zeros,
+                              moved if direction == "in" else zeros, zeros)
+
+    cases = [("prefill 8192, its K/V written to host", StepShape.prefill(8192), moving(8192, "out")),
+             ("decode x256 @ 1024, one 32k-token request's layers brought back",
+              StepShape.decode([DECODE_CONTEXT] * 256), moving(32768, "in"))]
+    separate = dataclasses.replace(hw, interconnect=dataclasses.replace(hw.interconnect, kind="nvlink"))
+    shared, own = (RooflineCostModel(cfg, h, tensor_parallel=tp) for h in (hw, separate))
+    return [{"step": name, "without_copies_ms": 1e3 * shared.step_time(shape),
+             "link_separate_ms": 1e3 * own.step_time(dataclasses.replace(shape, layer_bytes=moves)),
+             "link_shared_ms": 1e3 * shared.step_time(dataclasses.replace(shape, layer_bytes=moves))}
+            for name, shape, moves in cases]
+
+
+def serving_rows(requests: int) -> list[dict]:
+    configs = [BenchConfig(engine(m, h, tp), workload="sharegpt", rate=r, num_requests=requests)
+               for m, h, tp in SETTINGS for r in RATES]
+    rows = []
+    for cfg, res in zip(configs, run_points(configs, progress=False)):
+        v, s = res.vllm, res.summary
+        rows.append({"model": cfg.engine.model_name, "hardware": cfg.engine.hardware,
+                     "tp": cfg.engine.tensor_parallel_size, "rate": cfg.rate,
+                     "kv_blocks": res.num_blocks, "mean_tpot_ms": v["mean_tpot_ms"],
+                     "median_itl_ms": v["median_itl_ms"], "mean_ttft_ms": v["mean_ttft_ms"],
+                     "finished": s.num_finished, "preemptions": s.num_preemptions})
+    return rows
+
+
+def report(steps: dict, serving: list[dict], contention: dict) -> None:
+    for (model, hardware, tp) in SETTINGS:
+        key = f"{model} on {tp} x {hardware}"
+        hw = get_hardware(hardware)
+        print(f"\n## {key} ({hw.interconnect.kind}, {hw.interconnect.bandwidth / 1e9:.0f} GB/s a "
+              f"direction per GPU; published vLLM step time: none found)\n")
+        print("| step | predicted ms | compute | memory | all-reduce | overhead | bandwidth floor ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in steps[key]:
+            floor = "" if r["bandwidth_floor_ms"] is None else f"{r['bandwidth_floor_ms']:.1f}"
+            print(f"| {r['step']} | {r['ms']:.1f} | {r['compute']:.1f} | {r['memory']:.1f} | "
+                  f"{r['allreduce']:.1f} | {r['overhead']:.1f} | {floor} |")
+    print("\n## ShareGPT under vllm (simulated)\n")
+    print("| setting | rate req/s | KV blocks | mean TPOT ms | median ITL ms | mean TTFT ms | finished | preemptions |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in serving:
+        print(f"| {r['model']} / {r['tp']} x {r['hardware']} | {r['rate']} | {r['kv_blocks']} | "
+              f"{r['mean_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} | {r['mean_ttft_ms']:.0f} | "
+              f"{r['finished']} | {r['preemptions']} |")
+    print(f"\n## LayerKV's layer copies and the all-reduces on PCIe ({CONTENTION_SETTING})\n")
+    print("| step | without copies ms | all-reduces on their own link ms | on the copies' PCIe link ms |")
+    print("|---|---:|---:|---:|")
+    for r in contention:
+        print(f"| {r['step']} | {r['without_copies_ms']:.1f} | {r['link_separate_ms']:.1f} | "
+              f"{r['link_shared_ms']:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=300, help="ShareGPT requests per run")
+    args = ap.parse_args()
+    steps = {f"{m} on {tp} x {h}": step_rows(m, h, tp) for m, h, tp in SETTINGS}
+    contention = contention_rows("llama-3.1-70b", "l20", 4)
+    serving = serving_rows(args.requests)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        report(steps, serving, contention)
+    print(out.getvalue())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "tensor_parallel_sim.json").write_text(json.dumps(
+        {"steps": steps, "serving": serving, "contention": contention,
+         "requests": args.requests, "rates": RATES, "published": None}, indent=1))
+    (RESULTS / "tensor_parallel_sim.md").write_text(
+        "# Tensor parallelism in the simulator\n\n`python bench/tensor_parallel_sim.py`; see its "
+        "docstring for the settings and why no published figure is beside ours.\n" + out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
