@@ -127,7 +127,9 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         num_blocks = num_blocks_for_budget(held, config.block_size, dbytes, budget)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")
-    num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes, config.swap_space * 2**30)
+    # vLLM's swap_space is per device, as in the simulator: each holds its shard of a block.
+    num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes,
+                                            config.swap_space * 2**30 * tp_size)
     policy = config.make_policy()
     runner = JaxRunner(
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,

@@ -22,11 +22,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 
 from jserve import LLM, SamplingParams  # noqa: E402
+from jserve.engine.layerkv_costs import LayerKVCosts  # noqa: E402
+from jserve.policies.layerkv import LayerKVPolicy  # noqa: E402
 from jserve.runners import multihost  # noqa: E402
+from layer_offload_policy import identical_to_roomy_run  # noqa: E402
 from models.loading import load_model  # noqa: E402
 
 MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-opt")
@@ -74,6 +78,16 @@ def check(loaded, ps, expected, tp: int, policy: str, attention: str = "referenc
                 collectives=collectives(llm), seconds=round(time.perf_counter() - t0, 2))
 
 
+def layerkv(loaded, ps: list[list[int]]) -> dict:
+    """LayerKV on the tight cache over 4 devices: layers offloaded at prefill and brought
+    back through the per-layer host pool, each shard its own heads (as test_layerkv_greedy)."""
+    costs = LayerKVCosts(num_params=1e6, hidden_size=64, kv_dim=32, dtype_bytes=4, flops=2e9, pcie_bandwidth=1e12)
+    llm = LLM(loaded, policy=LayerKVPolicy(costs=costs), tensor_parallel_size=4, swap_space=0.001, **TIGHT)
+    moved = identical_to_roomy_run(llm, loaded, ps, MAX_TOKENS, MAX_LEN)  # asserts the ids
+    return dict(model=loaded.config.name, layers=loaded.config.num_layers, tp=4, policy="layerkv",
+                attention="reference", identical=True, moved=moved, collectives=collectives(llm))
+
+
 def main() -> None:
     results = []
     for name in MODELS:
@@ -85,6 +99,7 @@ def main() -> None:
         results += [check(loaded, ps, expected, 2, "vllm"), check(loaded, ps, expected, 4, "vllm-swap")]
         if name == "tiny-llama":  # the Pallas kernels per shard, KV heads repeated (kv=2 < 4)
             results.append(check(loaded, ps, expected, 4, "vllm-swap", "pallas-interpret"))
+            results.append(layerkv(loaded, ps))
     print(json.dumps(results))
 
 

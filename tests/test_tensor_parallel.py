@@ -1,6 +1,7 @@
 """Tensor parallelism on forced CPU devices: greedy ids over 2 and 4 devices equal one
 device's for tiny Llama (GQA, KV heads repeated at 4 devices), tiny Llama MHA and tiny OPT,
-under recompute preemption and under swapping (the Pallas kernels per shard too, interpreted),
+under recompute preemption and under swapping (the Pallas kernels per shard too, interpreted)
+and LayerKV's layer offload (tiny Llama over 4 devices),
 and each compiled step has exactly two all-reduces per layer and no other collective.
 
 The checks run once, in a subprocess started with
@@ -42,7 +43,7 @@ def results() -> list[dict]:
 
 
 def _runs(results: list[dict], model: str) -> list[dict]:
-    runs = [r for r in results if r["model"] == model]
+    runs = [r for r in results if r["model"] == model and r["policy"] != "layerkv"]
     assert {r["tp"] for r in runs} == {2, 4}
     return runs
 
@@ -58,6 +59,11 @@ def test_greedy_ids_identical_to_one_device_under_preemption_and_swap(results: l
 def test_pallas_kernels_run_per_shard(results: list[dict]) -> None:
     [r] = [r for r in results if r["attention"] == "pallas-interpret"]
     assert r["identical"] and r["swaps"] > 0 and r["tp"] == 4
+
+
+def test_layerkv_offloads_and_brings_back_sharded_layers(results: list[dict]) -> None:
+    [r] = [r for r in results if r["policy"] == "layerkv"]
+    assert r["identical"] and r["moved"]["prefills"] and r["moved"]["to_device"], r
 
 
 def test_each_step_has_two_all_reduces_per_layer_and_nothing_else(results: list[dict]) -> None:
