@@ -33,28 +33,28 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from jserve import LLM, SamplingParams  # noqa: E402
-from jserve.builder import sim_cost_model  # noqa: E402
-from jserve.config import EngineConfig  # noqa: E402
-from jserve.engine.batch import Batch, StepOutput  # noqa: E402
-from jserve.runners.cost_model import StepShape  # noqa: E402
-from models.llama import LlamaForCausalLM  # noqa: E402
-from models.loading import LoadedModel  # noqa: E402
-from models.registry import MODELS, get_config  # noqa: E402
+from jserve import LLM, SamplingParams
+from jserve.builder import sim_cost_model
+from jserve.config import EngineConfig
+from jserve.engine.batch import Batch, StepOutput
+from jserve.runners.cost_model import StepShape
+from models.llama import LlamaForCausalLM
+from models.loading import LoadedModel
+from models.registry import MODELS, get_config
 
 SIZES = (1, 2, 4)
 GPUS = ("a100-80g", "l20")

@@ -34,6 +34,7 @@ from jserve.engine.policy import Policy
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
+from jserve.runners import multihost
 from jserve.runners.cost_model import (
     CalibratedCostModel,
     CostModel,
@@ -43,7 +44,6 @@ from jserve.runners.cost_model import (
 )
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
-from jserve.runners import multihost
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.sharding import TensorParallel, sharded_config

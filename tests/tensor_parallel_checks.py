@@ -24,14 +24,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
+import jax
+from layer_offload_policy import identical_to_roomy_run
 
-from jserve import LLM, SamplingParams  # noqa: E402
-from jserve.engine.layerkv_costs import LayerKVCosts  # noqa: E402
-from jserve.policies.layerkv import LayerKVPolicy  # noqa: E402
-from jserve.runners import multihost  # noqa: E402
-from layer_offload_policy import identical_to_roomy_run  # noqa: E402
-from models.loading import load_model  # noqa: E402
+from jserve import LLM, SamplingParams
+from jserve.engine.layerkv_costs import LayerKVCosts
+from jserve.policies.layerkv import LayerKVPolicy
+from jserve.runners import multihost
+from models.loading import load_model
 
 MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-opt")
 MAX_TOKENS, MAX_LEN = 40, 48

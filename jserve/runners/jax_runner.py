@@ -274,10 +274,12 @@ class JaxRunner:
 
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
-        placed = {} if tp is None else dict(in_shardings=(
-            [w.sharding for w in self._weights], tp.cache_shardings(self.cache), tp.replicated))
-        self._step = jax.jit(step, donate_argnums=(1,), **placed, **({} if tp is None else dict(
-            out_shardings=(tp.replicated, tp.replicated, tp.cache_shardings(self.cache)))))
+        placed, step_out = {}, {}
+        if tp is not None:
+            cache_at = tp.cache_shardings(self.cache)
+            placed = {"in_shardings": ([w.sharding for w in self._weights], cache_at, tp.replicated)}
+            step_out = {"out_shardings": (tp.replicated, tp.replicated, cache_at)}
+        self._step = jax.jit(step, donate_argnums=(1,), **placed, **step_out)
         self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,),
                                            **placed)
         self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
