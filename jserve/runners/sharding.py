@@ -88,21 +88,21 @@ def sharded_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_kv_heads=tp)
 
 
+def _names(path: tuple) -> list[str]:
+    """A parameter's path as names: `layers/0/wq/kernel/value` -> `[layers, wq, kernel]`."""
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return [n for n in names if isinstance(n, str) and n != "value"]
+
+
 def _layer_name(path: tuple) -> str:
-    """The module a parameter belongs to: `layers/0/wq/kernel/value` -> `wq`."""
-    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    names = [n for n in names if isinstance(n, str) and n != "value"]
+    """The module a parameter belongs to (`wq` for `layers/0/wq/kernel`); '' at top level."""
+    names = _names(path)
     return names[-2] if len(names) >= 2 else ""
-
-
-def _param_name(path: tuple) -> str:
-    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return [n for n in names if isinstance(n, str) and n != "value"][-1]
 
 
 def param_spec(path: tuple, ndim: int) -> P:
     """Megatron-style spec of one parameter, by its path in the model's state."""
-    layer, param = _layer_name(path), _param_name(path)
+    layer, param = _layer_name(path), _names(path)[-1]
     if layer in COLUMN_PARALLEL:
         return P(None, AXIS) if param == "kernel" else P(AXIS)
     if layer in ROW_PARALLEL and param == "kernel":
