@@ -1,13 +1,14 @@
 """Tensor parallelism on forced CPU devices: greedy ids over 2 and 4 devices equal one
 device's for tiny Llama (GQA, KV heads repeated at 4 devices), tiny Llama MHA and tiny OPT,
 under recompute preemption and under swapping (the Pallas kernels per shard too, interpreted)
-and LayerKV's layer offload (tiny Llama over 4 devices),
-and each compiled step has exactly two all-reduces per layer and no other collective.
+and LayerKV's layer offload (tiny Llama over 4 devices), and each compiled step has exactly
+two all-reduces per layer and no other collective; across two processes (multi-host as on
+several machines, here local), the same ids.
 
 The checks run once, in a subprocess started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` (`tensor_parallel_checks.py`; JAX fixes
-its devices at start-up); these tests read its results. Mapping sharding specs by parameter
-path is checked here, in-process.
+its devices at start-up); these tests read its results. The multi-process check starts two
+more. Mapping sharding specs by parameter path is checked here, in-process.
 """
 
 from __future__ import annotations
