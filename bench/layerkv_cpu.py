@@ -34,7 +34,7 @@ from device_timing import median_seconds, random_like, today
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.config import EngineConfig
-from jserve.runners.host_kv import LayerHostPool, host_sharding
+from jserve.runners.host_kv import LayerHostPool, memory_shardings
 from jserve.runners.jax_runner import JaxRunner
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -104,10 +104,9 @@ def plain_device_put(nbytes: int) -> dict:
     """The same bytes in one array, `device_put` to the host memory kind the pool uses and
     back (median of 5)."""
     x = random_like((max(1, nbytes // 4),), "float32", seed=1)
-    host = host_sharding()
+    host, dev = memory_shardings()
     if host is None:
         return {"memory_kind": None}
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
     on_host = jax.block_until_ready(jax.device_put(x, host))
     out_s = median_seconds(lambda: jax.device_put(x, host), repeats=5)
     in_s = median_seconds(lambda: jax.device_put(on_host, dev), repeats=5)

@@ -34,6 +34,7 @@ from jserve.engine.policy import Policy
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
+from jserve.runners import multihost
 from jserve.runners.cost_model import (
     CalibratedCostModel,
     CostModel,
@@ -45,6 +46,7 @@ from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
+from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
 from models.config import ModelConfig
 from models.loading import LoadedModel, load_model
@@ -107,26 +109,37 @@ def _enable_compilation_cache() -> None:
 
 
 def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
+    multihost.initialize()  # across hosts, before anything touches a device
     _enable_compilation_cache()
+    tp_size = config.tensor_parallel_size
+    tp = TensorParallel.over(tp_size) if tp_size > 1 else None
     loaded = _load_model(config)
     model = loaded.config
+    # The cache as the runner holds it, KV heads repeated where fewer than devices: the
+    # budgets (one device's, times the devices) buy blocks of that size.
+    held = sharded_config(model, tp_size)
     dbytes = dtype_bytes(loaded.model.embed.embedding.get_value().dtype)
     limits = config.limits
     num_blocks = config.num_blocks
     if num_blocks is None:
         budget = (config.kv_cache_space * 2**30 if config.kv_cache_space is not None
-                  else device_kv_budget(model.num_params * dbytes, config.gpu_memory_utilization))
-        num_blocks = num_blocks_for_budget(model, config.block_size, dbytes, budget)
+                  else _device_kv_budget(held, dbytes, config.gpu_memory_utilization, tp_size))
+        num_blocks = num_blocks_for_budget(held, config.block_size, dbytes, budget)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")
-    num_host_blocks = num_blocks_for_budget(model, config.block_size, dbytes, config.swap_space * 2**30)
+    # vLLM's swap_space is per device, as in the simulator: each holds its shard of a block.
+    num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes,
+                                            config.swap_space * 2**30 * tp_size)
     policy = config.make_policy()
     runner = JaxRunner(
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,
         max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len, attention=config.attention,
         layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
+        tensor_parallel=tp,
     )
+    # Several processes: this one runs the engine loop (process 0), or follows its steps.
+    runner = multihost.coordinate(runner, config.warmup)
     # The real runner's costs come only from a profile measured on it; without one the
     # policy keeps its documented fallback.
     if config.profile is not None:
@@ -148,6 +161,13 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     if config.warmup:
         runner.warmup(progress=True)
     return BuiltEngine(engine, clock, model, loaded)
+
+
+def _device_kv_budget(model: ModelConfig, dbytes: int, utilization: float, devices: int) -> float:
+    """KV bytes over `devices` accelerators, each holding its share of the weights; forced
+    CPU devices share one machine's RAM, so there the budget is the machine's."""
+    per_device = device_kv_budget(model.num_params * dbytes / devices, utilization)
+    return per_device * (1 if jax.default_backend() == "cpu" else devices)
 
 
 def _load_model(config: EngineConfig) -> LoadedModel:

@@ -52,13 +52,14 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
-              staging_blocks: int = 0) -> KVCache:
+              staging_blocks: int = 0, sharding: jax.sharding.Sharding | None = None) -> KVCache:
         """`staging_blocks` more blocks per layer after the engine's `num_blocks`, where a
-        runner computes K/V that go straight to host memory (LayerKV's offloaded layers)."""
+        runner computes K/V that go straight to host memory (LayerKV's offloaded layers).
+        `sharding`: where each page array is made (tensor parallelism: split by KV head)."""
         shape = (num_blocks + staging_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         return cls(
-            k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-            v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+            k=[jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)],
+            v=[jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)],
         )
 
     @property

@@ -20,18 +20,23 @@ from jserve.engine.batch import BlockMove
 from models.paged import KVCache
 
 
-def host_sharding() -> jax.sharding.Sharding | None:
-    """Pinned host memory of the default device, where the backend has it (None: keep host
-    copies as numpy arrays)."""
-    device = jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
+def memory_shardings(on_device: jax.sharding.Sharding | None = None
+                     ) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding] | tuple[None, None]:
+    """(pinned host, device) placements of a buffer laid out as `on_device` (default: the
+    default device; with tensor parallelism, split by KV head, so each device's shard goes
+    to and from its own host memory), where the backend has pinned host memory; (None,
+    None): keep host copies as numpy arrays."""
+    on_device = on_device or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    kinds = {m.kind for d in on_device.device_set for m in d.addressable_memories()}
     if "pinned_host" not in kinds:
-        return None
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        return None, None
+    return on_device.with_memory_kind("pinned_host"), on_device.with_memory_kind("device")
 
 
 class HostKVStore:
-    def __init__(self, gather_blocks: Callable, scatter_blocks: Callable) -> None:
+    def __init__(self, gather_blocks: Callable, scatter_blocks: Callable,
+                 buffer_sharding: jax.sharding.Sharding | None = None) -> None:
+        """`buffer_sharding`: how a gathered swap buffer is laid out on the devices."""
         def gather(cache: KVCache, ids: jax.Array) -> jax.Array:
             return jnp.stack([gather_blocks(p, ids) for p in cache.k + cache.v])
 
@@ -42,9 +47,7 @@ class HostKVStore:
 
         self._gather = jax.jit(gather)
         self._scatter = jax.jit(scatter, donate_argnums=0)
-        self._host = host_sharding()
-        self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device") \
-            if self._host is not None else None
+        self._host, self._device = memory_shardings(buffer_sharding)
         self._held: dict[int, jax.Array | np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -95,16 +98,16 @@ class LayerHostPool:
     """
 
     def __init__(self, gather_blocks: Callable, scatter_blocks: Callable, shape: tuple[int, ...],
-                 dtype: np.dtype, num_layers: int, scratch_block: int) -> None:
+                 dtype: np.dtype, num_layers: int, scratch_block: int,
+                 pages_sharding: jax.sharding.Sharding | None = None) -> None:
+        """`pages_sharding`: how a layer's pages (and blocks gathered from them) are laid out."""
         self.k = [np.zeros(shape, dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(num_layers)]
         self.scratch_block = scratch_block
         self._gather = jax.jit(lambda k, v, ids: (gather_blocks(k, ids), gather_blocks(v, ids)))
         self._scatter = jax.jit(lambda k, v, ids, kb, vb: (scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb)),
                                 donate_argnums=(0, 1))
-        self._host = host_sharding()
-        self._device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device") \
-            if self._host is not None else None
+        self._host, self._device = memory_shardings(pages_sharding)
         self._pending: list[tuple[int, np.ndarray, jax.Array, jax.Array]] = []
 
     def read(self, layer: int, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
+from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from models.loading import CausalLM
 from models.paged import KVCache
 from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata, with_layer_tables
@@ -209,27 +210,39 @@ class JaxRunner:
         kv_dtype: Any = None,
         layer_staging: bool = False,
         num_host_blocks: int = 0,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """`layer_staging`: room for prefills of partly offloaded requests (LayerKV), whose
-        offloaded layers go to a per-layer host pool of `num_host_blocks` blocks."""
+        offloaded layers go to a per-layer host pool of `num_host_blocks` blocks.
+        `tensor_parallel`: run the step over its mesh (`jserve.runners.sharding`): weights
+        split Megatron-style, the cache by KV head, attention per shard."""
+        tp = tensor_parallel
+        if tp is not None:
+            model = tp.prepare(model)
         cfg = model.cfg
         self.block_size = block_size
         self.buckets = Buckets.for_limits(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len), block_size)
         graphdef, self.params = nnx.split(model)
+        if tp is not None:
+            self.params = tp.place_params(self.params)
         dtype = kv_dtype or model.embed.embedding.get_value().dtype
         # A step's prefills fill at most T / block_size blocks plus one partial block each.
         staging = (-(-self.buckets.max_tokens // block_size) + self.buckets.max_seqs) if layer_staging else 0
         self.staging_start = num_blocks
-        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype, staging_blocks=staging)
+        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype, staging_blocks=staging,
+                                   sharding=tp and tp.pages)
         self.scratch_block = self.cache.scratch_block
         attention_fn = select_attention(attention)
+        if tp is not None:
+            attention_fn = tp.attention(attention_fn)
         self.mark_decode = attention_fn.specialises_decode
-        self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
+        self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks,
+                                   tp and swap_buffer_sharding(tp.mesh))
         self.layer_pool = LayerHostPool(
             attention_fn.gather_blocks, attention_fn.scatter_blocks,
             (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), np.dtype(dtype),
-            cfg.num_layers, self.scratch_block) if layer_staging and num_host_blocks else None
+            cfg.num_layers, self.scratch_block, tp and tp.pages) if layer_staging and num_host_blocks else None
         # The step takes the weights as a flat list: flattening the nnx.State tree on every
         # call cost ~0.25 ms.
         self._weights, treedef = jax.tree.flatten(self.params)
@@ -259,8 +272,16 @@ class JaxRunner:
             next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
             return tokens, logprobs, top, (next_lp, position_top), cache
 
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,))
+        # Over a mesh: compiled once for all devices, weights and cache where they lie, the
+        # batch replicated; the cache comes back as it went in, so its donation aliases.
+        placed, step_out = {}, {}
+        if tp is not None:
+            cache_at = tp.cache_shardings(self.cache)
+            placed = {"in_shardings": ([w.sharding for w in self._weights], cache_at, tp.replicated)}
+            step_out = {"out_shardings": (tp.replicated, tp.replicated, cache_at)}
+        self._step = jax.jit(step, donate_argnums=(1,), **placed, **step_out)
+        self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,),
+                                           **placed)
         self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
         self._executables: dict[Shape, jax.stages.Compiled] = {}
         self.warmed_up = False

@@ -1,0 +1,218 @@
+"""Tensor parallelism for the JAX runner: a device mesh, Megatron-style weight shardings and a
+KV cache sharded by KV head, all through JAX's own machinery (GSPMD places the collectives).
+
+One mesh axis, `tp`, over `tensor_parallel_size` devices (across hosts too, once
+`jax.distributed.initialize` has run: see `jserve.runners.multihost`). Weights are split by
+their path in the model's `nnx.State`:
+
+- column-parallel (output dimension split): attention q/k/v and the MLP's gate/up (Llama
+  `wq wk wv w_gate w_up`, OPT `q_proj k_proj v_proj fc1`, their biases too), so each device
+  computes whole heads and a slice of the MLP's inner dimension;
+- row-parallel (input dimension split): Llama `wo w_down`, OPT `out_proj fc2`, whose partial
+  products GSPMD sums with one all-reduce each; their biases are replicated and added after;
+- everything else (norms, embeddings, the LM head) replicated, so the logits need no
+  collective and every device samples the same tokens.
+
+A step therefore has exactly two all-reduces per layer (after attention, after the MLP).
+
+The paged KV cache, one `[blocks + 1, block_size, kv_heads, head_dim]` array per layer, is
+split on its KV-head axis: a block id means the same block on every shard, so bookkeeping,
+policies and the plan never know. Attention runs per shard (`ShardedAttention`, a
+`shard_map` over the head axis around whichever backend, jnp reference or Pallas kernels),
+each device attending with its own query heads and the KV heads they read.
+
+GQA with fewer KV heads than devices (`tensor_parallel_size % num_kv_heads == 0`): as vLLM
+does, each device holds the one KV head its query heads use. Here that is done by
+repeating the k/v projection's columns (`replicate_kv_heads`): KV head `j` becomes heads
+`j * r .. j * r + r - 1` with `r = tensor_parallel_size / num_kv_heads`, so the model has
+`tensor_parallel_size` KV heads, one per shard, and query head `h` still reads original KV
+head `h // (num_heads / num_kv_heads)`. The cache then holds `r` copies of each KV head
+(one per device that needs it), which the block sizing counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from models.loading import CausalLM
+from models.paged import KVCache
+from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.backends import AttentionBackend
+
+AXIS = "tp"
+
+# Parameters by the name of the layer that holds them (the last module name in the path).
+COLUMN_PARALLEL = frozenset({"wq", "wk", "wv", "w_gate", "w_up", "q_proj", "k_proj", "v_proj", "fc1"})
+ROW_PARALLEL = frozenset({"wo", "w_down", "out_proj", "fc2"})
+KV_PROJECTIONS = frozenset({"wk", "wv", "k_proj", "v_proj"})
+
+HEADS = P(None, AXIS, None)  # [T, heads, head_dim]
+PAGES = P(None, None, AXIS, None)  # [blocks, block_size, kv_heads, head_dim]
+REPLICATED = P()
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    """The first `tensor_parallel_size` devices (of every process) on the `tp` axis."""
+    devices = jax.devices()
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many JAX devices, "
+                         f"{len(devices)} exist (on CPU, force more with "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+
+
+def sharded_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """`cfg` as the runner holds it over `tensor_parallel_size` devices: KV heads repeated up
+    to one per device where there are fewer (see the module doc). Refuses shapes that do not
+    split evenly."""
+    tp = tensor_parallel_size
+    for name, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"{cfg.name}: {name}={n} does not split over tensor_parallel_size={tp}")
+    kv = cfg.num_kv_heads
+    if kv % tp == 0:
+        return cfg
+    if tp % kv:
+        raise ValueError(f"{cfg.name}: num_kv_heads={kv} neither splits over nor divides "
+                         f"tensor_parallel_size={tp}")
+    return dataclasses.replace(cfg, num_kv_heads=tp)
+
+
+def _names(path: tuple) -> list[str]:
+    """A parameter's path as names: `layers/0/wq/kernel/value` -> `[layers, wq, kernel]`."""
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return [n for n in names if isinstance(n, str) and n != "value"]
+
+
+def _layer_name(path: tuple) -> str:
+    """The module a parameter belongs to (`wq` for `layers/0/wq/kernel`); '' at top level."""
+    names = _names(path)
+    return names[-2] if len(names) >= 2 else ""
+
+
+def param_spec(path: tuple, ndim: int) -> P:
+    """Megatron-style spec of one parameter, by its path in the model's state."""
+    layer, param = _layer_name(path), _names(path)[-1]
+    if layer in COLUMN_PARALLEL:
+        return P(None, AXIS) if param == "kernel" else P(AXIS)
+    if layer in ROW_PARALLEL and param == "kernel":
+        return P(AXIS, None)
+    return REPLICATED
+
+
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """A `NamedSharding` per parameter of `params` (same tree)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(path, x.ndim)), params)
+
+
+def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
+    """`model` with its KV heads repeated up to `tensor_parallel_size` (a new module; `model`
+    is untouched), or `model` itself when its KV heads split as they are."""
+    cfg = sharded_config(model.cfg, tensor_parallel_size)
+    if cfg is model.cfg:
+        return model
+    repeats = cfg.num_kv_heads // model.cfg.num_kv_heads
+    dtype = model.embed.embedding.get_value().dtype
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+    def repeat_columns(path: tuple, x: jax.Array) -> jax.Array:
+        if _layer_name(path) not in KV_PROJECTIONS:
+            return x
+        lead = x.shape[:-1]  # kernel [D, kv * hd], bias [kv * hd]
+        heads = x.reshape(*lead, model.cfg.num_kv_heads, cfg.head_dim)
+        return jnp.repeat(heads, repeats, axis=-2).reshape(*lead, cfg.num_kv_heads * cfg.head_dim)
+
+    state = jax.tree_util.tree_map_with_path(repeat_columns, nnx.state(model))
+    return nnx.merge(graphdef, state)
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Every layer's K and V pages: split by KV head."""
+    return NamedSharding(mesh, PAGES)
+
+
+def swap_buffer_sharding(mesh: Mesh) -> NamedSharding:
+    """A swap's gathered buffer `[2 * layers, n, block_size, kv_heads, head_dim]`."""
+    return NamedSharding(mesh, P(None, *PAGES))
+
+
+@dataclass(frozen=True)
+class ShardedAttention:
+    """An attention backend run per shard: a `shard_map` over the head axis, so each device
+    writes and attends with its own heads' K/V through the (replicated) block tables. The
+    backend, reference or Pallas, never sees the mesh. Hashable (a static argument of the
+    block jit), as `AttentionBackend` is."""
+
+    backend: AttentionBackend
+    mesh: Mesh
+
+    @property
+    def specialises_decode(self) -> bool:
+        return self.backend.specialises_decode
+
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+        meta: AttentionMetadata, *, scale: float,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        per_shard = jax.shard_map(
+            partial(self.backend, scale=scale), mesh=self.mesh,
+            in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES, REPLICATED),
+            out_specs=(HEADS, PAGES, PAGES), check_vma=False)
+        return per_shard(q, k, v, k_pages, v_pages, meta)
+
+    def gather_blocks(self, pages: jax.Array, ids: jax.Array) -> jax.Array:
+        return jax.shard_map(self.backend.gather_blocks, mesh=self.mesh, in_specs=(PAGES, REPLICATED),
+                             out_specs=PAGES, check_vma=False)(pages, ids)
+
+    def scatter_blocks(self, pages: jax.Array, ids: jax.Array, blocks: jax.Array) -> jax.Array:
+        return jax.shard_map(self.backend.scatter_blocks, mesh=self.mesh,
+                             in_specs=(PAGES, REPLICATED, PAGES), out_specs=PAGES,
+                             check_vma=False)(pages, ids, blocks)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What the runner needs to run its step over a mesh: where weights, cache and inputs
+    live, and the attention wrapper."""
+
+    mesh: Mesh
+
+    @classmethod
+    def over(cls, tensor_parallel_size: int) -> TensorParallel:
+        return cls(make_mesh(tensor_parallel_size))
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def pages(self) -> NamedSharding:
+        return cache_sharding(self.mesh)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, REPLICATED)
+
+    def prepare(self, model: CausalLM) -> CausalLM:
+        return replicate_kv_heads(model, self.size)
+
+    def place_params(self, params: nnx.State) -> nnx.State:
+        """`params` on the mesh, each split by its spec."""
+        return jax.device_put(params, param_shardings(params, self.mesh))
+
+    def cache_shardings(self, cache: KVCache) -> KVCache:
+        return jax.tree.map(lambda _: self.pages, cache)
+
+    def attention(self, backend: AttentionBackend) -> ShardedAttention:
+        return ShardedAttention(backend, self.mesh)
