@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from device_timing import device_name, median_seconds, random_like, results_tag, today
 
-from jserve.runners.host_kv import LayerHostPool, host_sharding
+from jserve.runners.host_kv import LayerHostPool, memory_shardings
 from models.paged import KVCache
 from models.registry import get_config
 from pallas_kernels.block_copy import gather_blocks_reference, scatter_blocks_reference
@@ -43,7 +43,7 @@ def measure(model: str, blocks: int, block_size: int, repeats: int) -> dict[str,
                                 for i in range(layers)])}
     ids = np.arange(blocks, dtype=np.int32)
     host_slots = np.arange(blocks, dtype=np.int32)
-    host = host_sharding()
+    host, _ = memory_shardings()
 
     def new_pool() -> LayerHostPool:
         return LayerHostPool(gather_blocks_reference, scatter_blocks_reference, (blocks, *page),
@@ -95,7 +95,7 @@ def main() -> None:
     times, nbytes = measure(args.model, args.blocks, args.block_size, args.repeats)
     plain = times["plain device_put of one buffer"]
     print(f"{device_name()}, {args.model}: {args.blocks} blocks x {get_config(args.model).num_layers} "
-          f"layers x K and V = {nbytes / 1e6:.1f} MB, host memory kind {host_sharding() and 'pinned_host'}")
+          f"layers x K and V = {nbytes / 1e6:.1f} MB, host memory kind {memory_shardings()[0] and 'pinned_host'}")
     print(f"{'stage':44s} {'ms':>8s} {'GB/s':>7s} {'time / plain':>13s}")
     for name, s in times.items():
         print(f"{name:44s} {s * 1e3:8.1f} {nbytes / s / 1e9:7.2f} {s / plain:12.2f}x")
