@@ -139,6 +139,8 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
+        if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every context row
+            shape = dataclasses.replace(shape, hidden_tokens=int(batch.context_lens[batch.hidden].sum()))
         if batch.layer_traffic is not None:
             shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
                                                                                bytes_per_block))
@@ -305,9 +307,12 @@ class RooflineCostModel:
     - compute = FLOPs / (peak * mfu * tp) with FLOPs = `2 * num_params` per scheduled token
       (every parameter counted as a matmul weight for every token: the LM head really runs
       only on sampled rows and the embedding is a lookup; simple, slightly pessimistic for
-      prefill) + attention `4 * heads * head_dim * layers` per attended token (QK^T and PV)
-      + hidden-cache recompute `2 * 2 * hidden * kv_dim * layers` per hidden token (the K
-      and V projections).
+      prefill) + attention `4 * heads * head_dim * layers` per attended token (QK^T and PV).
+    - hidden-cache recompute (Apt-Serve): `2 * 2 * hidden * kv_dim * layers` FLOPs per
+      hidden token (the K and V projections of every context row of a hidden sequence),
+      added after the rest: it runs inside the attention, after the layer's weight-bound
+      projections, compute-bound on rows the step reads anyway (as the calibrated model
+      adds it), so each hidden block costs the step its projection, Eq. 6's linear rho.
     - memory = bytes / (hbm * mbu * tp): all weights once + K/V of `kv_read_tokens` (hidden
       tokens read `hidden` values per layer instead of `2 * kv_dim`); activations ignored.
     - swaps = `swap_bytes / (pcie * tp)` plus the swap's fixed costs by `swap_path`
@@ -359,8 +364,7 @@ class RooflineCostModel:
                 f"swap_path={self.swap_path.value})")
 
     def compute_time(self, shape: StepShape) -> float:
-        flops = (self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
-                 + self.flops_per_hidden_token * shape.hidden_tokens)
+        flops = self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
         return flops / self.flop_rate
 
     def memory_time(self, shape: StepShape) -> float:
@@ -425,6 +429,7 @@ class RooflineCostModel:
         return {
             "compute": self.compute_time(shape),
             "memory": self.memory_time(shape),
+            "hidden_recompute": self.hidden_recompute_time(shape),
             "transfer": self.transfer_time(shape),
             "layer_transfer": self.layer_transfer_time(shape),
             "allreduce": self.communication_time(shape),
@@ -435,7 +440,7 @@ class RooflineCostModel:
         transfer = self.transfer_time(shape)
         if shape.num_tokens == 0:
             return self.layered_time(0.0, shape) + transfer
-        work = max(self.compute_time(shape), self.memory_time(shape))
+        work = max(self.compute_time(shape), self.memory_time(shape)) + self.hidden_recompute_time(shape)
         per_layer = ALLREDUCES_PER_LAYER * self.allreduce_time(shape)
         return self.layered_time(work, shape, per_layer) + transfer + self.step_overhead
 
@@ -562,6 +567,10 @@ class CalibratedCostModel:
             t = e.layered_time(t, shape) + e.transfer_time(shape) + e.hidden_recompute_time(shape)
         return t
 
+    def hidden_recompute_time(self, shape: StepShape) -> float:
+        """The hidden-cache K/V recompute alone, priced by `extras` (0 without them)."""
+        return 0.0 if self.extras is None else self.extras.hidden_recompute_time(shape)
+
     def fit_errors(self) -> np.ndarray:
         """Relative error (predicted / measured - 1) on each profiled sample."""
         if not self.samples:
@@ -638,6 +647,17 @@ class CalibratedCostModel:
 # ---------------------------------------------------------------------------------------
 # Preemption pricing helpers
 # ---------------------------------------------------------------------------------------
+
+
+def hidden_block_cost(model: RooflineCostModel | CalibratedCostModel, hidden_block_tokens: int) -> float:
+    """Apt-Serve's rho (Eq. 6): the seconds one block of hidden rows in a batch adds to a
+    step, the K and V projections of its `hidden_block_tokens` rows in every layer. The
+    rows' reads replace the K/V reads they stand for, so only the projection is extra."""
+    if hidden_block_tokens < 1:
+        return 0.0
+    probe = StepShape(1, 0, 1, hidden_block_tokens, hidden_block_tokens,
+                      hidden_tokens=hidden_block_tokens)
+    return model.hidden_recompute_time(probe)
 
 
 def swap_time(model: CostModel, num_tokens: int, block_size: int, bytes_per_block: int) -> float:
