@@ -160,7 +160,10 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
-        num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_block_tokens(model, config.block_size),
+        num_host_blocks=num_host_blocks,
+        # Sharded, the attention sees each device's KV-head slice of a page, which holds no
+        # whole hidden row: no hidden cache on the real engine with tensor parallelism.
+        hidden_block_tokens=hidden_block_tokens(model, config.block_size) if tp is None else 0,
     )
     if config.warmup:
         runner.warmup(progress=True)
@@ -215,7 +218,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     clock = VirtualClock()
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)
-    hidden_tokens = hidden_block_tokens(model, config.block_size)
+    hidden_tokens = hidden_block_tokens(model, config.block_size, tp)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
     policy = _with_data(config.make_policy(), "preemption_costs", lambda: preemption_costs_from_cost_model(
         cost, config.block_size, block))

@@ -63,3 +63,14 @@ def test_simulated_view_carries_the_hidden_cache_and_forced_hidden_runs_slower()
             built.engine.state.check_invariants()
         times[name] = built.clock.now()
     assert times["hidden"] > times["kv"]
+
+
+@pytest.mark.parametrize("model, tp, tokens", [("opt-13b", 1, 32), ("opt-30b", 2, 16), ("opt-66b", 4, 8)])
+def test_hidden_rows_stay_whole_on_every_gpu(model: str, tp: int, tokens: int) -> None:
+    """Each GPU keeps whole hidden rows beside its 1/tp of the K/V pages: Apt-Serve's OPT-30B on
+    2 and OPT-66B on 4 GPUs get no hidden-cache saving (a block holds block_size or fewer)."""
+    built = build_engine(EngineConfig(model=model, runner="sim", hardware="a100-40g",
+                                      tensor_parallel_size=tp))
+    view = built.engine.state.snapshot(0.0)
+    assert view.hidden_block_tokens == tokens
+    assert view.hidden_block_cost > 0

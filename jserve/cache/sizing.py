@@ -24,12 +24,19 @@ def hidden_rows_per_page(cfg: ModelConfig, block_size: int) -> int:
     return block_size * cfg.num_kv_heads * cfg.head_dim // cfg.hidden_size
 
 
-def hidden_block_tokens(cfg: ModelConfig, block_size: int) -> int:
+def hidden_block_tokens(cfg: ModelConfig, block_size: int, tensor_parallel: int = 1) -> int:
     """Tokens one block holds as Apt-Serve's hidden cache (Section 4.3's unified pool):
     rows fill the K page, then the V page. `2 * block_size` for multi-head attention (the
     cache halves); fewer than `block_size` for grouped-query attention (SmolLM2, block 16:
-    10), where the hidden cache costs memory; 0 when a page cannot hold one row."""
-    return 2 * hidden_rows_per_page(cfg, block_size)
+    10), where the hidden cache costs memory; 0 when a page cannot hold one row.
+
+    Under tensor parallelism a GPU keeps its KV heads' share of every page, `1 / tp` of it,
+    but projects its heads' K/V from whole hidden rows (Megatron's column-parallel K/V
+    projection reads the full row), so each GPU keeps every row whole: a block holds `tp`
+    times fewer rows. Multi-head attention at tp = 2 then saves nothing, and more GPUs make
+    the hidden cache a loss (sharding the rows instead would add an all-reduce of the
+    recomputed K/V per layer; not modelled)."""
+    return 2 * (hidden_rows_per_page(cfg, block_size) // tensor_parallel)
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype_bytes: int, budget_bytes: float) -> int:

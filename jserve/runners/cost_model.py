@@ -352,7 +352,8 @@ class RooflineCostModel:
         self.weight_bytes = float(cfg.num_params * dtype_bytes)
         self.kv_bytes_per_token_layer = 2.0 * kv_dim * dtype_bytes
         self.kv_bytes_per_token = self.kv_bytes_per_token_layer * cfg.num_layers
-        self.hidden_bytes_per_token = float(cfg.hidden_size * dtype_bytes * cfg.num_layers)
+        # every GPU reads whole hidden rows (see `jserve.cache.sizing.hidden_block_tokens`)
+        self.hidden_bytes_per_token = float(cfg.hidden_size * dtype_bytes * cfg.num_layers * tensor_parallel)
         self.flop_rate = hw.peak_flops * hw.mfu * tensor_parallel
         self.byte_rate = hw.hbm_bandwidth * hw.mbu * tensor_parallel
         self.pcie_rate = hw.pcie_bandwidth * hw.host_links(tensor_parallel)
