@@ -163,8 +163,14 @@ class ShardedAttention:
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-        meta: AttentionMetadata, *, scale: float,
+        meta: AttentionMetadata, *, scale: float, hidden: jax.Array | None = None,
+        proj: object = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`hidden` and `proj` (Apt-Serve's rows and K/V projection) are read by a backend only
+        for hidden-cache sequences, which a sharded engine never has (a device's page slice
+        holds no whole row; the builder offers no hidden cache under tensor parallelism)."""
+        if meta.hidden is not None:
+            raise ValueError("the hidden cache does not run under tensor parallelism")
         per_shard = jax.shard_map(
             partial(self.backend, scale=scale), mesh=self.mesh,
             in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES, REPLICATED),
