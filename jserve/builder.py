@@ -25,6 +25,7 @@ from jserve.cache.sizing import (
     block_bytes,
     device_kv_budget,
     dtype_bytes,
+    hidden_block_tokens,
     num_blocks_for_budget,
 )
 from jserve.config import EngineConfig
@@ -39,6 +40,7 @@ from jserve.runners.cost_model import (
     CostModel,
     RooflineCostModel,
     SwapPath,
+    hidden_block_cost,
     prefill_seconds_per_token,
 )
 from jserve.runners.hardware import get_hardware, kv_capacity_blocks
@@ -83,6 +85,7 @@ def assemble_engine(
     block_size: int, limits: SchedulerLimits, vocab_size: int, eos_token_id: int | None = None,
     tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
     prefix_cache: PrefixCacheConfig | None = None, num_layers: int = 1,
+    hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0,
 ) -> Engine:
     """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
     and what tests with a fake runner call directly."""
@@ -90,6 +93,7 @@ def assemble_engine(
         num_blocks=num_blocks, block_size=block_size, limits=limits, eos_token_id=eos_token_id,
         vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
         num_host_blocks=num_host_blocks, num_layers=num_layers,
+        hidden_block_tokens=hidden_block_tokens, hidden_block_cost=hidden_block_cost,
         **(prefix_cache.state_options(block_size) if prefix_cache else {}),
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
@@ -143,7 +147,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
-        num_host_blocks=num_host_blocks,
+        num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_block_tokens(model, config.block_size),
     )
     if config.warmup:
         runner.warmup(progress=True)
@@ -176,6 +180,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     clock = VirtualClock()
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)
+    hidden_tokens = hidden_block_tokens(model, config.block_size)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
     policy = _with_data(config.make_policy(), "preemption_costs", lambda: preemption_costs_from_cost_model(
         cost, config.block_size, block))
@@ -186,6 +191,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
                                               config.swap_space * 2**30),
+        hidden_block_tokens=hidden_tokens, hidden_block_cost=hidden_block_cost(cost, hidden_tokens),
     )
     return BuiltEngine(engine, clock, model)
 

@@ -65,19 +65,24 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, vocab_size: int,
                  context_of: Callable[[int], list[int]] | None = None,
                  kept: Callable[[np.ndarray], np.ndarray] | None = None,
-                 num_layers: int = 1, num_host_blocks: int = 0) -> None:
+                 num_layers: int = 1, num_host_blocks: int = 0, hidden_block_tokens: int = 0) -> None:
         """`context_of(seq)`: the sequence's true tokens, given when a prefix cache lets it
         read blocks another sequence wrote: then the KV it reads must hold its own tokens
         at the right positions, whoever wrote them. `kept(blocks)`: which of a swapped-out
-        request's blocks stay valid on the device (shared or cached) rather than free."""
+        request's blocks stay valid on the device (shared or cached) rather than free.
+        `hidden_block_tokens`: tokens a block of a hidden-cache sequence (`Batch.hidden`)
+        holds, which a block's slots are laid out by for it."""
         self.context_of = context_of
         self.kept = kept
         self.block_size = block_size
+        self.hidden_block_tokens = hidden_block_tokens
+        width = max(block_size, hidden_block_tokens)
+        self.num_hidden_runs = 0  # hidden-cache sequences run
         self.limits = limits
         self.vocab_size = vocab_size
         # (tok, owner, pos) x layer x block x offset, on the device and in the host pool
-        self.kv = np.full((3, num_layers, num_blocks, block_size), -1, np.int64)
-        self.host_kv = np.full((3, num_layers, max(1, num_host_blocks), block_size), -1, np.int64)
+        self.kv = np.full((3, num_layers, num_blocks, width), -1, np.int64)
+        self.host_kv = np.full((3, num_layers, max(1, num_host_blocks), width), -1, np.int64)
         self.host: dict[int, np.ndarray] = {}  # swapped seq -> its blocks' (tok, owner, pos) x layer
         self.num_calls = 0
         self.num_swaps = 0  # requests swapped out
@@ -151,8 +156,14 @@ class FakeRunner:
             if self.context_of is None:
                 assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
         held = [b for t in batch.inputs.block_tables for b in t.tolist()]
-        written = [set(t[int(s0) // self.block_size:].tolist())
-                   for t, s0 in zip(batch.inputs.block_tables, batch.start)]
+        per_block = np.full(s, self.block_size)
+        if batch.hidden is not None:
+            assert self.hidden_block_tokens > 0 and len(batch.hidden) == s
+            assert not batch.inputs.layer_tables, "a hidden sequence with layers on the host"
+            per_block[batch.hidden] = self.hidden_block_tokens
+            self.num_hidden_runs += int(batch.hidden.sum())
+        written = [set(t[int(s0) // int(bs):].tolist())
+                   for t, s0, bs in zip(batch.inputs.block_tables, batch.start, per_block)]
         shared = [b for b, n in zip(*np.unique(held, return_counts=True)) if n > 1]
         assert not set(shared) & set().union(*written), "a step writes into a shared KV block"
         next_tokens = np.zeros(s, np.int32)
@@ -167,12 +178,13 @@ class FakeRunner:
                 self.num_partial_prefills += 1
                 assert start == 0 and q == int(batch.context_lens[i]), "a partly offloaded run that is not a whole prefill"
             ps = np.arange(end)
+            bs = int(per_block[i])
             for pool, layer, table in places:
-                assert q >= 1 and len(table) * self.block_size >= end, "block table too short"
+                assert q >= 1 and len(table) * bs >= end, "block table too short"
                 for j, p in enumerate(range(start, end)):  # write the chunk's "K/V"
-                    b, o = int(table[p // self.block_size]), p % self.block_size
+                    b, o = int(table[p // bs]), p % bs
                     pool[:, layer, b, o] = chunk[j], seq, p
-                blocks, offs = table[ps // self.block_size], ps % self.block_size
+                blocks, offs = table[ps // bs], ps % bs
                 tok, owner, pos = pool[:, layer, blocks, offs]
                 if self.context_of is None:
                     assert (owner == seq).all(), f"seq {seq} reads another sequence's KV (layer {layer})"
@@ -226,7 +238,8 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     L = view.num_layers
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
     after = {s: plan.layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(plan.layers)}
-    freed = sum(int(r.num_blocks[row[s]]) for s in plan.preempt if s not in partial)
+    freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
+        s for s, t in plan.cache_type.items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
     back_whole = [s for s, x in plan.layers.items() if x == L and s in partial]
@@ -238,18 +251,24 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
     assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
+    # Hidden cache (Apt-Serve): a running request whose type changes discards its blocks
+    # and recomputes from its first token in this plan.
+    kind = {s: int(plan.cache_type.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
+    switched = {s for s, t in plan.cache_type.items()
+                if s in running and s not in plan.preempt and t != r.cache_type[row[s]]}
+    assert switched <= set(plan.run), "a running request switches cache type without running"
     for s, n in plan.run.items():
         i = row[s]
-        end = int(r.num_computed[i]) + n
+        end = (0 if s in switched else int(r.num_computed[i])) + n
         assert s not in swapped or s in plan.swap_in, f"seq {s}: runs while swapped out"
         assert 1 <= n and end <= r.num_tokens[i], f"seq {s}: runs {n} tokens past its last known token"
-        held = int(r.num_blocks[i] + r.num_host_blocks[i]) + plan.allocate.get(s, 0)
-        assert held * view.block_size >= end, f"seq {s}: runs {end} tokens in {held} blocks"
+        held = (0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])) + plan.allocate.get(s, 0)
+        assert held >= view.blocks_for_type(end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"
     # A request never holds blocks for tokens it can never have.
     for s, n in plan.allocate.items():
         i = row[s]
-        held = int(r.num_blocks[i] + r.num_host_blocks[i])
-        assert held + n <= view.blocks_for(int(r.max_len[i])), f"seq {s}: over-allocated"
+        held = 0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])
+        assert held + n <= view.blocks_for_type(int(r.max_len[i]), kind[s]), f"seq {s}: over-allocated"
 
 
 PlanCheck = Callable[[SchedulerView, Plan], None]
@@ -314,6 +333,7 @@ class Harness:
     num_host_blocks: int = 0
     prefix_cache: PrefixCacheConfig | None = None
     num_layers: int = 1
+    hidden_block_tokens: int = 0  # tokens per block of hidden-cache requests (0: none)
 
     def __post_init__(self) -> None:
         cache = self.prefix_cache
@@ -321,12 +341,14 @@ class Harness:
         self.runner = FakeRunner(self.num_blocks, self.block_size, self.limits, self.vocab_size,
                                  context_of=self._context if cache else None,
                                  kept=self._kept if cache else None, num_layers=self.num_layers,
-                                 num_host_blocks=self.num_host_blocks)
+                                 num_host_blocks=self.num_host_blocks,
+                                 hidden_block_tokens=self.hidden_block_tokens)
         self.policy = CheckedPolicy(self.policy, self.plan_checks)
         self.engine = assemble_engine(
             self.policy, self.runner, self.clock, num_blocks=self.num_blocks,
             block_size=self.block_size, limits=self.limits, vocab_size=self.vocab_size,
             eos_token_id=self.eos, num_host_blocks=self.num_host_blocks, num_layers=self.num_layers,
+            hidden_block_tokens=self.hidden_block_tokens,
             prefix_cache=dataclasses.replace(cache, futures={}) if cache else None)
         self.state = self.engine.state
         self.seq_of: dict[str, int] = {}
@@ -465,7 +487,8 @@ class Harness:
                 continue
             assert r.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
             assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING
-            assert r.num_blocks[i] <= bm.blocks_for(int(r.max_len[i])), "holds blocks it can never fill"
+            assert r.num_blocks[i] <= view.blocks_for_type(int(r.max_len[i]), int(r.cache_type[i])), \
+                "holds blocks it can never fill"
             if r.status[i] == RequestStatus.WAITING:
                 # its cached prefix (none without a prefix cache), at least one token short
                 assert r.num_computed[i] == 0 or (st_.prefix is not None and r.num_computed[i] < r.num_tokens[i])
@@ -577,10 +600,13 @@ def configs(
     eos = draw(st.one_of(st.none(), st.integers(0, vocab_size - 1)))
     # A host tier for swap preemption: none, or one that is sometimes too small for a victim.
     num_host_blocks = draw(st.sampled_from([0, max(1, num_blocks // 2), 2 * num_blocks]))
+    # Tokens a hidden-cache block holds (Apt-Serve): none, an MHA model's 2 * block_size,
+    # or fewer than block_size (GQA, where the hidden cache costs memory).
+    hidden_block_tokens = draw(st.sampled_from([0, 2 * block_size, max(1, 2 * block_size // 3)]))
     return dict(
         num_blocks=num_blocks, block_size=block_size, eos=eos, vocab_size=vocab_size,
         limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len),
-        num_host_blocks=num_host_blocks,
+        num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_block_tokens,
     )
 
 

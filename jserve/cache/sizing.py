@@ -18,6 +18,20 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
+def hidden_rows_per_page(cfg: ModelConfig, block_size: int) -> int:
+    """Hidden rows (`hidden_size` values each) one page of a block holds: a block's K page
+    and its V page each have room for `block_size * kv_heads * head_dim` values."""
+    return block_size * cfg.num_kv_heads * cfg.head_dim // cfg.hidden_size
+
+
+def hidden_block_tokens(cfg: ModelConfig, block_size: int) -> int:
+    """Tokens one block holds as Apt-Serve's hidden cache (Section 4.3's unified pool):
+    rows fill the K page, then the V page. `2 * block_size` for multi-head attention (the
+    cache halves); fewer than `block_size` for grouped-query attention (SmolLM2, block 16:
+    10), where the hidden cache costs memory; 0 when a page cannot hold one row."""
+    return 2 * hidden_rows_per_page(cfg, block_size)
+
+
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype_bytes: int, budget_bytes: float) -> int:
     return max(0, int(budget_bytes // block_bytes(cfg, block_size, dtype_bytes)))
 

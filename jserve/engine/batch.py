@@ -106,6 +106,10 @@ class Batch:
     layers_to_device: tuple[LayerMove, ...] = ()
     layers_copy: tuple[LayerMove, ...] = ()
     layer_traffic: LayerTraffic | None = None  # None: no layer moves this step
+    # [S] bool: which sequences hold Apt-Serve's hidden cache (their blocks hold each
+    # layer's attention input rows, K page then V page; K/V recomputed every step);
+    # None when none does.
+    hidden: np.ndarray | None = None
 
     @property
     def moves_blocks(self) -> bool:

@@ -31,6 +31,7 @@ class BatchBuilder:
         query_lens = checked.run_lens.astype(np.int32)
         start = cols.num_computed[checked.run_rows].astype(np.int32)
         sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
+        hidden = cols.cache_type[checked.run_rows] == 1
         partial = self._partial_runs(seq_ids) if self.residency.partial else {}
         inputs = self._inputs(seq_ids, start, query_lens, partial) if with_inputs else None
         layers = moves.layers
@@ -40,7 +41,8 @@ class BatchBuilder:
         traffic = self._traffic(layer_moves, partial) if layer_moves or partial else None
         return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
                      inputs=inputs, swap_out=moves.swap_out, swap_in=moves.swap_in,
-                     host_dropped=host_dropped, layer_traffic=traffic, **layer_moves)
+                     host_dropped=host_dropped, layer_traffic=traffic,
+                     hidden=hidden if hidden.any() else None, **layer_moves)
 
     def _partial_runs(self, seq_ids: np.ndarray) -> dict[int, int]:
         """Batch index -> seq id of the sequences that run with layers on the host."""

@@ -15,7 +15,8 @@ from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
 
 
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
-                     prefix: PrefixIndex | None, residency: LayerResidency) -> None:
+                     prefix: PrefixIndex | None, residency: LayerResidency,
+                     hidden_block_tokens: int = 0) -> None:
     blocks.check_invariants()
     live_seqs = set(live.requests)
     residency.check_invariants(live_seqs)
@@ -23,11 +24,19 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
     if host_blocks is not None:
         host_blocks.check_invariants()
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
-    cols, bs = live.cols, blocks.block_size
+    cols = live.cols
     assert len(live.table) == len(live.requests) == len(live.live_rows())
     for seq_id, row in live.items():
         assert cols.seq_id[row] == seq_id
         part = residency.partial.get(seq_id)
+        hidden = cols.cache_type[row] == 1  # Apt-Serve's hidden cache: rows, not K/V
+        assert cols.cache_type[row] in (0, 1), f"seq {seq_id} cache type {cols.cache_type[row]}"
+        if hidden:
+            assert hidden_block_tokens > 0, f"hidden seq {seq_id} on a model without a hidden cache"
+            assert part is None and prefix is None, f"hidden seq {seq_id} offloaded or prefix-shared"
+            assert cols.status[row] != SWAPPED and cols.num_host_blocks[row] == 0, \
+                f"hidden seq {seq_id} swapped"
+        bs = hidden_block_tokens if hidden else blocks.block_size
         assert (part is None) == (cols.device_layers[row] == num_layers), f"seq {seq_id} layers"
         if part is not None:  # prefilled, some layers' KV on the host
             assert cols.status[row] == OFFLOADED, f"partly offloaded seq {seq_id} is {cols.status[row]}"

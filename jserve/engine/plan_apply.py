@@ -49,10 +49,13 @@ class PlanApplier:
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
     residency: LayerResidency
+    hidden_block_tokens: int = 0  # tokens a block holds as hidden rows (Apt-Serve)
 
     def apply(self, checked: CheckedPlan, now: float) -> Moves:
         plan = checked.plan
         swap_out = self._preempt(checked, now)
+        if plan.cache_type:
+            self._set_cache_types(checked)
         if plan.evict:
             swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
         changes = self._release_layers(checked) if plan.layers else []
@@ -94,6 +97,26 @@ class PlanApplier:
             self.live.awaiting_run.add(seq_id)
         return swap_out
 
+    def _set_cache_types(self, checked: CheckedPlan) -> None:
+        """Set the plan's cache types; a running request that switches discards its blocks
+        (before any take, like a recompute preemption) and recomputes from its first token
+        in this plan's run (`Plan.cache_type`)."""
+        cols = self.live.cols
+        for seq_id in cols.seq_id[checked.switch_rows].tolist():
+            self.blocks.free(seq_id)
+        rows = checked.switch_rows
+        cols.num_blocks[rows] = 0
+        cols.num_computed[rows] = 0
+        cols.reserved_blocks[rows] = 0
+        cols.cache_type[checked.type_rows] = checked.types
+
+    def block_tokens(self, rows: np.ndarray) -> np.ndarray | int:
+        """Tokens one block of each of `rows` holds, by its cache type."""
+        if not self.hidden_block_tokens:
+            return self.blocks.block_size
+        return np.where(self.live.cols.cache_type[rows] == 1, self.hidden_block_tokens,
+                        self.blocks.block_size)
+
     def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:
         cols, swap_in = self.live.cols, []
         for seq_id in seq_ids:
@@ -134,8 +157,9 @@ class PlanApplier:
     def decode_growth(self, rows: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
         """For `steps` more one-token decodes of `rows`: how many blocks each fills, and
         at which step (1-based) each row takes its first new one (then one every
-        `block_size` steps). Step `j` computes position `num_computed + j - 1`."""
-        cols, bs = self.live.cols, self.blocks.block_size
+        `block_size` steps, or `hidden_block_tokens` for a hidden request). Step `j`
+        computes position `num_computed + j - 1`."""
+        cols, bs = self.live.cols, self.block_tokens(rows)
         first = cols.num_blocks[rows] * bs - cols.num_computed[rows] + 1
         return np.maximum(0, (steps - first) // bs + 1), first
 
@@ -151,7 +175,8 @@ class PlanApplier:
             return
         who = np.repeat(np.arange(len(rows)), counts)
         nth = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-        step = first[who] + nth * self.blocks.block_size
+        bs = self.block_tokens(rows)
+        step = first[who] + nth * (bs if np.isscalar(bs) else bs[who])
         for i in who[np.lexsort((who, step))].tolist():
             self.blocks.allocate(seq_ids[i], 1)
         self.live.cols.num_blocks[rows] += counts

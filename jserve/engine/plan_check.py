@@ -21,7 +21,7 @@ from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache.prefix import PrefixHit
 from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import CacheType, Plan, PreemptMode
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerLimits
@@ -44,6 +44,9 @@ class CheckedPlan:
     reserve_counts: np.ndarray
     layer_rows: np.ndarray  # rows of `plan.layers`' requests, in its order
     partial_allocations: frozenset[int]  # seq ids whose allocation is layer slots
+    type_rows: np.ndarray  # rows of `plan.cache_type`'s requests, in its order
+    types: np.ndarray  # their cache types after the plan
+    switch_rows: np.ndarray  # running requests whose type changes (discarded)
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -69,6 +72,13 @@ def _not_live(seq_ids: Sequence[int], rows: np.ndarray, verb: str) -> Check:
 
 def _values(mapping: Mapping[int, int]) -> np.ndarray:
     return np.fromiter(mapping.values(), np.int64, len(mapping))
+
+
+def _types_after(plan: Plan, seq_ids: Sequence[int], now: np.ndarray) -> np.ndarray:
+    """Cache types of `seq_ids` after `plan` (their types `now` where it sets none)."""
+    if not plan.cache_type:
+        return now
+    return np.fromiter(map(plan.cache_type.get, seq_ids, now.tolist()), np.int64, len(seq_ids))
 
 
 def _member(keys: Collection[int], of: Collection[int]) -> np.ndarray:
@@ -102,6 +112,7 @@ class PlanChecker:
     limits: SchedulerLimits
     reuse: PrefixReuse | None
     residency: LayerResidency
+    hidden_block_tokens: int = 0  # tokens a block holds as hidden rows; 0: no hidden cache
 
     def check(self, plan: Plan) -> CheckedPlan:
         """The plan with its rows, or `PlanError` for the first thing it gets wrong."""
@@ -110,7 +121,11 @@ class PlanChecker:
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
                             "on the host")
-        released = self.blocks.released_by(list(plan.preempt))
+        type_rows, types, switch_rows = self._check_cache_types(plan)
+        discarded = list(plan.preempt)
+        if len(switch_rows):
+            discarded += self.live.cols.seq_id[switch_rows].tolist()
+        released = self.blocks.released_by(discarded)
         hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
         self._check_evictions(plan, released, hits)
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
@@ -132,15 +147,16 @@ class PlanChecker:
                 f"plan runs {plan.num_batched_tokens} tokens, max_num_batched_tokens is "
                 f"{lim.max_num_batched_tokens}"
             )
-        reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows)
-        run_rows, run_lens = self._check_runs(plan)
+        reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows, switch_rows)
+        run_rows, run_lens = self._check_runs(plan, switch_rows)
         if plan.layers or self.residency.partial:
             self._check_partial_runs(plan, run_rows, run_lens)
         if plan.repeat != 1:
             self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
                            run_rows, run_lens, reserve_rows, reserve_counts, layer_rows,
-                           _NO_SEQS if layers is None else layers.partial_allocations)
+                           _NO_SEQS if layers is None else layers.partial_allocations,
+                           type_rows, types, switch_rows)
 
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
         """Rows of the requests it preempts, and how many blocks go to the host."""
@@ -159,6 +175,10 @@ class PlanChecker:
             (swap & offloaded,
              lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute, or "
                        "offload its other layers (Plan.layers)"),
+            (swap & ((self.live.cols.cache_type[rows] == CacheType.HIDDEN)
+                     | (_types_after(plan, seq_ids, self.live.cols.cache_type[rows]) == CacheType.HIDDEN)),
+             lambda i: f"seq {seq_ids[i]}: a hidden-cache request is preempted by recompute, "
+                       "never swapped"),
         ])
         return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
 
@@ -206,7 +226,8 @@ class PlanChecker:
         ])
         return rows, counts
 
-    def _check_reservations(self, plan: Plan, preempt_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _check_reservations(self, plan: Plan, preempt_rows: np.ndarray, switch_rows: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray]:
         if not plan.reserve:
             return _NO_ROWS, _NO_ROWS
         seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), _values(plan.reserve)
@@ -217,6 +238,7 @@ class PlanChecker:
                                                  + (" and preempt it" if preempted[i] else "")),
         ])
         promised = self.live.cols.reserved_blocks.copy()
+        promised[switch_rows] = 0
         promised[rows] = counts
         promised[preempt_rows] = 0
         total = int(promised[self.live.table.live_mask].sum())
@@ -224,13 +246,21 @@ class PlanChecker:
             raise PlanError(f"plan reserves {total} blocks in all, the cache has {self.blocks.num_blocks}")
         return rows, counts
 
-    def _check_runs(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    def _check_runs(self, plan: Plan, switch_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cols, bs = self.live.cols, self.blocks.block_size
         seq_ids, rows, n = list(plan.run), self.live.rows(plan.run), _values(plan.run)
         computed, total = cols.num_computed[rows], cols.num_tokens[rows]
-        end = computed + n
         allocated = np.fromiter(map(plan.allocate.get, seq_ids, repeat(0)), np.int64, len(seq_ids))
         held = cols.num_blocks[rows] + cols.num_host_blocks[rows] + allocated
+        if self.hidden_block_tokens:  # tokens per block by each request's type after the plan
+            types = cols.cache_type[rows]
+            if plan.cache_type:
+                types = _types_after(plan, seq_ids, types)
+                switched = np.isin(rows, switch_rows)  # discarded: recompute from token 0
+                computed, held = np.where(switched, 0, computed), np.where(switched, allocated, held)
+            if types.any():
+                bs = np.where(types == CacheType.HIDDEN, self.hidden_block_tokens, bs)
+        end = computed + n
         _refuse_first(seq_ids, [
             _not_live(seq_ids, rows, "run"),
             (_member(seq_ids, plan.preempt), lambda i: f"seq {seq_ids[i]}: run and preempted in the same plan"),
@@ -239,9 +269,52 @@ class PlanChecker:
             ((n < 1) | (end > total), lambda i: f"seq {seq_ids[i]}: cannot run {n[i]} tokens with "
                                                 f"{computed[i]} of {total[i]} computed"),
             (held * bs < end, lambda i: f"seq {seq_ids[i]}: holds {held[i]} blocks, needs "
-                                        f"{self.blocks.blocks_for(int(end[i]))} for {end[i]} tokens"),
+                                        f"{-(-int(end[i]) // int(np.broadcast_to(bs, end.shape)[i]))} "
+                                        f"for {end[i]} tokens"),
         ])
         return rows, n
+
+    def _check_cache_types(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows of `plan.cache_type`'s requests, their types after the plan, and the rows
+        of the running requests that switch (`Plan` says the rules). Also refuses layer
+        offload of a request that is hidden after the plan."""
+        cols = self.live.cols
+        if plan.layers:
+            layer_seqs = [s for s, x in plan.layers.items() if x < self.residency.num_layers]
+            layer_rows = self.live.rows(layer_seqs)
+            hidden = _types_after(plan, layer_seqs, cols.cache_type[layer_rows]) == CacheType.HIDDEN
+            if (hidden & (layer_rows >= 0)).any():
+                seq = layer_seqs[int(np.argmax(hidden & (layer_rows >= 0)))]
+                raise PlanError(f"seq {seq}: a hidden-cache request keeps every layer on the device")
+        if not plan.cache_type:
+            return _NO_ROWS, _NO_ROWS, _NO_ROWS
+        seq_ids, rows = list(plan.cache_type), self.live.rows(plan.cache_type)
+        types = np.fromiter(map(int, plan.cache_type.values()), np.int64, len(rows))
+        hidden = types == CacheType.HIDDEN
+        status = cols.status[rows]
+        changes = types != cols.cache_type[rows]
+        preempted = _member(seq_ids, plan.preempt)
+        switching = changes & (status == RUNNING) & ~preempted
+        _refuse_first(seq_ids, [
+            _not_live(seq_ids, rows, "set the cache type of"),
+            ((types < 0) | (types > 1), lambda i: f"seq {seq_ids[i]}: unknown cache type {types[i]}"),
+            (hidden & (self.hidden_block_tokens < 1),
+             lambda i: f"seq {seq_ids[i]}: this model's block holds no hidden row "
+                       "(hidden_block_tokens == 0), so it cannot use the hidden cache"),
+            (hidden & (self.reuse is not None),
+             lambda i: f"seq {seq_ids[i]}: a hidden-cache request cannot share prefix-cache blocks; "
+                       "build the engine without a prefix cache"),
+            (changes & ((status == SWAPPED) | _member(seq_ids, plan.swap_in)),
+             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in (or let it run) before "
+                       "changing its cache type"),
+            (changes & (status == OFFLOADED) & ~preempted,
+             lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute to "
+                       "change its cache type"),
+            (switching & ~_member(seq_ids, plan.run),
+             lambda i: f"seq {seq_ids[i]}: switches cache type while running, so it must recompute "
+                       "in this plan's run (or be preempted by recompute)"),
+        ])
+        return rows, types, rows[switching]
 
     def _check_layers(self, plan: Plan) -> tuple[np.ndarray, LayerDemand | None]:
         """Rows of `plan.layers`' requests and what the plan's residency changes take
@@ -325,8 +398,8 @@ class PlanChecker:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""
         if plan.repeat < 1:
             raise PlanError(f"plan repeats {plan.repeat} times; at least once")
-        if plan.preempt or plan.swap_in or plan.evict:
-            raise PlanError("a plan that preempts, swaps in or evicts cannot repeat")
+        if plan.preempt or plan.swap_in or plan.evict or plan.cache_type:
+            raise PlanError("a plan that preempts, swaps in, evicts or sets cache types cannot repeat")
         decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
         if not decoding.all():
             seq = list(plan.run)[int(np.argmin(decoding))]

@@ -37,6 +37,8 @@ class RequestArrays:
     # How many of the model's layers keep their KV on the device (`kept_layers` says
     # which): the model's layer count unless a LayerKV plan offloaded some.
     device_layers: np.ndarray = _col(np.int16)
+    # `CacheType` of the request's blocks: 0 KV, 1 hidden rows (Apt-Serve's hybrid cache).
+    cache_type: np.ndarray = _col(np.int8)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     last_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     # Blocks a reserving policy has promised the request (its allocation, of which `num_blocks`

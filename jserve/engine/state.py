@@ -63,6 +63,8 @@ class EngineState:
         cache_min_history: int = -1,
         host_cache_blocks: int = 0,
         num_layers: int = 1,
+        hidden_block_tokens: int = 0,
+        hidden_block_cost: float = 0.0,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
@@ -74,7 +76,10 @@ class EngineState:
         tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
         tier that evicted blocks are demoted to and promoted back from (0: none).
         `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
-        also holds offloaded layers."""
+        also holds offloaded layers. `hidden_block_tokens`: tokens one block holds as
+        hidden rows (`jserve.cache.sizing.hidden_block_tokens`; 0: no hidden cache, and
+        `Plan.cache_type` may not pick it); `hidden_block_cost`: rho, the extra step
+        seconds per hidden block, which the view hands policies (0.0: unknown)."""
         if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
             raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
         if limits.max_num_batched_tokens < limits.max_num_seqs:
@@ -104,9 +109,14 @@ class EngineState:
                        if self.prefix is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
                                     eos_token_id, self.load, self._reuse, num_layers)
+        if hidden_block_tokens < 0 or hidden_block_cost < 0:
+            raise ValueError(f"hidden_block_tokens and hidden_block_cost must be >= 0, got "
+                             f"{hidden_block_tokens}, {hidden_block_cost}")
+        self.hidden_block_tokens, self.hidden_block_cost = hidden_block_tokens, hidden_block_cost
         self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
-                                    self.residency)
-        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
+                                    self.residency, hidden_block_tokens)
+        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.residency,
+                                    hidden_block_tokens)
         self._batches = BatchBuilder(self.live, self.blocks, self.residency)
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
@@ -162,6 +172,7 @@ class EngineState:
             iteration_time=self.load.iteration_time,
             num_layers=res.num_layers, free_layer_slots=res.free_slots(),
             free_host_layer_slots=res.free_host_slots(),
+            hidden_block_tokens=self.hidden_block_tokens, hidden_block_cost=self.hidden_block_cost,
         )
 
     def apply(self, plan: Plan, now: float) -> None:
@@ -210,10 +221,10 @@ class EngineState:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
-        strings, streamed text), when the step moved blocks, or with a prefix cache (whose
-        evictions a rule chooses step by step). `PlanError` if the free blocks do not
+        strings, streamed text), when the step moved blocks or ran hidden-cache requests,
+        or with a prefix cache (whose evictions a rule chooses step by step). `PlanError` if the free blocks do not
         cover the growth the policy promised."""
-        if wanted < 1 or self._reuse is not None or batch.moves_blocks:
+        if wanted < 1 or self._reuse is not None or batch.moves_blocks or batch.hidden is not None:
             return 0
         seq_ids = batch.seq_ids.tolist()
         rows = self.live.rows(seq_ids)
@@ -240,4 +251,5 @@ class EngineState:
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
-        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.residency)
+        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.residency,
+                         self.hidden_block_tokens)

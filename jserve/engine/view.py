@@ -50,6 +50,11 @@ class SchedulerView:
     num_layers: int = 1
     free_layer_slots: np.ndarray | None = None  # [num_layers]; None: all zero
     free_host_layer_slots: np.ndarray | None = None  # [num_layers], the host tier's
+    # Apt-Serve's hidden cache: tokens one block holds as hidden rows (0: the model cannot
+    # use it; requests' `cache_type` column says which hold it), and rho, the seconds a
+    # step takes longer per hidden block in the batch (0.0: unknown).
+    hidden_block_tokens: int = 0
+    hidden_block_cost: float = 0.0
 
     @property
     def num_free_layer_blocks(self) -> int:
@@ -74,6 +79,16 @@ class SchedulerView:
     def blocks_for(self, num_tokens: Tokens) -> Tokens:
         """Blocks that hold `num_tokens` tokens (of one request, or of each of many)."""
         return -(-num_tokens // self.block_size)
+
+    def blocks_for_type(self, num_tokens: Tokens, cache_type: Tokens) -> Tokens:
+        """Blocks that hold `num_tokens` tokens in `cache_type` (`CacheType`; one request,
+        or elementwise for many); a hidden type when the model cannot use it raises."""
+        hidden = np.asarray(cache_type) == 1
+        if hidden.any() and self.hidden_block_tokens < 1:
+            raise ValueError("this model's blocks hold no hidden row (hidden_block_tokens == 0)")
+        per_block = np.where(hidden, max(self.hidden_block_tokens, 1), self.block_size)
+        out = -(-np.asarray(num_tokens) // per_block)
+        return int(out) if np.ndim(out) == 0 and isinstance(num_tokens, int) else out
 
 
 def _total(slots: np.ndarray | None) -> int:

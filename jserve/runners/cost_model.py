@@ -139,6 +139,8 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
+        if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every context row
+            shape = dataclasses.replace(shape, hidden_tokens=int(batch.context_lens[batch.hidden].sum()))
         if batch.layer_traffic is not None:
             shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
                                                                                bytes_per_block))
@@ -503,6 +505,10 @@ class CalibratedCostModel:
             t = e.layered_time(t, shape) + e.transfer_time(shape) + e.hidden_recompute_time(shape)
         return t
 
+    def hidden_recompute_time(self, shape: StepShape) -> float:
+        """The hidden-cache K/V recompute alone, priced by `extras` (0 without them)."""
+        return 0.0 if self.extras is None else self.extras.hidden_recompute_time(shape)
+
     def fit_errors(self) -> np.ndarray:
         """Relative error (predicted / measured - 1) on each profiled sample."""
         if not self.samples:
@@ -579,6 +585,17 @@ class CalibratedCostModel:
 # ---------------------------------------------------------------------------------------
 # Preemption pricing helpers
 # ---------------------------------------------------------------------------------------
+
+
+def hidden_block_cost(model: RooflineCostModel | CalibratedCostModel, hidden_block_tokens: int) -> float:
+    """Apt-Serve's rho (Eq. 6): the seconds one block of hidden rows in a batch adds to a
+    step, the K and V projections of its `hidden_block_tokens` rows in every layer. The
+    rows' reads replace the K/V reads they stand for, so only the projection is extra."""
+    if hidden_block_tokens < 1:
+        return 0.0
+    probe = StepShape(1, 0, 1, hidden_block_tokens, hidden_block_tokens,
+                      hidden_tokens=hidden_block_tokens)
+    return model.hidden_recompute_time(probe)
 
 
 def swap_time(model: CostModel, num_tokens: int, block_size: int, bytes_per_block: int) -> float:
