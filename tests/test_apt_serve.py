@@ -9,7 +9,10 @@ import itertools
 
 import numpy as np
 import pytest
+from policy_harness import Harness, spec
 
+from jserve.engine.view import SchedulerLimits
+from jserve.policies import POLICIES
 from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, greedy_types, schedule_values
 
 ROOMY = 10**9
@@ -112,3 +115,15 @@ def test_two_approximation_against_brute_force(seed):
     kv_only = greedy_types(c, blocks_only(blocks), penalty, hidden=False)
     assert HIDDEN not in kv_only.tolist()
     assert schedule_values(c, kv_only, penalty) >= brute_force(c, blocks, penalty, hidden=False) / 2 - 1e-9
+
+
+@pytest.mark.parametrize("name", ["apt-serve", "apt-serve-s"])
+@pytest.mark.parametrize("hidden_block_tokens, uses_hidden", [(8, True), (3, False), (0, False)])
+def test_policy_uses_the_hidden_cache_only_where_it_saves_blocks(name, hidden_block_tokens, uses_hidden):
+    """A tight cache (12 blocks of 4 tokens) and eight 12-token prompts: with MHA-like blocks
+    (8 hidden rows per block) some requests run on the hidden cache; with GQA-like ones (3)
+    or none, never. Every request still ends with its own output (the harness checks)."""
+    h = Harness(num_blocks=12, block_size=4, limits=SchedulerLimits(8, 64, 64), eos=None,
+                policy=POLICIES[name](), hidden_block_tokens=hidden_block_tokens)
+    h.run([spec(12, 6, first=k) for k in range(8)])
+    assert (h.runner.num_hidden_runs > 0) == uses_hidden
