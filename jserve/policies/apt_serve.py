@@ -188,12 +188,8 @@ class AptServePolicy:
         choice = self._choose(view, running, c, Bounds(blocks=view.num_free_blocks + held, tokens=budget,
                                                       seqs=lim.max_num_seqs))
         keep = (choice != NONE) & (choice == r.cache_type[running])
+        switch = (choice != NONE) & ~keep
         run, allocate, preempt, types = {}, {}, {}, {}
-        for k in np.flatnonzero(~keep):
-            seq = int(r.seq_id[running[k]])
-            preempt[seq] = PreemptMode.RECOMPUTE
-            if choice[k] != NONE:  # a switch: discard and recompute on the other type
-                types[seq] = CacheType(int(choice[k]))
         need = np.where(choice == HIDDEN, c.hidden_blocks, c.kv_blocks) - r.num_blocks[running]
         left = budget
         order = np.flatnonzero(keep)
@@ -206,6 +202,11 @@ class AptServePolicy:
             left -= n
             if need[k] > 0:
                 allocate[seq] = int(need[k])
+        for k in np.flatnonzero(switch):  # discard; re-prefilled on the new type when admitted
+            seq = int(r.seq_id[running[k]])
+            preempt[seq], types[seq] = PreemptMode.RECOMPUTE, CacheType(int(choice[k]))
+        for k in np.flatnonzero(choice == NONE):
+            preempt[int(r.seq_id[running[k]])] = PreemptMode.RECOMPUTE
         return Plan(run=run, allocate=allocate, preempt=preempt, cache_type=types)
 
 
