@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from models.gguf_loader import LlamaLayerWeights, LlamaWeights
 from models.paged import AttentionFn, KVCache, run_blocks
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.hidden_attention import KVProjection
 from pallas_kernels.rope import rope
 
 
@@ -54,7 +55,9 @@ class LlamaBlock(nnx.Module):
         q = rope(self.wq(h).reshape(t, cfg.num_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
         k = rope(self.wk(h).reshape(t, cfg.num_kv_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
         v = self.wv(h).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5)
+        proj = KVProjection(self.wk.kernel.get_value(), self.wv.kernel.get_value(), rope_theta=cfg.rope_theta)
+        o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5,
+                                        hidden=h, proj=proj)
         x = x + self.wo(o.reshape(t, cfg.num_heads * cfg.head_dim))
         h = self.mlp_norm(x)
         x = x + self.w_down(jax.nn.silu(self.w_gate(h)) * self.w_up(h))

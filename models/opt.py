@@ -17,6 +17,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.paged import AttentionFn, KVCache, run_blocks
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.hidden_attention import KVProjection
 
 # OPT's positional table starts with two rows that no token uses (a fairseq legacy of
 # reserving ids for padding), so position p reads row p + 2; HF checkpoints keep that layout.
@@ -85,7 +86,10 @@ class OPTBlock(nnx.Module):
         h = self.attn_norm(x)
         q, k, v = (proj(h).reshape(t, cfg.num_heads, cfg.head_dim)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5)
+        kp, vp = self.k_proj, self.v_proj
+        proj = KVProjection(kp.kernel.get_value(), vp.kernel.get_value(), kp.bias.get_value(), vp.bias.get_value())
+        o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5,
+                                        hidden=h, proj=proj)
         x = x + self.out_proj(o.reshape(t, cfg.num_heads * cfg.head_dim))
         x = x + self.fc2(jax.nn.relu(self.fc1(self.mlp_norm(x))))
         return x, k_pages, v_pages

@@ -13,18 +13,22 @@ from flax import nnx
 
 from models.config import ModelConfig
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.hidden_attention import KVProjection
 
 
 class AttentionFn(Protocol):
     """Write the step's new `k`, `v` `[T, kv_heads, d]` into the pages and attend with `q`.
 
     One call does both so that a backend may fuse the write into its kernel. Returns the
-    attention output `[T, heads, d]` and the updated pages.
+    attention output `[T, heads, d]` and the updated pages. `hidden` (the attention input
+    rows `[T, hidden_size]`) and `proj` (the layer's K/V projection) serve the sequences
+    `meta.hidden` puts on Apt-Serve's hidden cache; a step without them ignores both.
     """
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-        meta: AttentionMetadata, *, scale: float,
+        meta: AttentionMetadata, *, scale: float, hidden: jax.Array | None = None,
+        proj: KVProjection | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]: ...
 
 

@@ -38,6 +38,9 @@ MODELS: dict[str, ModelConfig] = {
                ctx=8192, theta=100000.0, tie=True),
         # A few-layer toy shape for tests and debugging (random weights, compiles in seconds).
         _llama("tiny-llama", vocab=512, d=64, layers=2, heads=4, kv=2, ffn=128, ctx=1024),
+        # Its multi-head twin (kv = heads), where a hidden-cache block holds twice the tokens
+        # of a KV block (Apt-Serve's hybrid cache halves the memory only without GQA).
+        _llama("tiny-llama-mha", vocab=512, d=64, layers=2, heads=4, kv=4, ffn=128, ctx=1024),
         _llama("llama-2-7b", vocab=32000, d=4096, layers=32, heads=32, kv=32, ffn=11008, ctx=4096),
         _llama("vicuna-7b", vocab=32000, d=4096, layers=32, heads=32, kv=32, ffn=11008, ctx=4096),
         _llama("llama-2-13b", vocab=32000, d=5120, layers=40, heads=40, kv=40, ffn=13824, ctx=4096),

@@ -10,13 +10,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.hidden_attention import (
+    HiddenPool, KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
+    write_hidden_rows,
+)
 from pallas_kernels.block_copy import (
     gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
 )
@@ -36,6 +42,7 @@ class AttentionBackend:
     write_kv: Callable
     ragged: Callable
     decode: Callable | None = None  # one query token per sequence; None: use `ragged`
+    hidden: Callable = hidden_paged_attention_reference  # over hidden rows (Apt-Serve)
     gather_blocks: Callable = gather_blocks_reference
     scatter_blocks: Callable = scatter_blocks_reference
 
@@ -46,11 +53,27 @@ class AttentionBackend:
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-        meta: AttentionMetadata, *, scale: float,
+        meta: AttentionMetadata, *, scale: float, hidden: jax.Array | None = None,
+        proj: KVProjection | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`hidden`: the layer's attention input rows `[T, hidden_size]` and `proj` its K/V
+        projection, read only when `meta.hidden` puts sequences on the hidden cache: their
+        rows go into their blocks (K page, then V page) and they attend through K/V
+        projected from them, the other sequences as always."""
         k_pages, v_pages = self.write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        h = meta.hidden
+        if h is not None:
+            pool = write_hidden_rows(HiddenPool.in_kv_pages(k_pages, v_pages, hidden.shape[-1]),
+                                     hidden, (h.k_offsets, h.v_offsets))
+            k_pages, v_pages = pool.pages
         attend = self.decode if meta.decode_only and self.decode is not None else self.ragged
-        return attend(q, k_pages, v_pages, meta, scale=scale), k_pages, v_pages
+        out = attend(q, k_pages, v_pages, meta, scale=scale)
+        if h is None:
+            return out, k_pages, v_pages
+        rows = dataclasses.replace(meta, block_tables=h.block_tables, context_lens=h.context_lens,
+                                   decode_only=False, hidden=None)
+        out_hidden = self.hidden(q, pool, proj, rows, scale=scale)
+        return jnp.where(h.token_mask[:, None, None], out_hidden, out), k_pages, v_pages
 
 
 def pallas_backend(name: str, *, interpret: bool = False, block_m: int = 64, block_k: int = 64,
@@ -65,6 +88,9 @@ def pallas_backend(name: str, *, interpret: bool = False, block_m: int = 64, blo
                        keys_per_split=keys_per_split, interpret=interpret),
         gather_blocks=partial(gather_blocks, interpret=interpret),
         scatter_blocks=partial(scatter_blocks, interpret=interpret),
+        # its K/V tiles are computed in registers: at most the kernel's default 32 keys
+        hidden=partial(hidden_paged_attention, block_m=block_m, block_k=min(block_k, 32),
+                       interpret=interpret),
     )
 
 

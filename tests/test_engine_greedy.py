@@ -201,7 +201,7 @@ def test_warmup_compiles_square_buckets_for_mixed_and_all_decode_steps(tiny_load
     plus a short chunk): warm-up compiles both, or the first mixed step compiles mid-serving."""
     llm = LLM(tiny_loaded, num_blocks=32, attention="pallas-interpret", warmup=False)
     llm.runner.warmup(shapes=[(8, 8), (16, 8)])
-    assert set(llm.runner._executables) == {(8, 8, False, False), (8, 8, True, False), (16, 8, False, False)}
+    assert set(llm.runner._executables) == {(8, 8, False, False, False), (8, 8, True, False, False), (16, 8, False, False, False)}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu",

@@ -54,7 +54,7 @@ def test_smollm2_identical_with_mixed_residencies(smollm2_loaded: LoadedModel) -
 def test_warmup_compiles_layered_prefill_variants_only_for_an_offloading_policy(tiny_loaded: LoadedModel) -> None:
     plain = LLM(tiny_loaded, num_blocks=32, warmup=False)
     plain.runner.warmup(shapes=[(16, 8)])
-    assert set(plain.runner._executables) == {(16, 8, False, False)}
+    assert set(plain.runner._executables) == {(16, 8, False, False, False)}
     offloading = LLM(tiny_loaded, policy=ForcedLayerOffload(), num_blocks=32, warmup=False, swap_space=0.001)
     offloading.runner.warmup(shapes=[(16, 8)])
-    assert set(offloading.runner._executables) == {(16, 8, False, False), (16, 8, False, True)}
+    assert set(offloading.runner._executables) == {(16, 8, False, False, False), (16, 8, False, True, False)}

@@ -272,9 +272,12 @@ class RooflineCostModel:
     - compute = FLOPs / (peak * mfu * tp) with FLOPs = `2 * num_params` per scheduled token
       (every parameter counted as a matmul weight for every token: the LM head really runs
       only on sampled rows and the embedding is a lookup; simple, slightly pessimistic for
-      prefill) + attention `4 * heads * head_dim * layers` per attended token (QK^T and PV)
-      + hidden-cache recompute `2 * 2 * hidden * kv_dim * layers` per hidden token (the K
-      and V projections).
+      prefill) + attention `4 * heads * head_dim * layers` per attended token (QK^T and PV).
+    - hidden-cache recompute (Apt-Serve): `2 * 2 * hidden * kv_dim * layers` FLOPs per
+      hidden token (the K and V projections of every context row of a hidden sequence),
+      added after the rest: it runs inside the attention, after the layer's weight-bound
+      projections, compute-bound on rows the step reads anyway (as the calibrated model
+      adds it), so each hidden block costs the step its projection, Eq. 6's linear rho.
     - memory = bytes / (hbm * mbu * tp): all weights once + K/V of `kv_read_tokens` (hidden
       tokens read `hidden` values per layer instead of `2 * kv_dim`); activations ignored.
     - swaps = `swap_bytes / (pcie * tp)` plus the swap's fixed costs by `swap_path`
@@ -320,8 +323,7 @@ class RooflineCostModel:
                 f"swap_path={self.swap_path.value})")
 
     def compute_time(self, shape: StepShape) -> float:
-        flops = (self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
-                 + self.flops_per_hidden_token * shape.hidden_tokens)
+        flops = self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
         return flops / self.flop_rate
 
     def memory_time(self, shape: StepShape) -> float:
@@ -370,6 +372,7 @@ class RooflineCostModel:
         return {
             "compute": self.compute_time(shape),
             "memory": self.memory_time(shape),
+            "hidden_recompute": self.hidden_recompute_time(shape),
             "transfer": self.transfer_time(shape),
             "layer_transfer": self.layer_transfer_time(shape),
             "overhead": self.step_overhead if busy else 0.0,
@@ -379,7 +382,7 @@ class RooflineCostModel:
         transfer = self.transfer_time(shape)
         if shape.num_tokens == 0:
             return self.layered_time(0.0, shape) + transfer
-        work = max(self.compute_time(shape), self.memory_time(shape))
+        work = max(self.compute_time(shape), self.memory_time(shape)) + self.hidden_recompute_time(shape)
         return self.layered_time(work, shape) + transfer + self.step_overhead
 
 

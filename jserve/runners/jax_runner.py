@@ -42,14 +42,18 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jserve.cache.sizing import hidden_rows_per_page
 from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
+from models.config import ModelConfig
 from models.loading import CausalLM
 from models.paged import KVCache
-from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata, with_layer_tables
+from pallas_kernels.attention_metadata import (
+    AttentionMetadata, ragged_metadata, with_hidden, with_layer_tables,
+)
 from pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
@@ -59,9 +63,10 @@ log = logging.getLogger(__name__)
 # GIL, and loading 14 cached steps took 5.7 s with two threads on two cores, 8.3 s with one.
 COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
-# A compiled step's key: tokens T, sequences S, whether it is an all-decode step, and
-# whether its layers have tables of their own (LayerKV).
-Shape = tuple[int, int, bool, bool]
+# A compiled step's key: tokens T, sequences S, whether it is an all-decode step, whether
+# its layers have tables of their own (LayerKV), and whether some sequence is on the hidden
+# cache (Apt-Serve; compiled on first use).
+Shape = tuple[int, int, bool, bool, bool]
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -138,16 +143,39 @@ class Buckets:
 
 def _shape_of(x: StepInputs) -> Shape:
     return (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only,
-            x.meta.layer_block_tables is not None)
+            x.meta.layer_block_tables is not None, x.meta.hidden is not None)
+
+
+@dataclass(frozen=True)
+class HiddenLayout:
+    """Where a hidden-cache sequence's rows go in the KV pool (Apt-Serve, Section 4.3):
+    `rows_per_page` rows of `row_size` (the model's hidden size) values at the start of a
+    block's K page, then as many in its V page, pages of `page_size` values; tables up to
+    `max_blocks` wide."""
+
+    rows_per_page: int
+    row_size: int
+    page_size: int
+    max_blocks: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, block_size: int, max_model_len: int) -> HiddenLayout | None:
+        """None when a page cannot hold one row."""
+        rows = hidden_rows_per_page(cfg, block_size)
+        if rows < 1:
+            return None
+        return cls(rows, cfg.hidden_size, block_size * cfg.num_kv_heads * cfg.head_dim,
+                   -(-max_model_len // (2 * rows)))
 
 
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
-                      mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None
-                      ) -> StepInputs:
+                      mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None,
+                      hidden: HiddenLayout | None = None) -> StepInputs:
     """Pad a batch to its bucket; padding tokens write to the scratch block, padded
     sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
     backends with a decode kernel. `staging`: the staging blocks each partly offloaded
-    sequence (by batch index) computes its offloaded layers' K/V in."""
+    sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the model's
+    hidden-cache layout, for the batch's `hidden` sequences."""
     n, t_real = batch.num_seqs, batch.num_tokens
     t = b.tokens(t_real)
     s = b.seqs(n, t)
@@ -156,11 +184,20 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     if x is None:
         raise ValueError("the JAX runner needs a batch built with inputs")
 
+    tables = x.block_tables
+    if batch.hidden is not None:
+        if hidden is None:
+            raise ValueError("a hidden-cache sequence, but this model's blocks hold no hidden row")
+        tables = [t[:0] if h else t for t, h in zip(tables, batch.hidden.tolist())]
     meta = ragged_metadata(
-        batch.start, q, x.block_tables, num_tokens=t, num_seqs=s,
+        batch.start, q, tables, num_tokens=t, num_seqs=s,
         max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=scratch_block,
         decode_only=mark_decode and bool(np.all(q == 1)),
     )
+    if batch.hidden is not None:
+        meta = with_hidden(meta, batch.hidden, x.block_tables, rows_per_page=hidden.rows_per_page,
+                           row_size=hidden.row_size, page_size=hidden.page_size,
+                           max_blocks=hidden.max_blocks, scratch_block=scratch_block, block_size=bs)
     if x.layer_tables:
         per_layer = {i: [d if len(d) else staging[i] for d in tables.device]
                      for i, tables in x.layer_tables.items()}
@@ -223,6 +260,7 @@ class JaxRunner:
         self.staging_start = num_blocks
         self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype, staging_blocks=staging)
         self.scratch_block = self.cache.scratch_block
+        self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
         attention_fn = select_attention(attention)
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks)
@@ -294,7 +332,7 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
         """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
         either all decodes or mixed (decodes plus short chunks), and each compiles apart;
         with layer staging, a step that is not all decodes may also have per-layer tables
@@ -313,7 +351,8 @@ class JaxRunner:
         exe = self._executables.get(shape)
         if exe is None:
             if self.warmed_up:
-                log.warning("compiling step for new bucket (T, S, decode_only, layered)=%s while serving", shape)
+                log.warning("compiling step for new bucket (T, S, decode_only, layered, hidden)=%s "
+                            "while serving", shape)
             exe = self._executables[shape] = self._lower(x).compile()
         return exe
 
@@ -342,7 +381,7 @@ class JaxRunner:
             return StepOutput.empty()
         staging = self._staging(batch)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
-                              self.mark_decode, staging)
+                              self.mark_decode, staging, self.hidden_layout)
         inputs = batch.inputs
         if inputs is not None and inputs.logprobs:
             out = self._run_with_logprobs(x, n, batch.num_tokens,

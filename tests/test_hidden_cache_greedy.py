@@ -1,0 +1,70 @@
+"""Greedy token ids with Apt-Serve's hidden cache forced on (each layer's attention input
+rows stored in the request's blocks, K page then V page, and K/V recomputed from them every
+step) equal an unconstrained KV run's: every request hidden, and mixed batches with a type
+switch while running (discard and recompute), on tiny-llama-mha and tiny-opt (multi-head:
+a hidden block holds twice the tokens) with the jnp reference and the interpreted Pallas
+kernels, and on SmolLM2 in float32 (GQA: hidden blocks hold 10 tokens to a KV block's 16,
+so forcing costs memory)."""
+
+from __future__ import annotations
+
+import pytest
+from hidden_cache_policy import ForcedHiddenCache, all_hidden, every_other
+from layer_offload_policy import greedy_ids, random_prompts
+
+from jserve import LLM
+from jserve.engine.plan import CacheType
+from models.loading import LoadedModel, load_model
+
+
+@pytest.fixture(scope="module", params=["tiny-llama-mha", "tiny-opt"])
+def mha_loaded(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(request.param, seed=0)
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy ids, and how many hidden sequences the runner ran."""
+    hidden = 0
+    execute = llm.runner.execute
+
+    def counting(batch):
+        nonlocal hidden
+        hidden += 0 if batch.hidden is None else int(batch.hidden.sum())
+        return execute(batch)
+
+    llm.runner.execute = counting
+    return greedy_ids(llm, prompts, max_tokens), hidden
+
+
+def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[list[int]],
+               max_tokens: int, **kw) -> int:
+    llm = LLM(loaded, policy=policy, warmup=False, **kw)
+    state = llm.engine.state  # requests are capped at the context and at the KV capacity
+    cap = min(state.limits.max_model_len, state.blocks.num_blocks * state.blocks.block_size)
+    roomy = LLM(loaded, num_blocks=512, warmup=False)
+    expected = [e[: cap - len(p)] for e, p in zip(greedy_ids(roomy, prompts, max_tokens), prompts)]
+    got, hidden = _run(llm, prompts, max_tokens)
+    assert got == expected
+    assert state.blocks.num_free == state.blocks.num_blocks and not state.requests
+    return hidden
+
+
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+@pytest.mark.parametrize("policy", [ForcedHiddenCache(all_hidden),
+                                    ForcedHiddenCache(every_other, switch=True)],
+                         ids=["all hidden", "mixed, switching"])
+def test_mha_models_identical_on_the_hidden_cache(mha_loaded: LoadedModel, attention: str,
+                                                   policy: ForcedHiddenCache) -> None:
+    prompts = random_prompts(mha_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33])
+    hidden = _identical(mha_loaded, policy, prompts, 24, num_blocks=14, block_size=4,
+                        max_model_len=64, attention=attention)
+    assert hidden
+
+
+def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel) -> None:
+    tok = smollm2_loaded.tokenizer
+    chats = ["What is the capital of France?", "Write a haiku about the sea."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
+    llm_kw = dict(num_blocks=16, max_model_len=128)
+    assert _identical(smollm2_loaded, ForcedHiddenCache(every_other, switch=True), prompts, 6, **llm_kw)
+    assert _identical(smollm2_loaded, ForcedHiddenCache(all_hidden), prompts, 6, **llm_kw)
