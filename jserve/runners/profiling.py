@@ -47,18 +47,21 @@ def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
     return [(s, q) for s, q in shapes if max(a + b for a, b in zip(s, q)) <= max_len]
 
 
-def _batch(starts: list[int], query_lens: list[int], block_size: int) -> Batch:
-    """A batch over disjoint, contiguous block ranges (values do not matter for timing)."""
+def _batch(starts: list[int], query_lens: list[int], block_size: int, hidden_block_tokens: int = 0) -> Batch:
+    """A batch over disjoint, contiguous block ranges (values do not matter for timing);
+    with `hidden_block_tokens`, every sequence on Apt-Serve's hidden cache."""
     n = len(starts)
     start = np.asarray(starts, np.int32)
     q = np.asarray(query_lens, np.int32)
-    sizes = [-(-(s + k) // block_size) for s, k in zip(starts, query_lens)]
+    per_block = hidden_block_tokens or block_size
+    sizes = [-(-(s + k) // per_block) for s, k in zip(starts, query_lens)]
     offsets = np.cumsum([0, *sizes])
     tables = tuple(np.arange(offsets[i], offsets[i + 1], dtype=np.int32) for i in range(n))
     z = np.zeros
     inputs = BatchInputs(z(int(q.sum()), np.int32), tables, z(n, np.float32), np.ones(n, np.float32),
                          z(n, np.int32), z(n, np.uint32), z(n, np.int32))
-    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs)
+    hidden = np.ones(n, bool) if hidden_block_tokens else None
+    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs, hidden=hidden)
 
 
 def measure(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], repeats: int = 3
