@@ -44,6 +44,15 @@ Each iteration (Section 5):
   against 0.76 for `apt-serve`), so, as Sarathi's decodes-first and the paper's prefill
   bound M = M~ - sum_R m_i, admissions only take what running requests leave.
 
+What the model does with hidden requests once they decode (measured in the simulator,
+OPT-13B on A100-40G, `bench/reproduce_aptserve.py`): a running request's pending time is
+one step, so p_i - (|W| + |R|) rho h_i is negative for any realistic rho (the cost model's:
+0.72 ms per 32-row block) and the refinement leaves it only its KV cache: it is upgraded
+(discard and recompute) when that fits, else left out. The hidden cache therefore mostly
+buys a long-waiting request its prefill and first token while memory is short, and the
+request re-prefills on KV later -- close to what issue 16 read in the authors' code, which
+preempts every hidden request selected for decode.
+
 The hidden cache is offered only where a block holds more tokens of hidden rows than of
 K/V (`view.hidden_block_tokens > block_size`: MHA models such as OPT and Llama-2, where it
 halves the cache) and, per request, only where it takes fewer blocks than KV. With GQA
