@@ -577,9 +577,10 @@ def configs(
     draw: st.DrawFn,
     chunked: bool = False,
     block_sizes: st.SearchStrategy[int] = st.sampled_from([1, 2, 4, 16]),
+    hidden: bool = False,
 ) -> dict:
     """Engine settings: mostly a tight cache, limits valid for a policy that does (`chunked`)
-    or does not chunk prefills."""
+    or does not chunk prefills; with `hidden`, a hidden-cache block size too."""
     block_size = draw(block_sizes)
     max_model_len = draw(st.integers(2, 48))
     # Mostly a tight cache (one to 1.5 requests' worth of slots, so preemption is common),
@@ -602,11 +603,12 @@ def configs(
     num_host_blocks = draw(st.sampled_from([0, max(1, num_blocks // 2), 2 * num_blocks]))
     # Tokens a hidden-cache block holds (Apt-Serve): none, an MHA model's 2 * block_size,
     # or fewer than block_size (GQA, where the hidden cache costs memory).
-    hidden_block_tokens = draw(st.sampled_from([0, 2 * block_size, max(1, 2 * block_size // 3)]))
+    extra = {"hidden_block_tokens": draw(st.sampled_from([0, 2 * block_size, max(1, 2 * block_size // 3)]))
+             } if hidden else {}
     return dict(
         num_blocks=num_blocks, block_size=block_size, eos=eos, vocab_size=vocab_size,
         limits=SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len),
-        num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_block_tokens,
+        num_host_blocks=num_host_blocks, **extra,
     )
 
 

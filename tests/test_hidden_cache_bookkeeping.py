@@ -32,7 +32,7 @@ POLICIES = {
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_with_both_types(name: str, data: st.DataObject) -> None:
-    cfg = data.draw(configs(block_sizes=st.integers(1, 16)), label="config")
+    cfg = data.draw(configs(block_sizes=st.integers(1, 16), hidden=True), label="config")
     specs = data.draw(specs_for(cfg), label="requests")
     h = Harness(**cfg, policy=POLICIES[name])
     kinds: dict[int, bool] = {}  # seq -> whether it last ran hidden

@@ -143,7 +143,7 @@ def harness(policy: Policy, cfg: dict) -> Harness:
 
 
 def policy_configs(policy: Policy) -> st.SearchStrategy[dict]:
-    return configs(chunked=policy.chunked_prefill, block_sizes=st.integers(1, 16))
+    return configs(chunked=policy.chunked_prefill, block_sizes=st.integers(1, 16), hidden=True)
 
 
 # --------------------------------------------------------------------------- random traces

@@ -88,7 +88,7 @@ class SchedulerView:
             raise ValueError("this model's blocks hold no hidden row (hidden_block_tokens == 0)")
         per_block = np.where(hidden, max(self.hidden_block_tokens, 1), self.block_size)
         out = -(-np.asarray(num_tokens) // per_block)
-        return int(out) if np.ndim(out) == 0 and isinstance(num_tokens, int) else out
+        return int(out) if np.ndim(out) == 0 else out
 
 
 def _total(slots: np.ndarray | None) -> int:
