@@ -85,11 +85,11 @@ class Harness(BaseHarness):
     """The generic harness running VLLMPolicy with the vLLM-specific checks."""
 
     def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, eos: int | None,
-                 vocab_size: int = 32, num_host_blocks: int = 0, hidden_block_tokens: int = 0) -> None:
+                 vocab_size: int = 32, num_host_blocks: int = 0) -> None:
         super().__init__(
             num_blocks=num_blocks, block_size=block_size, limits=limits, eos=eos, vocab_size=vocab_size,
             policy=VLLMPolicy(), plan_checks=(check_vllm_plan,), state_checks=(check_vllm_state,),
-            num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_block_tokens,
+            num_host_blocks=num_host_blocks,
         )
 
 
