@@ -58,7 +58,8 @@ K/V (`view.hidden_block_tokens > block_size`: MHA models such as OPT and Llama-2
 halves the cache) and, per request, only where it takes fewer blocks than KV. With GQA
 (SmolLM2, Llama-3) hidden rows are larger than K+V, so the policy never chooses the hidden
 cache there and `apt-serve` is its adaptive scheduling on the KV cache alone (what the
-`apt-serve/hybrid` ablation is everywhere).
+`apt-serve/hybrid` ablation is everywhere); the same with a prefix cache, where the view
+reports no hidden cache (`hidden_block_tokens` 0: hidden requests cannot share blocks).
 
 Ablations (named as CacheOpt's and LayerKV's: the policy, then the component switched off):
 `apt-serve/hybrid` -- KV cache only (Table 4); `apt-serve/adaptive` -- FCFS instead of the
