@@ -48,6 +48,7 @@ from jserve.runners.hardware import get_hardware, kv_capacity_blocks
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
+from jserve.runners.profiling import load_hidden_profile
 from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
 from models.config import ModelConfig
@@ -145,8 +146,13 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     # Several processes: this one runs the engine loop (process 0), or follows its steps.
     runner = multihost.coordinate(runner, config.warmup)
     # The real runner's costs come only from a profile measured on it; without one the
-    # policy keeps its documented fallback.
+    # policy keeps its documented fallback (Apt-Serve: rho 0.0, unknown).
+    # Sharded, the attention sees each device's KV-head slice of a page, which holds no
+    # whole hidden row: no hidden cache on the real engine with tensor parallelism.
+    hidden_tokens, rho = (hidden_block_tokens(model, config.block_size) if tp is None else 0), 0.0
     if config.profile is not None:
+        hidden = load_hidden_profile(config.profile)
+        rho = hidden.block_cost(hidden_tokens) if hidden is not None else 0.0
         swaps = RooflineCostModel(model, get_hardware(config.hardware), dtype_bytes=dbytes,
                                   swap_path=SwapPath.GATHERED)
         measured = CalibratedCostModel.load(config.profile, extras=swaps)
@@ -160,10 +166,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
-        num_host_blocks=num_host_blocks,
-        # Sharded, the attention sees each device's KV-head slice of a page, which holds no
-        # whole hidden row: no hidden cache on the real engine with tensor parallelism.
-        hidden_block_tokens=hidden_block_tokens(model, config.block_size) if tp is None else 0,
+        num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
     )
     if config.warmup:
         runner.warmup(progress=True)

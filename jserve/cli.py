@@ -189,7 +189,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from jserve.benchmarking.calibrate import run_profile
 
-    fitted = run_profile(args.model, args.output, max_len=args.max_len, repeats=args.repeats)
+    fitted = run_profile(args.model, args.output, max_len=args.max_len, repeats=args.repeats,
+                         hidden_cost_divisor=args.hidden_cost_divisor)
     err = abs(fitted.fit_errors())
     print(f"fitted {len(fitted.samples)} shapes: median |error| {100 * float(err.mean() if len(err) else 0):.1f}%"
           f", max {100 * float(err.max() if len(err) else 0):.1f}%; wrote {args.output}")
@@ -351,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="profile.json", help="profile JSON (default: profile.json)")
     p.add_argument("--max-len", type=int, default=2048, help="longest context profiled")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (median)")
+    p.add_argument("--hidden-cost-divisor", type=float, default=1.0,
+                   help="divide the fitted hidden-cache cost (Apt-Serve's rho) by this; the authors' "
+                        "code uses 5, unexplained in the paper (default: 1)")
     p.set_defaults(func=_profile)
     _add_train_predictor_parser(sub)
     return parser

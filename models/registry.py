@@ -57,6 +57,7 @@ MODELS: dict[str, ModelConfig] = {
                ctx=200000, theta=10000000.0),
         # The OPT counterpart of tiny-llama, for tests against the dense OPT oracle.
         _opt("tiny-opt", d=64, layers=2, heads=4, vocab=512, ctx=1024),
+        _opt("opt-125m", d=768, layers=12, heads=12),  # the smallest MHA shape with real compute (CPU benches)
         _opt("opt-13b", d=5120, layers=40, heads=40),
         _opt("opt-30b", d=7168, layers=48, heads=56),
         _opt("opt-66b", d=9216, layers=64, heads=72),

@@ -11,6 +11,7 @@ import pytest
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.calibrate import run_profile
+from jserve.runners.profiling import load_hidden_profile
 from jserve.benchmarking.sweep import run_sweep, write_sweep
 from jserve.benchmarking.workload import build_trace, save_trace
 from jserve.builder import build_engine
@@ -90,6 +91,9 @@ def test_profile_calibrates_the_simulator(tmp_path) -> None:
     fitted = run_profile("tiny-llama", str(path), max_len=256, repeats=1, progress=False)
     assert len(fitted.samples) >= 10
     assert CalibratedCostModel.load(path).coefficients == fitted.coefficients
+    hidden = load_hidden_profile(path)  # Apt-Serve's rho: K/V projection time per hidden row
+    assert hidden is not None and hidden.per_row > 0 and hidden.divisor == 1.0
+    assert hidden.block_cost(32) == pytest.approx(32 * hidden.per_row)
     r = run_benchmark(_sim(dict(model="tiny-llama", profile=str(path), max_model_len=256,
                                 num_blocks=64)), progress=False)
     assert r.summary.num_finished == 60

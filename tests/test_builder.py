@@ -4,6 +4,7 @@ policy that prices preemption its costs from a profile of the runner in use."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -19,6 +20,7 @@ from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel, Sw
 from jserve.runners.hardware import get_hardware
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
+from jserve.runners.profiling import HiddenProjectionProfile, save_hidden_profile
 from jserve.runners.sim_runner import SimRunner
 from models.registry import get_config
 
@@ -105,3 +107,18 @@ def test_llm_takes_keywords_or_a_whole_config(tiny_loaded) -> None:
         LLM(tiny_loaded, num_block=16)
     with pytest.raises(ValueError, match="runner='real'"):
         LLM(EngineConfig(runner="sim", model="tiny-llama"))
+
+
+def test_real_engine_reads_apt_serve_rho_only_from_a_profile(profile: str, tmp_path) -> None:
+    """rho (the view's `hidden_block_cost`) is the profile's hidden-cache entry per block of
+    the model's hidden rows; a profile without one, or none, leaves it unknown (0.0)."""
+    cfg = dataclasses.replace(TINY, policy="apt-serve")
+    assert build_engine(cfg).engine.state.hidden_block_cost == 0.0
+    assert build_engine(dataclasses.replace(cfg, profile=profile)).engine.state.hidden_block_cost == 0.0
+    with_hidden = tmp_path / "p.json"
+    with_hidden.write_text(pathlib.Path(profile).read_text())
+    entry = HiddenProjectionProfile((64, 256, 1024), (2e-4, 5e-4, 1.7e-3))
+    save_hidden_profile(with_hidden, entry)
+    state = build_engine(dataclasses.replace(cfg, profile=str(with_hidden))).engine.state
+    assert state.hidden_block_cost == pytest.approx(entry.block_cost(state.hidden_block_tokens))
+    assert entry.per_row == pytest.approx(1.5e-3 / 960, rel=0.05)

@@ -28,7 +28,7 @@ def test_defaults_resolve_for_the_model() -> None:
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"model": "gpt-17"}, "unknown model 'gpt-17'; known models: .*tiny-llama"),
-    ({"policy": "fifo"}, "unknown policy 'fifo'; known policies: cacheopt, .*vllm"),
+    ({"policy": "fifo"}, "unknown policy 'fifo'; known policies: apt-serve, .*cacheopt, .*vllm"),
     ({"runner": "gpu"}, "runner must be one of 'real', 'sim', not 'gpu'"),
     ({"weights": "fp8"}, "weights must be one of 'auto', 'real', 'dummy', not 'fp8'"),
     ({"dtype": "int4"}, "dtype must be one of 'auto', .*, not 'int4'"),

@@ -132,7 +132,9 @@ def plan_checks_for(policy: Policy) -> tuple[PlanCheck, ...]:
         checks += (check_reservations,)
     if policy.chunked_prefill and _has_field(policy, "token_budget"):
         budget = policy.token_budget  # type: ignore[attr-defined]
-        checks += (lambda view, plan: check_chunked_plan(view, plan, budget), check_victims_arrived_later)
+        checks += (lambda view, plan: check_chunked_plan(view, plan, budget),)
+        if not getattr(policy, "adaptive", False):  # Apt-Serve-S picks victims by value, not arrival
+            checks += (check_victims_arrived_later,)
     return checks
 
 

@@ -56,7 +56,7 @@ def test_sharegpt_matches_vllm_filter() -> None:
 
 
 def test_synthetic_flags() -> None:
-    assert {n for n, s in WORKLOADS.items() if s.synthetic} == {"alpaca", "bookcorpus", "longbench"}
+    assert {n for n, s in WORKLOADS.items() if s.synthetic} == {"alpaca", "bookcorpus", "longbench", "longbench-filtered"}
     assert get_workload("fixed:8:8").synthetic
     assert "synthetic" in (wl.__doc__ or "").lower()
 

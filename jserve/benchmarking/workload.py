@@ -561,6 +561,24 @@ def _sample_longbench(
     return _fit_synthetic(prompts, outputs, max_total_len, output_len)
 
 
+def _sample_longbench_filtered(
+    num_requests: int, seed: int, max_total_len: int, output_len: int | None, encode: Encode | None
+) -> list[WorkloadSample]:
+    """The `longbench` lengths filtered rather than cut to the context: pairs drawn until
+    `num_requests` have prompt + output within `max_total_len` (and each >= 4 tokens), as
+    Apt-Serve's sampling keeps the LongBench requests that fit OPT's 2,048 tokens."""
+    rng = np.random.default_rng([seed, _STREAM_LENGTHS])
+    outputs_of = np.asarray(_LONGBENCH_OUTPUTS, dtype=np.int64)
+    kept: list[WorkloadSample] = []
+    while len(kept) < num_requests:
+        prompts = np.rint(_lognormal(rng, *_LONGBENCH_PROMPT, 65536)).astype(np.int64)
+        outputs = rng.choice(outputs_of, size=len(prompts)) if output_len is None else \
+            np.full(len(prompts), output_len, np.int64)
+        ok = (prompts >= 4) & (outputs >= 4) & (prompts + outputs <= max_total_len)
+        kept += [WorkloadSample(int(a), int(b)) for a, b in zip(prompts[ok], outputs[ok])]
+    return kept[:num_requests]
+
+
 def _fixed_sampler(prompt_len: int, out_len: int) -> Sampler:
     def sampler(
         num_requests: int, seed: int, max_total_len: int, output_len: int | None, encode: Encode | None
@@ -623,6 +641,14 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             synthetic=True,
             has_text=False,
             sampler=_sample_longbench,
+        ),
+        WorkloadSpec(
+            "longbench-filtered",
+            "synthetic: the longbench lengths, keeping only pairs within the context "
+            "(filtered, not cut: Apt-Serve's sampling for OPT's 2,048 tokens)",
+            synthetic=True,
+            has_text=False,
+            sampler=_sample_longbench_filtered,
         ),
     )
 }

@@ -172,7 +172,10 @@ class EngineState:
             iteration_time=self.load.iteration_time,
             num_layers=res.num_layers, free_layer_slots=res.free_slots(),
             free_host_layer_slots=res.free_host_slots(),
-            hidden_block_tokens=self.hidden_block_tokens, hidden_block_cost=self.hidden_block_cost,
+            # With a prefix cache no request may take the hidden cache (plan_check), so
+            # policies are told it is unavailable.
+            hidden_block_tokens=self.hidden_block_tokens if self.prefix is None else 0,
+            hidden_block_cost=self.hidden_block_cost,
         )
 
     def apply(self, plan: Plan, now: float) -> None:

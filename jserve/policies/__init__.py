@@ -7,6 +7,7 @@ from functools import partial
 
 from jserve.engine.plan import PreemptMode
 from jserve.engine.policy import Policy
+from jserve.policies.apt_serve import PAPER_DECAY, AptServePolicy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.fastgen import FastGenPolicy
 from jserve.policies.layerkv import LayerKVPolicy
@@ -27,6 +28,14 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     # LayerKV without its SLO-aware scheduler (the paper's Figure 8 ablation), named as
     # CacheOpt's ablations are: the policy, then the component switched off.
     "layerkv/SLO": partial(LayerKVPolicy, name="layerkv/SLO", slo_aware=False),
+    "apt-serve": AptServePolicy,
+    # Apt-Serve on chunked prefill (the paper's Section 6.7), its Figure 10 variant with a
+    # decaying factor instead of the near-zero fallback, and its ablations: KV cache only
+    # (Table 4) and FCFS instead of adaptive scheduling (Table 5).
+    "apt-serve-s": partial(AptServePolicy, name="apt-serve-s", chunked_prefill=True),
+    "apt-serve-decay": partial(AptServePolicy, name="apt-serve-decay", decay=PAPER_DECAY),
+    "apt-serve/hybrid": partial(AptServePolicy, name="apt-serve/hybrid", hybrid=False),
+    "apt-serve/adaptive": partial(AptServePolicy, name="apt-serve/adaptive", adaptive=False),
 }
 # CacheOpt's ablations (the paper's /CKA, /RSA, /PA, /GR, /PP, /PSS): one component off each.
 CACHEOPT_ABLATIONS = {

@@ -7,20 +7,28 @@ what the features need to be told apart: prefills of one and of several prompts,
 that start after a cached prefix, decodes at several batch sizes and context lengths.
 
 `measure_preemption` times the two ways of preempting a request on the real runner, for
-CacheOpt's swap-vs-recompute sweet spot (`jserve.runners.preemption_cost`).
+CacheOpt's swap-vs-recompute sweet spot (`jserve.runners.preemption_cost`), and
+`measure_hidden_projection` the K/V recompute a hidden-cache request adds to a step, fitted per
+block: Apt-Serve's rho (Eq. 6), stored in the profile file beside the cost model.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from jserve.engine.batch import Batch, BatchInputs, BlockMove
-from jserve.runners.cost_model import CalibratedCostModel, StepShape
+from jserve.runners.cost_model import CalibratedCostModel, StepShape, nnls
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import PreemptionProfile
+from models.config import ModelConfig
 
 
 def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -39,18 +47,21 @@ def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:
     return [(s, q) for s, q in shapes if max(a + b for a, b in zip(s, q)) <= max_len]
 
 
-def _batch(starts: list[int], query_lens: list[int], block_size: int) -> Batch:
-    """A batch over disjoint, contiguous block ranges (values do not matter for timing)."""
+def _batch(starts: list[int], query_lens: list[int], block_size: int, hidden_block_tokens: int = 0) -> Batch:
+    """A batch over disjoint, contiguous block ranges (values do not matter for timing);
+    with `hidden_block_tokens`, every sequence on Apt-Serve's hidden cache."""
     n = len(starts)
     start = np.asarray(starts, np.int32)
     q = np.asarray(query_lens, np.int32)
-    sizes = [-(-(s + k) // block_size) for s, k in zip(starts, query_lens)]
+    per_block = hidden_block_tokens or block_size
+    sizes = [-(-(s + k) // per_block) for s, k in zip(starts, query_lens)]
     offsets = np.cumsum([0, *sizes])
     tables = tuple(np.arange(offsets[i], offsets[i + 1], dtype=np.int32) for i in range(n))
     z = np.zeros
     inputs = BatchInputs(z(int(q.sum()), np.int32), tables, z(n, np.float32), np.ones(n, np.float32),
                          z(n, np.int32), z(n, np.uint32), z(n, np.int32))
-    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs)
+    hidden = np.ones(n, bool) if hidden_block_tokens else None
+    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs, hidden=hidden)
 
 
 def measure(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], repeats: int = 3
@@ -125,3 +136,73 @@ def measure_preemption(runner: JaxRunner, sizes: list[int], repeats: int = 3) ->
 
         swap.append(_timed(out_and_in, repeats))
     return PreemptionProfile(tuple(sizes), tuple(recompute), tuple(swap))
+
+
+HIDDEN_LENGTHS = (64, 256, 1024, 4096)  # hidden rows per timed projection
+HIDDEN_CACHE_KEY = "hidden_cache"  # the profile file's entry for Apt-Serve's rho
+
+
+@dataclass(frozen=True)
+class HiddenProjectionProfile:
+    """Time of recomputing K and V from `n` hidden rows in every layer (`rows[i]` rows took
+    `seconds[i]`), what a hidden-cache request adds to each step it runs in (Apt-Serve's
+    Eq. 6). `per_row` is the fitted slope: the fixed cost of a projection is paid once per
+    step whatever the number of hidden requests, so rho is the slope times the rows a block
+    holds. `divisor`: the authors' code divides its fitted rho by 5 (unexplained); 1 here
+    unless asked for (`jserve profile --hidden-cost-divisor 5`)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    divisor: float = 1.0
+
+    @property
+    def per_row(self) -> float:
+        x = np.stack([np.asarray(self.rows, float), np.ones(len(self.rows))], 1)
+        return float(nnls(x, np.asarray(self.seconds))[0])
+
+    def block_cost(self, hidden_block_tokens: int) -> float:
+        """rho: seconds per block of `hidden_block_tokens` hidden rows in a batch."""
+        return self.per_row * hidden_block_tokens / self.divisor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "seconds": list(self.seconds), "divisor": self.divisor,
+                "seconds_per_row": self.per_row}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HiddenProjectionProfile:
+        return cls(tuple(int(n) for n in d["rows"]), tuple(float(t) for t in d["seconds"]),
+                   float(d.get("divisor", 1.0)))
+
+
+def measure_hidden_projection(cfg: ModelConfig, dtype: Any, rows: Sequence[int] = HIDDEN_LENGTHS,
+                              repeats: int = 3, divisor: float = 1.0) -> HiddenProjectionProfile:
+    """Time the K/V projection (with bias) of `n` hidden rows on this device in `dtype`, one
+    layer's weights timed and counted `num_layers` times (a whole model's stack of them need
+    not fit beside the profiled engine)."""
+    import jax
+    import jax.numpy as jnp
+
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (cfg.hidden_size, 2 * kv_dim), dtype)
+    b = jnp.zeros((2 * kv_dim,), dtype)
+    project = jax.jit(lambda x: x @ w + b)
+    seconds = []
+    for n in rows:
+        x = jax.random.normal(key, (int(n), cfg.hidden_size), dtype)
+        seconds.append(cfg.num_layers * _timed(lambda x=x: jax.block_until_ready(project(x)), repeats))
+    return HiddenProjectionProfile(tuple(int(n) for n in rows), tuple(seconds), divisor)
+
+
+def save_hidden_profile(path: str | os.PathLike[str], profile: HiddenProjectionProfile) -> None:
+    """Add the hidden-cache entry to a saved profile file (the cost-model fit ignores it)."""
+    p = pathlib.Path(path)
+    d = json.loads(p.read_text())
+    d[HIDDEN_CACHE_KEY] = profile.to_dict()
+    p.write_text(json.dumps(d, indent=1))
+
+
+def load_hidden_profile(path: str | os.PathLike[str]) -> HiddenProjectionProfile | None:
+    """The hidden-cache entry of a profile file; None for a profile measured without one."""
+    d = json.loads(pathlib.Path(path).read_text()).get(HIDDEN_CACHE_KEY)
+    return None if d is None else HiddenProjectionProfile.from_dict(d)

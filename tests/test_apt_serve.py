@@ -1,0 +1,129 @@
+"""Apt-Serve's greedy (Eqs. 7-10 and the appendix's V' comparison) on hand-built and random
+instances: feasibility, the 2-approximation against brute force, the paper's refinement,
+the gaps issue 16 names (items that cannot fit alone, S' of the type that fits), and no
+hidden cache where it saves nothing (GQA)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from policy_harness import Harness, spec
+
+from jserve.engine.view import SchedulerLimits
+from jserve.policies import POLICIES
+from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, greedy_types, schedule_values
+
+ROOMY = 10**9
+
+
+def cands(value, kv, hidden, tokens=None) -> Candidates:
+    n = len(value)
+    return Candidates(np.asarray(value, float), np.asarray(kv, np.int64), np.asarray(hidden, np.int64),
+                      np.asarray(tokens if tokens is not None else [1] * n, np.int64))
+
+
+def blocks_only(blocks: int) -> Bounds:
+    return Bounds(blocks=blocks, tokens=ROOMY, seqs=ROOMY)
+
+
+def used_blocks(c: Candidates, choice: np.ndarray) -> int:
+    return int(c.kv_blocks[choice == KV].sum() + c.hidden_blocks[choice == HIDDEN].sum())
+
+
+def brute_force(c: Candidates, blocks: int, penalty: float, hidden: bool = True) -> float:
+    best = 0.0
+    options = (NONE, KV, HIDDEN) if hidden else (NONE, KV)
+    for combo in itertools.product(options, repeat=len(c)):
+        choice = np.array(combo, np.int8)
+        if (choice == HIDDEN)[c.hidden_blocks >= c.kv_blocks].any():
+            continue
+        if used_blocks(c, choice) <= blocks:
+            best = max(best, schedule_values(c, choice, penalty))
+    return best
+
+
+def test_everything_fits_runs_everything_on_kv():
+    c = cands([1.0, 2.0, 3.0], [4, 4, 4], [2, 2, 2])
+    assert greedy_types(c, blocks_only(12), penalty=0.01).tolist() == [KV, KV, KV]
+
+
+def test_memory_short_puts_long_waiters_on_the_hidden_cache():
+    # Three requests of 4 KV / 2 hidden blocks in 8 blocks: KV for two, or hidden for more.
+    c = cands([5.0, 5.0, 5.0], [4, 4, 4], [2, 2, 2])
+    choice = greedy_types(c, blocks_only(8), penalty=0.01)
+    assert (choice != NONE).sum() == 3 and used_blocks(c, choice) <= 8
+    assert (choice == HIDDEN).sum() >= 2
+
+
+def test_refinement_keeps_short_waiters_on_kv():
+    # p / m = 0.1 < 2 * penalty-per-KV-block: hidden gains less per block than KV whole.
+    c = cands([0.4], [4], [2])
+    assert greedy_types(c, blocks_only(2), penalty=0.5).tolist() == [NONE]  # KV cannot fit
+    assert greedy_types(c, blocks_only(4), penalty=0.5).tolist() == [KV]
+
+
+def test_hidden_never_chosen_where_it_costs_as_much_as_kv():
+    # GQA-like: the hidden cache takes as many (or more) blocks as KV.
+    c = cands([9.0, 9.0], [4, 4], [4, 6])
+    choice = greedy_types(c, blocks_only(4), penalty=0.0)
+    assert HIDDEN not in choice.tolist() and (choice == KV).sum() == 1
+
+
+def test_kv_only_switch():
+    c = cands([5.0, 5.0, 5.0], [4, 4, 4], [2, 2, 2])
+    choice = greedy_types(c, blocks_only(8), penalty=0.01, hidden=False)
+    assert choice.tolist().count(KV) == 2 and HIDDEN not in choice.tolist()
+
+
+def test_single_best_is_given_the_type_that_fits():
+    # One long waiter whose KV cannot fit alone but whose hidden cache can, against many
+    # small low-value ones: V' is the long one, on the hidden cache.
+    c = cands([100.0] + [0.1] * 4, [10] + [1] * 4, [5] + [1] * 4)
+    choice = greedy_types(c, blocks_only(6), penalty=0.001)
+    assert choice[0] == HIDDEN
+
+
+def test_items_that_cannot_fit_alone_are_dropped():
+    c = cands([100.0, 1.0], [50, 2], [25, 1])
+    assert greedy_types(c, blocks_only(4), penalty=0.0).tolist() == [NONE, KV]
+
+
+def test_token_and_sequence_bounds():
+    c = cands([3.0, 2.0, 1.0], [1, 1, 1], [1, 1, 1], tokens=[6, 6, 6])
+    assert (greedy_types(c, Bounds(blocks=ROOMY, tokens=12, seqs=ROOMY), 0.0) != NONE).sum() == 2
+    assert (greedy_types(c, Bounds(blocks=ROOMY, tokens=ROOMY, seqs=1), 0.0) != NONE).sum() == 1
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_two_approximation_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 7))
+    kv = rng.integers(1, 12, n)
+    hidden = np.where(rng.random(n) < 0.8, -(-kv // 2), kv + rng.integers(0, 3, n))
+    value = rng.exponential(2.0, n) * (rng.random(n) < 0.9)
+    penalty = float(rng.choice([0.0, 0.01, 0.1, 0.5]))
+    blocks = int(rng.integers(0, kv.sum() + 2))
+    c = cands(value, kv, hidden)
+    choice = greedy_types(c, blocks_only(blocks), penalty)
+    assert used_blocks(c, choice) <= blocks
+    assert not (choice == HIDDEN)[hidden >= kv].any()
+    got = schedule_values(c, choice, penalty)
+    opt = brute_force(c, blocks, penalty)
+    assert got >= opt / 2 - 1e-9, (got, opt, choice)
+    kv_only = greedy_types(c, blocks_only(blocks), penalty, hidden=False)
+    assert HIDDEN not in kv_only.tolist()
+    assert schedule_values(c, kv_only, penalty) >= brute_force(c, blocks, penalty, hidden=False) / 2 - 1e-9
+
+
+@pytest.mark.parametrize("name", ["apt-serve", "apt-serve-s"])
+@pytest.mark.parametrize("hidden_block_tokens, uses_hidden", [(8, True), (3, False), (0, False)])
+def test_policy_uses_the_hidden_cache_only_where_it_saves_blocks(name, hidden_block_tokens, uses_hidden):
+    """A tight cache (12 blocks of 4 tokens) and eight 12-token prompts: with MHA-like blocks
+    (8 hidden rows per block) some requests run on the hidden cache; with GQA-like ones (3)
+    or none, never. Every request still ends with its own output (the harness checks)."""
+    h = Harness(num_blocks=12, block_size=4, limits=SchedulerLimits(8, 64, 64), eos=None,
+                policy=POLICIES[name](), hidden_block_tokens=hidden_block_tokens)
+    h.run([spec(12, 6, first=k) for k in range(8)])
+    assert (h.runner.num_hidden_runs > 0) == uses_hidden
