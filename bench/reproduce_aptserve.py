@@ -11,9 +11,19 @@ The setting, as the paper states it, and what is ours:
   max_model_len 2,048 (OPT's limit). Policies `vllm`, `sarathi`, `fastgen` (512-token
   budgets) and `apt-serve` (`apt-serve-s` beside them, the paper's Figure 11). rho is the
   cost model's K/V projection time of one hidden block (`hidden_block_cost`), without the
-  authors' /5. OPT-30B on 2 and OPT-66B on 4 A100s are not run: the simulator has no tensor
-  parallelism yet (issue 17, being built); add them to `SETTINGS` with their Table 3 SLOs
-  (30B: 1.5/1.0, 1.0/0.5, 4.5/1.0; 66B: 2.0/1.0, 1.5/0.5, 5.0/1.0) once it has.
+  authors' /5.
+- OPT-30B on 2 and OPT-66B on 4 A100-40G (Table 2, the paper's Megatron tensor parallelism
+  over NVLink): the simulator's `tensor_parallel_size` (each GPU's share of the work and
+  weights, two ring all-reduces a layer), `--models opt-30b,opt-66b`. Only Figure 8 is run
+  there (vllm, sarathi, fastgen, apt-serve and `apt-serve/hybrid`, its KV-only ablation),
+  with Table 3's SLOs for those sizes (30B: 1.5/1.0, 1.0/0.5, 4.5/1.0; 66B: 2.0/1.0,
+  1.5/0.5, 5.0/1.0). Under tensor parallelism a GPU keeps 1/tp of each K/V page but whole
+  hidden rows (`hidden_block_tokens`, printed per model): 30B on 2 GPUs stores 16 hidden
+  tokens per 16-token block, 66B on 4 stores 8, so the hidden cache saves nothing or costs
+  memory and apt-serve never chooses it; any gain there is its scheduling alone, which the
+  KV-only column measures (it should match apt-serve run for run). The paper prints no
+  per-model ratio (Figure 8's curves are images), so its three-model averages stand beside
+  each model's ratio.
 - 1,000 requests per run (Section 6.2): ShareGPT (vLLM's sampling of ShareGPT V3: prompt and
   output >= 4 tokens and their sum <= 2,048 as the authors' sampling, plus vLLM's 1,024-token
   prompt cap, ours), HumanEval (the 164 problems repeated in seeded passes, outputs the
@@ -36,9 +46,11 @@ The setting, as the paper states it, and what is ours:
   `apt-serve-decay` (Figure 10's decaying factor 0.4) beside them.
 
 Usage:
-    nice -n 5 python bench/reproduce_aptserve.py            # the full run (~20 min, 2 cores)
+    nice -n 5 python bench/reproduce_aptserve.py            # opt-13b, the full run (~20 min, 2 cores)
     python bench/reproduce_aptserve.py --quick              # 400 requests, 4 rates (~3 min)
-Writes bench/results/aptserve_reproduction[_quick].json and .md (the printed tables).
+    nice -n 5 python bench/reproduce_aptserve.py --models opt-30b,opt-66b   # Figure 8 under TP (~11 min)
+Writes bench/results/aptserve_reproduction[_<models other than opt-13b>][_quick].json and .md
+(the printed tables).
 """
 
 from __future__ import annotations
@@ -52,16 +64,18 @@ import pathlib
 import sys
 import time
 from contextlib import redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.metrics import effective_throughput
+from jserve.cache.sizing import hidden_block_tokens
 from jserve.config import EngineConfig
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-MODEL, HARDWARE, MAX_LEN = "opt-13b", "a100-40g", 2048
+HARDWARE, MAX_LEN, BLOCK_SIZE = "a100-40g", 2048, 16
 BASELINES = ("vllm", "sarathi", "fastgen")
 MAIN = (*BASELINES, "apt-serve", "apt-serve-s")
+TP_MAIN = (*BASELINES, "apt-serve", "apt-serve/hybrid")
 ROBUST = ("vllm", "sarathi", "apt-serve")  # Figure 9's systems
 ABLATIONS = ("apt-serve", "apt-serve/hybrid", "apt-serve/adaptive", "apt-serve-decay")
 CVS = (1.0, 5.0, 10.0)
@@ -88,12 +102,47 @@ SETTINGS = (
     Dataset("LongBench", "longbench-filtered", 4.0, 1.0, (0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4),
             (1, 1.5, 2, 3), {0.9: (2.8, 2.5, 2.3), 0.6: (4.2, 3.9, 3.8)}, True),
 )
+
+
+@dataclass(frozen=True)
+class Model:
+    """One column of Tables 2-3: a model, its GPUs, its datasets with that size's SLOs and
+    rate grids, the policies of its Figure 8 table, and whether Figures 9 and Tables 4-5 run."""
+    name: str
+    tp: int
+    datasets: tuple[Dataset, ...]
+    policies: tuple[str, ...]
+    extras: bool
+
+    @property
+    def hidden_block_tokens(self) -> int:
+        cfg = EngineConfig(runner="sim", model=self.name, hardware=HARDWARE, tensor_parallel_size=self.tp)
+        return hidden_block_tokens(cfg.model_config(), BLOCK_SIZE, self.tp)
+
+
+def scaled(tp_slos: tuple[tuple[float, float], ...]) -> tuple[Dataset, ...]:
+    """SETTINGS with a larger model's Table 3 SLOs (per dataset, in order) and the rate
+    grids of the tensor-parallel runs: the 30B and 66B groups hold fewer K/V tokens than
+    13B's GPU (11.5k and 8.7k tokens against 14.8k, which 13B's hidden cache can stretch
+    to twice that), so their grids start lower."""
+    grids = ((1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8), (5, 10, 15, 20, 25, 30, 35, 40, 50),
+             (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3))
+    return tuple(replace(d, ttft_slo=ttft, tbt_slo=tbt, rates=rates, quick_rates=rates[::3])
+                 for d, (ttft, tbt), rates in zip(SETTINGS, tp_slos, grids))
+
+
+MODELS = {m.name: m for m in (
+    Model("opt-13b", 1, SETTINGS, MAIN, True),
+    Model("opt-30b", 2, scaled(((1.5, 1.0), (1.0, 0.5), (4.5, 1.0))), TP_MAIN, False),
+    Model("opt-66b", 4, scaled(((2.0, 1.0), (1.5, 0.5), (5.0, 1.0))), TP_MAIN, False),
+)}
 PAPER_PEAK_X = 8.8  # "up to 8.8x" effective throughput (abstract)
 PAPER_BURST_X = 7.5  # Figure 9: "up to 7.5x higher SLO attainment" under bursty arrivals
 
 
-def config(d: Dataset, policy: str, rate: float, requests: int, cv: float = 1.0) -> BenchConfig:
-    engine = EngineConfig(runner="sim", model=MODEL, hardware=HARDWARE, policy=policy, max_model_len=MAX_LEN)
+def config(m: Model, d: Dataset, policy: str, rate: float, requests: int, cv: float = 1.0) -> BenchConfig:
+    engine = EngineConfig(runner="sim", model=m.name, hardware=HARDWARE, policy=policy, max_model_len=MAX_LEN,
+                          block_size=BLOCK_SIZE, tensor_parallel_size=m.tp)
     return BenchConfig(engine, workload=d.workload, rate=rate, num_requests=requests, cv=cv, seed=0,
                        ttft_slo=d.ttft_slo, tbt_slo=d.tbt_slo)
 
@@ -134,21 +183,21 @@ def robust_rate(rows: list[dict], d: Dataset, rates: tuple[float, ...]) -> float
     return eff(rows, d, "sarathi", rates, 0.9) or rates[0]
 
 
-def main_table(rows: list[dict], d: Dataset, rates: tuple[float, ...]) -> list[str]:
-    out = [f"### {d.name} (TTFT {d.ttft_slo:g} s, P99 TBT {d.tbt_slo:g} s): SLO attainment by rate", "",
-           "| rate | " + " | ".join(MAIN) + " |", "|---|" + "---|" * len(MAIN)]
+def main_table(rows: list[dict], m: Model, d: Dataset, rates: tuple[float, ...]) -> list[str]:
+    out = [f"#### {m.name}, {d.name} (TTFT {d.ttft_slo:g} s, P99 TBT {d.tbt_slo:g} s): SLO attainment by rate", "",
+           "| rate | " + " | ".join(m.policies) + " |", "|---|" + "---|" * len(m.policies)]
     for rate in rates:
         out.append(f"| {rate:g} | " + " | ".join(
-            f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}" for p in MAIN) + " |")
+            f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}" for p in m.policies) + " |")
     for t in THRESHOLDS:
         out.append(f"| eff. throughput at {t:.0%} | " + " | ".join(
-            f"{eff(rows, d, p, rates, t) or '< ' + str(rates[0])}" for p in MAIN) + " |")
+            f"{eff(rows, d, p, rates, t) or '< ' + str(rates[0])}" for p in m.policies) + " |")
     return out
 
 
-def claims(rows: list[dict], rates_of: dict[str, tuple[float, ...]]) -> list[dict]:
+def claims(rows: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]) -> list[dict]:
     out = []
-    for d in SETTINGS:
+    for d in m.datasets:
         rates = rates_of[d.name]
         for t in THRESHOLDS:
             apt = eff(rows, d, "apt-serve", rates, t)
@@ -162,9 +211,9 @@ def claims(rows: list[dict], rates_of: dict[str, tuple[float, ...]]) -> list[dic
     return out
 
 
-def claims_table(c: list[dict]) -> list[str]:
-    out = ["## Figure 8's claims: Apt-Serve's effective throughput over each baseline's", "",
-           "| dataset | threshold | baseline | paper (3-model avg) | ours (13B) | rates (apt / baseline, req/s) | "
+def claims_table(c: list[dict], m: Model) -> list[str]:
+    out = [f"### Figure 8's claims, {m.name}: Apt-Serve's effective throughput over each baseline's", "",
+           f"| dataset | threshold | baseline | paper (3-model avg) | ours ({m.name}) | rates (apt / baseline, req/s) | "
            "goal: same sign, >= half |", "|---|---|---|---|---|---|---|"]
     for x in c:
         ours = "inf (baseline fails the lowest rate)" if math.isinf(x["ours_x"]) else f"{x['ours_x']:.2f}x"
@@ -176,12 +225,12 @@ def claims_table(c: list[dict]) -> list[str]:
     return out
 
 
-def robust_table(rows: list[dict], rate_of: dict[str, float]) -> list[str]:
-    out = ["## Figure 9: SLO attainment under Gamma arrivals (burstiness CV)", "",
+def robust_table(rows: list[dict], m: Model, rate_of: dict[str, float]) -> list[str]:
+    out = ["### Figure 9: SLO attainment under Gamma arrivals (burstiness CV)", "",
            "| dataset | rate | CV | " + " | ".join(ROBUST) + " | apt-serve / best baseline |",
            "|---|---|---|" + "---|" * (len(ROBUST) + 1)]
     best = 0.0
-    for d in SETTINGS:
+    for d in m.datasets:
         for cv in CVS:
             att = {p: pick(rows, d.name, p, rate_of[d.name], cv)["slo_attainment"] for p in ROBUST}
             base = max(att[p] for p in ROBUST if p != "apt-serve")
@@ -193,13 +242,13 @@ def robust_table(rows: list[dict], rate_of: dict[str, float]) -> list[str]:
     return out
 
 
-def ablation_table(rows: list[dict], rate_of: dict[str, float]) -> list[str]:
-    out = ["## Tables 4 and 5: hybrid cache and adaptive scheduling switched off (SLO attainment)", "",
+def ablation_table(rows: list[dict], m: Model, rate_of: dict[str, float]) -> list[str]:
+    out = ["### Tables 4 and 5: hybrid cache and adaptive scheduling switched off (SLO attainment)", "",
            "Paper (Table 4 KV-only vs hybrid; Table 5 FCFS vs adaptive), ShareGPT at 3 / 6 req/s, LongBench at "
            "1.5 / 3: hybrid beats KV-only by 0 to 7.6 pp; adaptive beats FCFS by 36.2 to 86.4 pp.", "",
            "| dataset | rate | CV | apt-serve | /hybrid (KV only) | /adaptive (FCFS) | apt-serve-decay (0.4) | "
            "hybrid - KV only (pp) | adaptive - FCFS (pp) |", "|---|---|---|---|---|---|---|---|---|"]
-    for d in SETTINGS:
+    for d in m.datasets:
         if not d.ablated:
             continue
         for rate in (rate_of[d.name], 2 * rate_of[d.name]):
@@ -211,44 +260,68 @@ def ablation_table(rows: list[dict], rate_of: dict[str, float]) -> list[str]:
     return out
 
 
+def run_model(pool: concurrent.futures.Executor, m: Model, n: int, quick: bool) -> tuple[list[str], dict]:
+    """Figure 8's sweep for one model (and, with `m.extras`, Figure 9 and Tables 4-5 at
+    rates read from it): the printed section and its JSON."""
+    rates_of = {d.name: d.quick_rates if quick else d.rates for d in m.datasets}
+    jobs = [(d.name, config(m, d, p, rate, n)) for d in m.datasets for rate in rates_of[d.name] for p in m.policies]
+    rows = list(pool.map(run, jobs))
+    rate_of = {d.name: robust_rate(rows, d, rates_of[d.name]) for d in m.datasets}
+    if m.extras:
+        more = {(d.name, p, rate, cv) for d in m.datasets for cv in CVS for p in ROBUST
+                for rate in [rate_of[d.name]]}
+        more |= {(d.name, p, rate, cv) for d in m.datasets if d.ablated for cv in CVS for p in ABLATIONS
+                 for rate in (rate_of[d.name], 2 * rate_of[d.name])}
+        done = {(r["dataset"], r["policy"], r["rate"], r["cv"]) for r in rows}
+        by_name = {d.name: d for d in m.datasets}
+        jobs = [(name, config(m, by_name[name], p, rate, n, cv)) for name, p, rate, cv in sorted(more - done)]
+        rows += list(pool.map(run, jobs))
+    c = claims(rows, m, rates_of)
+    gpus = "one" if m.tp == 1 else f"{m.tp} x"
+    lines = [f"## {m.name} on {gpus} {HARDWARE} (tensor_parallel_size {m.tp}): hidden_block_tokens "
+             f"{m.hidden_block_tokens} per {BLOCK_SIZE}-token block"
+             + ("" if m.hidden_block_tokens > BLOCK_SIZE else " (the hidden cache saves no memory: apt-serve keeps "
+                "every request on K/V, its gains can only be its scheduling)"), "",
+             "### Figure 8" + (" (and Figure 11's apt-serve-s)" if "apt-serve-s" in m.policies else "")
+             + ": SLO attainment and effective throughput", ""]
+    for d in m.datasets:
+        lines += main_table(rows, m, d, rates_of[d.name]) + [""]
+    lines += claims_table(c, m)
+    if m.extras:
+        lines += [""] + robust_table(rows, m, rate_of) + [""] + ablation_table(rows, m, rate_of)
+    return lines, {"tensor_parallel_size": m.tp, "hidden_block_tokens": m.hidden_block_tokens, "rates": rates_of,
+                   "robust_rates": rate_of if m.extras else None, "claims": c, "runs": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="400 requests, 4 rates per dataset")
     ap.add_argument("--requests", type=int, default=None, help="requests per run (default 1000; quick 400)")
+    ap.add_argument("--models", default="opt-13b",
+                    help=f"comma-separated, of {', '.join(MODELS)} (Table 2's settings; 30B/66B: Figure 8 only)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
+    names = args.models.split(",")
+    if unknown := set(names) - set(MODELS):
+        ap.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
     n = args.requests or (400 if args.quick else 1000)
-    rates_of = {d.name: d.quick_rates if args.quick else d.rates for d in SETTINGS}
     t0 = time.perf_counter()
+    lines = [f"# Apt-Serve reproduction ({', '.join(names)} on {HARDWARE}, simulated){' --quick' if args.quick else ''}",
+             "", f"{n} requests per run, seed 0; rho = the cost model's K/V projection time per hidden block.", ""]
+    results = {}
     with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
-        jobs = [(d.name, config(d, p, rate, n)) for d in SETTINGS for rate in rates_of[d.name] for p in MAIN]
-        rows = list(pool.map(run, jobs))
-        rate_of = {d.name: robust_rate(rows, d, rates_of[d.name]) for d in SETTINGS}
-        more = {(d.name, p, rate, cv) for d in SETTINGS for cv in CVS for p in ROBUST
-                for rate in [rate_of[d.name]]}
-        more |= {(d.name, p, rate, cv) for d in SETTINGS if d.ablated for cv in CVS for p in ABLATIONS
-                 for rate in (rate_of[d.name], 2 * rate_of[d.name])}
-        done = {(r["dataset"], r["policy"], r["rate"], r["cv"]) for r in rows}
-        by_name = {d.name: d for d in SETTINGS}
-        jobs = [(name, config(by_name[name], p, rate, n, cv)) for name, p, rate, cv in sorted(more - done)]
-        rows += list(pool.map(run, jobs))
-    c = claims(rows, rates_of)
-    lines = [f"# Apt-Serve reproduction ({MODEL} on one {HARDWARE}, simulated){' --quick' if args.quick else ''}", "",
-             f"{n} requests per run, seed 0; rho = the cost model's K/V projection time per hidden block. "
-             "OPT-30B (2 GPUs) and OPT-66B (4 GPUs): not run, the simulator has no tensor parallelism yet.", "",
-             "## Figure 8 (and Figure 11's apt-serve-s): SLO attainment and effective throughput", ""]
-    for d in SETTINGS:
-        lines += main_table(rows, d, rates_of[d.name]) + [""]
-    lines += claims_table(c) + [""] + robust_table(rows, rate_of) + [""] + ablation_table(rows, rate_of)
-    lines += ["", f"wall time {time.perf_counter() - t0:.0f} s"]
+        for name in names:
+            section, results[name] = run_model(pool, MODELS[name], n, args.quick)
+            lines += section + [""]
+    lines += [f"wall time {time.perf_counter() - t0:.0f} s"]
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = "aptserve_reproduction" + ("_quick" if args.quick else "")
+    stem = "_".join(["aptserve_reproduction", *(x for x in names if x != "opt-13b")]) + ("_quick" if args.quick else "")
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"command": " ".join(["python", *sys.argv]), "model": MODEL, "hardware": HARDWARE, "requests": n,
-         "rates": rates_of, "robust_rates": rate_of, "claims": c, "runs": rows}, indent=1, default=str))
+        {"command": " ".join(["python", *sys.argv]), "hardware": HARDWARE, "requests": n, "models": results},
+        indent=1, default=str))
 
 
 if __name__ == "__main__":
