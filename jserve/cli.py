@@ -31,6 +31,7 @@ from jserve.config import (
     engine_config_from_args,
     server_config_from_args,
 )
+from jserve.errors import ConfigError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except BadArguments as e:
+    except (BadArguments, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,5 +15,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class ConfigError(ValueError):
+    """An engine option this machine or model cannot honour, found only while the engine is
+    built (too few devices for the tensor-parallel size, heads that do not split): the
+    user's to fix, so the CLI prints it as one `error:` line rather than a traceback."""
+
+
 class PlanError(RuntimeError):
     """A policy returned a plan the engine state cannot honour: a policy bug, never trimmed."""

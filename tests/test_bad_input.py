@@ -113,3 +113,12 @@ def test_cli_reports_bad_arguments_in_one_line(argv: list[str], message: str,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [err.strip()] and err.startswith(message)
+
+
+def test_cli_reports_too_few_devices_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found only while the engine is built (after the 'loading' line), still no traceback."""
+    argv = ["generate", "--model", "tiny-llama", "--no-warmup", "--tensor-parallel-size", "64", "hi"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: tensor_parallel_size=64 needs that many JAX devices")

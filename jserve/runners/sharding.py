@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jserve.errors import ConfigError
 from models.config import ModelConfig
 from models.loading import CausalLM
 from models.paged import KVCache
@@ -65,7 +66,7 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     """The first `tensor_parallel_size` devices (of every process) on the `tp` axis."""
     devices = jax.devices()
     if tensor_parallel_size > len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many JAX devices, "
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs that many JAX devices, "
                          f"{len(devices)} exist (on CPU, force more with "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
@@ -78,12 +79,12 @@ def sharded_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     tp = tensor_parallel_size
     for name, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
         if n % tp:
-            raise ValueError(f"{cfg.name}: {name}={n} does not split over tensor_parallel_size={tp}")
+            raise ConfigError(f"{cfg.name}: {name}={n} does not split over tensor_parallel_size={tp}")
     kv = cfg.num_kv_heads
     if kv % tp == 0:
         return cfg
     if tp % kv:
-        raise ValueError(f"{cfg.name}: num_kv_heads={kv} neither splits over nor divides "
+        raise ConfigError(f"{cfg.name}: num_kv_heads={kv} neither splits over nor divides "
                          f"tensor_parallel_size={tp}")
     return dataclasses.replace(cfg, num_kv_heads=tp)
 
