@@ -60,10 +60,11 @@ def test_mha_models_identical_on_the_hidden_cache(mha_loaded: LoadedModel, atten
     assert hidden
 
 
-def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel, attention: str) -> None:
     """Both requests prefill hidden and switch to KV at their third token (mixed batches)."""
     tok = smollm2_loaded.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea."]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
     assert _identical(smollm2_loaded, ForcedHiddenCache(all_hidden, switch=True), prompts, 5,
-                      num_blocks=16, max_model_len=128)
+                      num_blocks=16, max_model_len=128, attention=attention)
