@@ -6,6 +6,7 @@ interpreted-kernel backends) and SmolLM2."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from layer_offload_policy import (
     ForcedLayerOffload,
@@ -58,3 +59,23 @@ def test_warmup_compiles_layered_prefill_variants_only_for_an_offloading_policy(
     offloading = LLM(tiny_loaded, policy=ForcedLayerOffload(), num_blocks=32, warmup=False, swap_space=0.001)
     offloading.runner.warmup(shapes=[(16, 8)])
     assert set(offloading.runner._executables) == {(16, 8, False, False, False), (16, 8, False, True, False)}
+
+
+def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny_loaded: LoadedModel) -> None:
+    """After warm-up a run compiles no layer copy (they used to compile inside the first
+    offloading steps), and warm-up's copies touch nothing but the scratch block."""
+    offloading = LLM(tiny_loaded, policy=ForcedLayerOffload(keep=_mixed, offload_running=True, reshuffle=True),
+                     num_blocks=12, block_size=4, max_model_len=48, warmup=False, swap_space=0.001)
+    runner = offloading.runner
+    scratch = runner.scratch_block
+    before = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
+    runner.warmup(shapes=[(16, 8)])
+    after = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(np.delete(b, scratch, axis=0), np.delete(a, scratch, axis=0))
+    pool = runner.layer_pool
+    compiled = pool._gather._cache_size(), pool._scatter._cache_size()
+    prompts = random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15])
+    seen = identical_to_roomy_run(offloading, tiny_loaded, prompts, 40, 48)
+    assert seen["prefills"] and seen["to_host"] and seen["to_device"] and seen["copies"]
+    assert (pool._gather._cache_size(), pool._scatter._cache_size()) == compiled

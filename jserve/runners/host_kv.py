@@ -10,6 +10,7 @@ host copy needs no block bookkeeping of its own (the engine state accounts for h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -72,12 +73,34 @@ class HostKVStore:
         self._held.pop(seq_id, None)
 
 
+@functools.cache
+def _layer_copies(gather_blocks: Callable, scatter_blocks: Callable) -> tuple[Callable, Callable]:
+    """One layer's (gather, donated scatter) of K and V blocks, made once per backend's
+    copy functions, so an engine built again in the same process reuses the compiled
+    copies."""
+    gather = jax.jit(lambda k, v, ids: (gather_blocks(k, ids), gather_blocks(v, ids)))
+    scatter = jax.jit(lambda k, v, ids, kb, vb: (scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb)),
+                      donate_argnums=(0, 1))
+    return gather, scatter
+
+
 def _pad_ids(ids: np.ndarray, fill: int) -> np.ndarray:
     """Block ids padded to a power of two with `fill` (the scratch block), so the copy jits
     compile once per size class rather than once per length."""
     n = max(1, 1 << max(0, len(ids) - 1).bit_length())
     out = np.full(n, fill, np.int32)
     out[: len(ids)] = ids
+    return out
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zeroed array whose pages are mapped now. `np.zeros` leaves them for the OS to map on
+    first write, and a LayerKV run writes most of its host pool once, so every offload paid
+    for the mapping inside the step (`python bench/layer_copy_cost.py` measures the
+    difference); mapping the pool when it is made moves that to start-up, as vLLM pins its
+    whole swap space when it starts."""
+    out = np.empty(shape, dtype)
+    out.fill(0)
     return out
 
 
@@ -89,11 +112,11 @@ class LayerHostPool:
     different steps (its prefill writes some layers, an offload later adds others, a bring-
     back takes a few of them back), and the engine hands out host slots per layer
     (`jserve.cache.layers`), so the host copy of layer `l` of block `b` needs a fixed place
-    of its own. The pools are numpy (pageable) arrays allocated zeroed, so the OS maps pages
-    only as they are written. Transfers go through `device_put` to pinned host memory where
-    the backend has it (and to the device); a device -> host copy is issued without waiting
-    for it and lands in the pool when the next step starts (`flush`), so on a GPU it
-    overlaps the host's work and the next step's dispatch. On XLA:CPU "device" and "pinned
+    of its own. The pools are pageable numpy arrays, mapped when made (`mapped_zeros`).
+    Transfers go through `device_put` to pinned host memory where the backend has it (and
+    to the device); a device -> host copy is issued without waiting for it and lands in the
+    pool when the next step starts (`flush`), so on a GPU it overlaps the host's work and
+    the next step's dispatch. On XLA:CPU "device" and "pinned
     host" are both host memory and every copy is a memcpy done at once.
     """
 
@@ -101,14 +124,27 @@ class LayerHostPool:
                  dtype: np.dtype, num_layers: int, scratch_block: int,
                  pages_sharding: jax.sharding.Sharding | None = None) -> None:
         """`pages_sharding`: how a layer's pages (and blocks gathered from them) are laid out."""
-        self.k = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.k = [mapped_zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [mapped_zeros(shape, dtype) for _ in range(num_layers)]
         self.scratch_block = scratch_block
-        self._gather = jax.jit(lambda k, v, ids: (gather_blocks(k, ids), gather_blocks(v, ids)))
-        self._scatter = jax.jit(lambda k, v, ids, kb, vb: (scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb)),
-                                donate_argnums=(0, 1))
+        self._gather, self._scatter = _layer_copies(gather_blocks, scatter_blocks)
         self._host, self._device = memory_shardings(pages_sharding)
         self._pending: list[tuple[int, np.ndarray, jax.Array, jax.Array]] = []
+
+    def warm_up(self, cache: KVCache) -> KVCache:
+        """Compile the copies for every padded size a step can ask for (one block up to a
+        layer's whole device pool), both ways, so a run's first offloads do not pay for
+        compiling them; only the scratch block is written."""
+        page = self.k[0].shape[1:]
+        n = 1
+        while True:
+            ids = np.full(n, self.scratch_block, np.int32)
+            cache = self.scatter(cache, 0, ids, *self.gather(cache, 0, ids))
+            from_host = np.zeros((n, *page), self.k[0].dtype)
+            cache = self.scatter(cache, 0, ids, from_host, from_host)
+            if n >= cache.k[0].shape[0]:
+                return cache
+            n *= 2
 
     def read(self, layer: int, host_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Layer `layer`'s K and V blocks at `host_ids` (copies)."""

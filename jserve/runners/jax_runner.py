@@ -329,7 +329,8 @@ class JaxRunner:
         """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses), or
         load them from the persistent compile cache; returns the seconds it took.
 
-        Nothing runs: executing a padding batch per bucket cost more than loading its step.
+        No step runs: executing a padding batch per bucket cost more than loading its step.
+        LayerKV's layer copies (small jits, one per padded size) do run, on the scratch block.
         Tracing and lowering (Python) happen here while worker threads compile or load the
         buckets already lowered (XLA, which releases the GIL), so they overlap.
         """
@@ -350,6 +351,8 @@ class JaxRunner:
             for _ in done:
                 pass
         self._executables.update((shape, f.result()) for shape, f in pending.items())
+        if self.layer_pool is not None:
+            self.cache = self.layer_pool.warm_up(self.cache)
         self.warmed_up = True
         return time.perf_counter() - t0
 
