@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """Where LayerKV's layer copies spend their time, stage by stage, beside a plain `device_put`
-of the same bytes: the measured reason `bench/layerkv_cpu.py` saw its layer copies move at a
-fifth of `device_put`'s rate.
+of the same bytes: why `bench/layerkv_cpu.py` saw its layer copies move at a fifth of
+`device_put`'s rate before the pool compiled its copies in warm-up and mapped its pages
+when made.
 
 One request's worth of offload (SmolLM2's shapes by default: `--blocks` blocks of every one of
 its 30 layers, K and V) goes through the runner's own path (`LayerHostPool`): per layer a
 jitted gather of the blocks, a `device_put` to the host memory kind, and at `flush` a write
 into the per-layer numpy pool; then back (pool read + donated scatter). Each stage is timed
-alone (median, outputs ready), and the offload twice: into host slots written before (pages
-mapped) and into slots never written (a fresh pool: numpy's zeroed pages are mapped by the
-OS on first write, as in a run's first pass over the host tier).
+alone (median, outputs ready), and the offload twice: into host slots written before and into
+a fresh pool. Beside them, what the pool's `mapped_zeros` moves to start-up: making a pool
+(its pages mapped then), and the same bytes written once into a fresh `np.zeros` array,
+whose pages the OS maps on first write, as an unmapped pool's were in a run's first pass
+over the host tier.
 
     python bench/layer_copy_cost.py [--model smollm2-135m] [--blocks 64] [--block-size 16]
 """
@@ -52,6 +55,11 @@ def measure(model: str, blocks: int, block_size: int, repeats: int) -> dict[str,
     warm = new_pool()
     fresh = [new_pool() for _ in range(repeats + 2)]  # built outside the timed part
     one_buffer = random_like((2 * layers * blocks, *page), jnp.float32)
+    source = np.asarray(one_buffer)
+    unmapped = [np.zeros(source.shape, source.dtype) for _ in range(repeats + 2)]
+
+    def first_write() -> None:
+        unmapped.pop()[...] = source
 
     def gather() -> object:
         return [warm.gather(held["cache"], layer, ids) for layer in range(layers)]
@@ -77,7 +85,9 @@ def measure(model: str, blocks: int, block_size: int, repeats: int) -> dict[str,
         "gather (jit, per layer)": gather,
         "gather + device_put to host kind": gather_put,
         "offload into written host slots": lambda: offload(warm),
-        "offload into never-written host slots": lambda: offload(fresh.pop()),
+        "offload into a fresh pool": lambda: offload(fresh.pop()),
+        "making a pool (start-up, maps its pages)": new_pool,
+        "first write into unmapped np.zeros": first_write,
         "bring back (pool read + donated scatter)": bring_back,
     }
     return {name: median_seconds(fn, warmup=1, repeats=repeats) for name, fn in stages.items()}, \

@@ -8,9 +8,10 @@ achieved beside a plain `jax.device_put` of the same bytes to the same host memo
 The layer copies are timed by wrapping, in this script only, the runner's layer copy paths
 (`JaxRunner._offload_prefills`, `_read_layers`, `_write_layers` and `LayerHostPool.flush`),
 each waited on until its copies are done; bytes = layer blocks moved to and from the host
-x K and V x one layer's block (the host pool's first-touch page faults, the per-layer jit
-dispatches and the padded gathers/scatters included). Device -> device slot copies (`layers_copy`) run inside the
-same paths: their blocks are counted apart, and their time is in the copy time.
+x K and V x one layer's block (the per-layer jit dispatches and the padded gathers/scatters
+included; the copies are compiled, and the host pool mapped, before the run starts).
+Device -> device slot copies (`layers_copy`) run inside the same paths: their blocks are
+counted apart, and their time is in the copy time.
 
 LayerKV's Eq. 3-4 costs come from `--profile` (default: the committed CPU profile of
 SmolLM2); `--no-profile` runs it without one (prefills estimated at 0 s: the SLO gate then
@@ -29,7 +30,6 @@ import platform
 import time
 
 import jax
-import numpy as np
 from device_timing import median_seconds, random_like, today
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
