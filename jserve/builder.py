@@ -136,20 +136,22 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes,
                                             config.swap_space * 2**30 * tp_size)
     policy = config.make_policy()
+    # Sharded, the attention sees each device's KV-head slice of a page, which holds no
+    # whole hidden row: no hidden cache on the real engine with tensor parallelism.
+    hidden_tokens = hidden_block_tokens(model, config.block_size) if tp is None else 0
     runner = JaxRunner(
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,
         max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len, attention=config.attention,
         layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
+        hidden_steps=getattr(policy, "uses_hidden_cache", False) and hidden_tokens > config.block_size,
         tensor_parallel=tp,
     )
     # Several processes: this one runs the engine loop (process 0), or follows its steps.
     runner = multihost.coordinate(runner, config.warmup)
     # The real runner's costs come only from a profile measured on it; without one the
     # policy keeps its documented fallback (Apt-Serve: rho 0.0, unknown).
-    # Sharded, the attention sees each device's KV-head slice of a page, which holds no
-    # whole hidden row: no hidden cache on the real engine with tensor parallelism.
-    hidden_tokens, rho = (hidden_block_tokens(model, config.block_size) if tp is None else 0), 0.0
+    rho = 0.0
     if config.profile is not None:
         hidden = load_hidden_profile(config.profile)
         rho = hidden.block_cost(hidden_tokens) if hidden is not None else 0.0

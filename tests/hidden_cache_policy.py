@@ -38,6 +38,7 @@ class ForcedHiddenCache:
     switch: bool = False
     name: str = "forced-hidden-cache"
     chunked_prefill: bool = False
+    uses_hidden_cache: bool = True
 
     def _type(self, view: SchedulerView, i: int) -> CacheType:
         want = self.choose(int(view.requests.seq_id[i]))

@@ -68,3 +68,26 @@ def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in chats]
     assert _identical(smollm2_loaded, ForcedHiddenCache(all_hidden, switch=True), prompts, 5,
                       num_blocks=16, max_model_len=128, attention=attention)
+
+
+def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel) -> None:
+    """A hidden-cache run after warm-up compiles no step (they used to compile on first use,
+    mid-run), and stays identical; warm-up adds hidden variants only where a policy may use
+    the hidden cache and the model's blocks hold more hidden rows than KV tokens."""
+    limits = {"num_blocks": 12, "block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
+              "max_num_seqs": 8}
+    llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **limits)
+    llm.runner.warmup()
+    warmed = set(llm.runner._executables)
+    assert any(shape[-1] for shape in warmed)
+    prompts = random_prompts(mha_loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
+    roomy = LLM(mha_loaded, num_blocks=512, warmup=False)
+    cap = 12 * 4  # requests are capped at the KV capacity
+    expected = [e[: cap - len(p)] for e, p in zip(greedy_ids(roomy, prompts, 16), prompts, strict=True)]
+    got, hidden = _run(llm, prompts, 16)
+    assert hidden and got == expected
+    assert set(llm.runner._executables) == warmed
+    for policy, loaded in (("vllm", mha_loaded), ("apt-serve", load_model("tiny-llama", seed=0))):
+        other = LLM(loaded, policy=policy, warmup=False, **limits)
+        other.runner.warmup(shapes=[(16, 8)])
+        assert not any(shape[-1] for shape in other.runner._executables), (policy, loaded.config.name)

@@ -21,6 +21,8 @@ class Policy(Protocol):
     A policy that keeps some requests' layers on the host (`Plan.layers`, LayerKV) says so
     with a true `offloads_layers` attribute: the real runner then sets aside staging blocks
     for those requests' prefills and a per-layer host pool (`runners/jax_runner.py`).
+    One that may put requests on the hidden cache (`Plan.cache_type`, Apt-Serve) says so
+    with a true `uses_hidden_cache`: the runner's warm-up then compiles those steps too.
     """
 
     name: str

@@ -111,6 +111,12 @@ class AptServePolicy:
     decay: float | None = None  # None: the near-zero fallback; else its decaying factor
     watermark: float = 0.01  # vLLM's free blocks kept at admission
 
+    @property
+    def uses_hidden_cache(self) -> bool:
+        """Whether it may put requests on the hidden cache (the real runner's warm-up then
+        compiles steps with hidden sequences too)."""
+        return self.hybrid
+
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests
         running, waiting = r.with_status(RUNNING), r.with_status(WAITING)

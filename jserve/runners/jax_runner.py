@@ -247,10 +247,13 @@ class JaxRunner:
         kv_dtype: Any = None,
         layer_staging: bool = False,
         num_host_blocks: int = 0,
+        hidden_steps: bool = False,
         tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """`layer_staging`: room for prefills of partly offloaded requests (LayerKV), whose
         offloaded layers go to a per-layer host pool of `num_host_blocks` blocks.
+        `hidden_steps`: the policy may put sequences on the hidden cache (Apt-Serve), so
+        warm-up compiles those steps too.
         `tensor_parallel`: run the step over its mesh (`jserve.runners.sharding`): weights
         split Megatron-style, the cache by KV head, attention per shard."""
         tp = tensor_parallel
@@ -271,6 +274,7 @@ class JaxRunner:
                                    sharding=tp and tp.pages)
         self.scratch_block = self.cache.scratch_block
         self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
+        self.hidden_steps = hidden_steps and self.hidden_layout is not None
         attention_fn = select_attention(attention)
         if tp is not None:
             attention_fn = tp.attention(attention_fn)
@@ -338,8 +342,8 @@ class JaxRunner:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
-            for t, s, decode_only, layered in self._variants(shapes):
-                x = self._padding_inputs(t, s, decode_only, layered)
+            for variant in self._variants(shapes):
+                x = self._padding_inputs(*variant)
                 shape = _shape_of(x)
                 if shape not in self._executables and shape not in pending:
                     pending[shape] = pool.submit(self._lower(x).compile)
@@ -356,15 +360,19 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
-        """The steps each (T, S) bucket serves: with a decode kernel, a T = S bucket is
-        either all decodes or mixed (decodes plus short chunks), and each compiles apart;
-        with layer staging, a step that is not all decodes may also have per-layer tables
-        (a partly offloaded prefill in it)."""
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool, bool]]:
+        """The steps each (T, S) bucket serves, as (T, S, decode_only, layered, hidden): with
+        a decode kernel, a T = S bucket is either all decodes or mixed (decodes plus short
+        chunks), and each compiles apart; with layer staging, a step that is not all decodes
+        may also have per-layer tables (a partly offloaded prefill in it); with hidden steps,
+        any step may have hidden-cache sequences (never beside layer tables: the plan check
+        refuses a hidden request's layer offload)."""
         layered = (False, True) if self.layer_pool is not None else (False,)
-        return [(t, s, d, lay) for t, s in shapes
+        hidden = (False, True) if self.hidden_steps else (False,)
+        return [(t, s, d, lay, h) for t, s in shapes
                 for d in ((False, True) if self.mark_decode and t == s else (False,))
-                for lay in (layered if not d else (False,))]
+                for lay in (layered if not d else (False,))
+                for h in (hidden if not lay else (False,))]
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
         return self._step.lower(self._weights, self.cache, x)
@@ -380,8 +388,8 @@ class JaxRunner:
             exe = self._executables[shape] = self._lower(x).compile()
         return exe
 
-    def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False
-                        ) -> StepInputs:
+    def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False,
+                        hidden: bool = False) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         none = z(0, np.int32)
@@ -391,6 +399,11 @@ class JaxRunner:
                                decode_only=decode_only)
         if layered:
             meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
+        if hidden:
+            h = self.hidden_layout
+            meta = with_hidden(meta, np.zeros(0, bool), [], rows_per_page=h.rows_per_page,
+                               row_size=h.row_size, page_size=h.page_size, max_blocks=h.max_blocks,
+                               scratch_block=self.scratch_block, block_size=self.block_size)
         return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
                           z(t, np.int32))
