@@ -102,7 +102,7 @@ def test_specs_by_parameter_path() -> None:
     dimension, o/down on their input dimension, everything else replicated."""
     for name in ("tiny-llama", "tiny-opt"):
         _, state = nnx.split(load_model(name, seed=0).model)
-        specs = {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1]): param_spec(path, x.ndim)
+        specs = {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path[:-1]): param_spec(path)
                  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
         split = {k: s for k, s in specs.items() if s != jax.sharding.PartitionSpec()}
         column = {"wq", "wk", "wv", "w_gate", "w_up"} if name == "tiny-llama" else {"q_proj", "k_proj", "v_proj", "fc1"}

@@ -12,6 +12,7 @@ from jserve.cache.blocks import BlockManager
 from jserve.engine.batch import Batch, BatchInputs, LayerMove, LayerTraffic
 from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan import CacheType
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.request import Request
@@ -31,7 +32,7 @@ class BatchBuilder:
         query_lens = checked.run_lens.astype(np.int32)
         start = cols.num_computed[checked.run_rows].astype(np.int32)
         sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
-        hidden = cols.cache_type[checked.run_rows] == 1
+        hidden = cols.cache_type[checked.run_rows] == CacheType.HIDDEN
         partial = self._partial_runs(seq_ids) if self.residency.partial else {}
         inputs = self._inputs(seq_ids, start, query_lens, partial) if with_inputs else None
         layers = moves.layers

@@ -11,6 +11,7 @@ from jserve.cache.layers import kept_layers
 from jserve.cache.prefix import PrefixIndex
 from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan import CacheType
 from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
 
 
@@ -29,8 +30,8 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
     for seq_id, row in live.items():
         assert cols.seq_id[row] == seq_id
         part = residency.partial.get(seq_id)
-        hidden = cols.cache_type[row] == 1  # Apt-Serve's hidden cache: rows, not K/V
-        assert cols.cache_type[row] in (0, 1), f"seq {seq_id} cache type {cols.cache_type[row]}"
+        hidden = cols.cache_type[row] == CacheType.HIDDEN  # rows, not K/V
+        assert cols.cache_type[row] in tuple(CacheType), f"seq {seq_id} cache type {cols.cache_type[row]}"
         if hidden:
             assert hidden_block_tokens > 0, f"hidden seq {seq_id} on a model without a hidden cache"
             assert part is None and prefix is None, f"hidden seq {seq_id} offloaded or prefix-shared"

@@ -23,7 +23,7 @@ from jserve.cache.blocks import BlockManager
 from jserve.engine.batch import BlockMove
 from jserve.engine.layer_residency import LayerChange, LayerMoves, LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import PreemptMode
+from jserve.engine.plan import CacheType, PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
@@ -114,7 +114,7 @@ class PlanApplier:
         """Tokens one block of each of `rows` holds, by its cache type."""
         if not self.hidden_block_tokens:
             return self.blocks.block_size
-        return np.where(self.live.cols.cache_type[rows] == 1, self.hidden_block_tokens,
+        return np.where(self.live.cols.cache_type[rows] == CacheType.HIDDEN, self.hidden_block_tokens,
                         self.blocks.block_size)
 
     def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from jserve.engine.plan import CacheType
 from jserve.engine.request_table import RequestArrays
 
 Tokens = TypeVar("Tokens", int, np.ndarray)
@@ -83,7 +84,7 @@ class SchedulerView:
     def blocks_for_type(self, num_tokens: Tokens, cache_type: Tokens) -> Tokens:
         """Blocks that hold `num_tokens` tokens in `cache_type` (`CacheType`; one request,
         or elementwise for many); a hidden type when the model cannot use it raises."""
-        hidden = np.asarray(cache_type) == 1
+        hidden = np.asarray(cache_type) == CacheType.HIDDEN
         if hidden.any() and self.hidden_block_tokens < 1:
             raise ValueError("this model's blocks hold no hidden row (hidden_block_tokens == 0)")
         per_block = np.where(hidden, max(self.hidden_block_tokens, 1), self.block_size)

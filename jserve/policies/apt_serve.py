@@ -149,7 +149,7 @@ class AptServePolicy:
         it is computed in chunks (as Sarathi's)."""
         end = view.requests.num_tokens[rows]
         kv = view.blocks_for(end)
-        hidden = -(-end // view.hidden_block_tokens) if self._hidden_ok(view) else kv
+        hidden = view.blocks_for_type(end, CacheType.HIDDEN) if self._hidden_ok(view) else kv
         return Candidates(self._values(view, rows), kv, hidden, tokens)
 
     def _choose(self, view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bounds) -> np.ndarray:

@@ -116,8 +116,8 @@ class LayerHostPool:
     Transfers go through `device_put` to pinned host memory where the backend has it (and
     to the device); a device -> host copy is issued without waiting for it and lands in the
     pool when the next step starts (`flush`), so on a GPU it overlaps the host's work and
-    the next step's dispatch. On XLA:CPU "device" and "pinned
-    host" are both host memory and every copy is a memcpy done at once.
+    the next step's dispatch. On XLA:CPU "device" and "pinned host" are both host memory
+    and every copy is a memcpy done at once.
     """
 
     def __init__(self, gather_blocks: Callable, scatter_blocks: Callable, shape: tuple[int, ...],

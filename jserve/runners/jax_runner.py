@@ -66,7 +66,7 @@ COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
 # A compiled step's key: tokens T, sequences S, whether it is an all-decode step, whether
 # its layers have tables of their own (LayerKV), and whether some sequence is on the hidden
-# cache (Apt-Serve; compiled on first use).
+# cache (Apt-Serve).
 Shape = tuple[int, int, bool, bool, bool]
 
 
@@ -360,7 +360,7 @@ class JaxRunner:
         self.warmed_up = True
         return time.perf_counter() - t0
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool, bool]]:
+    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
         """The steps each (T, S) bucket serves, as (T, S, decode_only, layered, hidden): with
         a decode kernel, a T = S bucket is either all decodes or mixed (decodes plus short
         chunks), and each compiles apart; with layer staging, a step that is not all decodes

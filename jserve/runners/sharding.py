@@ -101,7 +101,7 @@ def _layer_name(path: tuple) -> str:
     return names[-2] if len(names) >= 2 else ""
 
 
-def param_spec(path: tuple, ndim: int) -> P:
+def param_spec(path: tuple) -> P:
     """Megatron-style spec of one parameter, by its path in the model's state."""
     layer, param = _layer_name(path), _names(path)[-1]
     if layer in COLUMN_PARALLEL:
@@ -114,7 +114,7 @@ def param_spec(path: tuple, ndim: int) -> P:
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     """A `NamedSharding` per parameter of `params` (same tree)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, x.ndim)), params)
+        lambda path, x: NamedSharding(mesh, param_spec(path)), params)
 
 
 def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
