@@ -53,9 +53,9 @@ from device_timing import (
 
 from jserve.engine.batch import Batch, BatchInputs
 from jserve.runners.jax_runner import JaxRunner, build_step_inputs
-from models.loading import load_model
-from pallas_kernels.backends import ATTENTION_BACKENDS, select_attention
-from pallas_kernels.paged_decode_attention import paged_decode_attention
+from jserve.models.loading import load_model
+from jserve.pallas_kernels.backends import ATTENTION_BACKENDS, select_attention
+from jserve.pallas_kernels.paged_decode_attention import paged_decode_attention
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

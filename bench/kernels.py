@@ -42,16 +42,16 @@ from device_timing import (
     copy_bandwidth, device_name, median_seconds, on_gpu, random_like, results_tag, today,
 )
 
-from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
-from pallas_kernels.block_copy import (
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
+from jserve.pallas_kernels.block_copy import (
     gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
 )
-from pallas_kernels.hidden_attention import (
+from jserve.pallas_kernels.hidden_attention import (
     KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
 )
-from pallas_kernels.kv_write import write_kv, write_kv_reference
-from pallas_kernels.paged_decode_attention import paged_decode_attention
-from pallas_kernels.ragged_paged_attention import (
+from jserve.pallas_kernels.kv_write import write_kv, write_kv_reference
+from jserve.pallas_kernels.paged_decode_attention import paged_decode_attention
+from jserve.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference,
 )
 

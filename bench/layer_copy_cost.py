@@ -29,9 +29,9 @@ import numpy as np
 from device_timing import device_name, median_seconds, random_like, results_tag, today
 
 from jserve.runners.host_kv import LayerHostPool, memory_shardings
-from models.paged import KVCache
-from models.registry import get_config
-from pallas_kernels.block_copy import gather_blocks_reference, scatter_blocks_reference
+from jserve.models.paged import KVCache
+from jserve.models.registry import get_config
+from jserve.pallas_kernels.block_copy import gather_blocks_reference, scatter_blocks_reference
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

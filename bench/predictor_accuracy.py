@@ -49,7 +49,7 @@ from jserve.predictor.metrics import length_metrics, roc_auc
 from jserve.predictor.train import (
     TrainConfig, directions, out_of_fold_directions, train_direction, train_length,
 )
-from models.loading import load_model
+from jserve.models.loading import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("in_sample", "in_sample+features", "out_of_fold", "out_of_fold+features")

@@ -89,7 +89,7 @@ from jserve.engine.view import SchedulerView
 from jserve.policies.layerkv import allowed_prefill_time, future_tokens
 from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODEL, HARDWARE = "llama-2-7b", "l20"

@@ -65,7 +65,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.config import EngineConfig
 from jserve.runners.cost_model import RooflineCostModel, prefill_seconds_per_token
 from jserve.runners.hardware import get_hardware
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SLO = 0.2  # seconds: the paper's SLO on TTFT

@@ -52,10 +52,10 @@ SERVE_TIMEOUT_S = 900.0
 # the child where they are looked up. A name a checkout lacks is reported as absent.
 STAGES = [
     ("load_model (all of it)", "jserve.serving.llm", "load_model"),
-    ("GGUF metadata", "models.loading", "open_gguf"),
-    ("dequantise weights", "models.loading", "load_llama_gguf"),
-    ("weights to device", "models.loading", "load_llama_weights"),
-    ("tokenizer", "models.loading", "Tokenizer.from_gguf"),
+    ("GGUF metadata", "jserve.models.loading", "open_gguf"),
+    ("dequantise weights", "jserve.models.loading", "load_llama_gguf"),
+    ("weights to device", "jserve.models.loading", "load_llama_weights"),
+    ("tokenizer", "jserve.models.loading", "Tokenizer.from_gguf"),
     ("KV cache sizing", "jserve.serving.llm", "device_kv_budget"),
     ("runner set-up (KV cache allocation)", "jserve.runners.jax_runner", "JaxRunner.__init__"),
     ("warm-up", "jserve.runners.jax_runner", "JaxRunner.warmup"),

@@ -31,7 +31,7 @@ from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
 from jserve.runners.cost_model import RooflineCostModel, SwapPath, recompute_time
 from jserve.runners.hardware import get_hardware
 from jserve.runners.preemption_cost import PreemptionProfile, profile_cost_model
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 PAPER_SWEET_SPOT = 4000  # Section 2.5 / Figure 8: swapping is faster past about 4k tokens

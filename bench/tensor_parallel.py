@@ -52,9 +52,9 @@ from jserve.builder import sim_cost_model
 from jserve.config import EngineConfig
 from jserve.engine.batch import Batch, StepOutput
 from jserve.runners.cost_model import StepShape
-from models.llama import LlamaForCausalLM
-from models.loading import LoadedModel
-from models.registry import MODELS, get_config
+from jserve.models.llama import LlamaForCausalLM
+from jserve.models.loading import LoadedModel
+from jserve.models.registry import MODELS, get_config
 
 SIZES = (1, 2, 4)
 GPUS = ("a100-80g", "l20")

@@ -48,7 +48,7 @@ from jserve.builder import sim_cost_model
 from jserve.config import EngineConfig
 from jserve.runners.cost_model import LayerTransfers, RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 SETTINGS = (("opt-175b", "a100-80g", 8), ("llama-3.1-70b", "l20", 4))
 DECODE_BATCHES = (1, 16, 64, 256)

@@ -496,7 +496,7 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], output_lens: list
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.gguf_loader import gguf_path_for_default
+    from jserve.models.gguf_loader import gguf_path_for_default
 
     torch.set_num_threads(args.hf_threads)
     if args.no_progress:
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     warn_if_loaded("start")
 
     # ---- matmul pass 1 (before anything else holds memory or threads); pass 2 at the end
-    from models.registry import get_config
+    from jserve.models.registry import get_config
 
     rows_list = sorted({args.small_rows, args.peak_rows})
     log("\n== matmul peak (jax.jit, float32, x @ W), first pass ==")

@@ -51,9 +51,9 @@ from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.profiling import load_hidden_profile
 from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
-from models.config import ModelConfig
-from models.loading import LoadedModel, load_model
-from models.tokenizer import Tokenizer
+from jserve.models.config import ModelConfig
+from jserve.models.loading import LoadedModel, load_model
+from jserve.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
-from models.config import ModelConfig
-from models.registry import DEFAULT_MODEL, MODELS, get_config
+from jserve.models.config import ModelConfig
+from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
 
 if TYPE_CHECKING:
     from jserve.engine.policy import Policy
     from jserve.predictor import LengthPredictor
-    from models.loading import LoadedModel
+    from jserve.models.loading import LoadedModel
 
 Runner = Literal["real", "sim"]
 RUNNERS: tuple[str, ...] = ("real", "sim")
@@ -45,7 +45,7 @@ class EngineConfig:
     """How to build one engine; every field has the default `LLM(...)` and the CLI use.
 
     Model:
-        model: a name from `models.registry`, or (real engine only) a `LoadedModel` already
+        model: a name from `jserve.models.registry`, or (real engine only) a `LoadedModel` already
             in memory, so several engines can share one.
         weights: 'auto' (real where a package ships them, else random), 'real' or 'dummy'.
         dtype: 'auto' (float32 on CPU, bfloat16 on accelerators and in the simulator).

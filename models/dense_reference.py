@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
-from models.gguf_loader import LlamaWeights
-from models.opt import POSITION_OFFSET, OPTWeights
+from jserve.models.config import ModelConfig
+from jserve.models.gguf_loader import LlamaWeights
+from jserve.models.opt import POSITION_OFFSET, OPTWeights
 
 # Sequences are padded up to a multiple of this so the jitted forward pass is
 # compiled once per bucket instead of once per token.

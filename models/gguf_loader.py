@@ -15,7 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 _DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
-from models.gguf_loader import LlamaLayerWeights, LlamaWeights
-from models.paged import AttentionFn, KVCache, run_blocks
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.hidden_attention import KVProjection
-from pallas_kernels.rope import rope
+from jserve.models.config import ModelConfig
+from jserve.models.gguf_loader import LlamaLayerWeights, LlamaWeights
+from jserve.models.paged import AttentionFn, KVCache, run_blocks
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.hidden_attention import KVProjection
+from jserve.pallas_kernels.rope import rope
 
 
 def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:

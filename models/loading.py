@@ -8,12 +8,12 @@ from typing import Literal
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import Family, ModelConfig
-from models.gguf_loader import gguf_path_for_default, load_llama_gguf, open_gguf
-from models.llama import LlamaForCausalLM, load_llama_weights
-from models.opt import OPTForCausalLM
-from models.registry import DEFAULT_MODEL, get_config
-from models.tokenizer import Tokenizer
+from jserve.models.config import Family, ModelConfig
+from jserve.models.gguf_loader import gguf_path_for_default, load_llama_gguf, open_gguf
+from jserve.models.llama import LlamaForCausalLM, load_llama_weights
+from jserve.models.opt import OPTForCausalLM
+from jserve.models.registry import DEFAULT_MODEL, get_config
+from jserve.models.tokenizer import Tokenizer
 
 Weights = Literal["auto", "real", "dummy"]
 

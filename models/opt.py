@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
-from models.paged import AttentionFn, KVCache, run_blocks
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.hidden_attention import KVProjection
+from jserve.models.config import ModelConfig
+from jserve.models.paged import AttentionFn, KVCache, run_blocks
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.hidden_attention import KVProjection
 
 # OPT's positional table starts with two rows that no token uses (a fairseq legacy of
 # reserving ids for padding), so position p reads row p + 2; HF checkpoints keep that layout.

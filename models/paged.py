@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.hidden_attention import KVProjection
+from jserve.models.config import ModelConfig
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.hidden_attention import KVProjection
 
 
 class AttentionFn(Protocol):

@@ -8,7 +8,7 @@ from the models' published configs.
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -16,7 +16,7 @@ from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from models.gguf_loader import GGUFSource, open_gguf
+from jserve.models.gguf_loader import GGUFSource, open_gguf
 
 # llama.cpp's `llama_token_type` value marking control tokens such as <|im_end|>.
 _CONTROL_TOKEN_TYPE = 3

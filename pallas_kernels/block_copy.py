@@ -13,7 +13,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.row_copy import copy_rows
+from jserve.pallas_kernels.row_copy import copy_rows
 
 
 def _rows(x: jax.Array) -> jax.Array:

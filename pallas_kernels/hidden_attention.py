@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.attention_tiles import (
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.attention_tiles import (
     MASKED as _MASKED, check_head_dim, TileLoader, compiler_params, dot, gather,
 )
-from pallas_kernels.ragged_paged_attention import attend_row_tile, row_tiles, sequence_of_tokens
-from pallas_kernels.rope import inverse_frequencies, rope
+from jserve.pallas_kernels.ragged_paged_attention import attend_row_tile, row_tiles, sequence_of_tokens
+from jserve.pallas_kernels.rope import inverse_frequencies, rope
 
 
 @jax.tree_util.register_dataclass

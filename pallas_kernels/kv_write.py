@@ -13,7 +13,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.row_copy import copy_rows, copy_rows_reference
+from jserve.pallas_kernels.row_copy import copy_rows, copy_rows_reference
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,

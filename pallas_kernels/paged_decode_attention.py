@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.attention_tiles import (
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.attention_tiles import (
     MASKED, SoftmaxState, TileLoader, check_head_dim, compiler_params, gather, next_pow2,
     online_softmax_over_keys, paged_kv_loader,
 )
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from jserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 paged_decode_attention_reference = ragged_paged_attention_reference
 

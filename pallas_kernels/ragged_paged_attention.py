@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.attention_tiles import (
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.attention_tiles import (
     check_head_dim, compiler_params, gather, online_softmax_over_keys, paged_kv_loader, scatter,
 )
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_tiles import compiler_params, gather, next_pow2, scatter
+from jserve.pallas_kernels.attention_tiles import compiler_params, gather, next_pow2, scatter
 
 
 def copy_rows_reference(src: jax.Array, src_rows: jax.Array, dst: jax.Array,

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.backends import AttentionBackend, pallas_backend, select_attention
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.backends import AttentionBackend, pallas_backend, select_attention
 
 MAX_MODEL_LEN = 64
 

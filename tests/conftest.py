@@ -7,10 +7,10 @@ import pathlib
 import jax
 import pytest
 
-from models.config import ModelConfig
-from models.loading import LoadedModel, load_model
-from models.gguf_loader import LlamaWeights, gguf_path_for_default, load_llama_gguf
-from models.tokenizer import Tokenizer
+from jserve.models.config import ModelConfig
+from jserve.models.loading import LoadedModel, load_model
+from jserve.models.gguf_loader import LlamaWeights, gguf_path_for_default, load_llama_gguf
+from jserve.models.tokenizer import Tokenizer
 
 if jax.default_backend() == "gpu":
     # XLA:GPU runs float32 matmuls as TF32 unless told otherwise; the jnp references and the

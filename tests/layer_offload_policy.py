@@ -26,7 +26,7 @@ from jserve.engine.policy import Policy
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 
 @dataclass

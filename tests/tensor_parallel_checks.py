@@ -31,7 +31,7 @@ from jserve import LLM, SamplingParams
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.policies.layerkv import LayerKVPolicy
 from jserve.runners import multihost
-from models.loading import load_model
+from jserve.models.loading import load_model
 
 MODELS = ("tiny-llama", "tiny-llama-mha", "tiny-opt")
 MAX_TOKENS, MAX_LEN = 40, 48

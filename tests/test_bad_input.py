@@ -7,7 +7,7 @@ import pytest
 
 from jserve import LLM, InvalidRequestError, SamplingParams
 from jserve.cli import main
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.profiling import HiddenProjectionProfile, save_hidden_profile
 from jserve.runners.sim_runner import SimRunner
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 TINY = EngineConfig(model="tiny-llama", weights="dummy", num_blocks=32, block_size=4,
                     max_model_len=64, max_num_seqs=4, warmup=False)

@@ -26,7 +26,7 @@ from jserve.runners.cost_model import (
 )
 from jserve.runners.hardware import HARDWARE, Hardware, get_hardware, kv_capacity_blocks
 from jserve.runners.preemption_cost import fit_preemption_costs, profile_cost_model
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 OPT13B = get_config("opt-13b")
 A100 = get_hardware("a100-80g")

@@ -14,9 +14,9 @@ from jserve.policies.fastgen import FastGenPolicy
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy
 from jserve.policies.sarathi import SarathiPolicy
-from models.dense_reference import dense_greedy_generate
-from models.llama import llama_weights_of
-from models.loading import LoadedModel, load_model
+from jserve.models.dense_reference import dense_greedy_generate
+from jserve.models.llama import llama_weights_of
+from jserve.models.loading import LoadedModel, load_model
 
 CHATS = [
     "What is the capital of France?",

@@ -10,11 +10,11 @@ import gguf
 import numpy as np
 import pytest
 
-from models.dense_reference import dense_greedy_generate, dense_logits
-from models.config import ModelConfig
-from models.registry import get_config
-from models.gguf_loader import LlamaWeights, _unpermute_rope_rows, load_llama_gguf
-from models.tokenizer import Tokenizer
+from jserve.models.dense_reference import dense_greedy_generate, dense_logits
+from jserve.models.config import ModelConfig
+from jserve.models.registry import get_config
+from jserve.models.gguf_loader import LlamaWeights, _unpermute_rope_rows, load_llama_gguf
+from jserve.models.tokenizer import Tokenizer
 
 Model = tuple[ModelConfig, LlamaWeights]
 

@@ -17,7 +17,7 @@ from jserve.engine.batch import Batch
 from jserve.engine.sampling_params import SamplingParams
 from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel, StepShape, hidden_block_cost
 from jserve.runners.hardware import get_hardware
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 OPT13B, A100 = get_config("opt-13b"), get_hardware("a100-80g")
 

@@ -13,7 +13,7 @@ from hidden_cache_policy import ForcedHiddenCache, all_hidden, every_other
 from layer_offload_policy import greedy_ids, random_prompts
 
 from jserve import LLM
-from models.loading import LoadedModel, load_model
+from jserve.models.loading import LoadedModel, load_model
 
 
 @pytest.fixture(scope="module", params=["tiny-llama-mha", "tiny-opt"])

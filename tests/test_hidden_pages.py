@@ -12,8 +12,8 @@ import pytest
 from attention_cases import interpret, mixed_case
 
 from jserve.cache.sizing import hidden_block_tokens
-from models.registry import get_config
-from pallas_kernels.hidden_attention import (
+from jserve.models.registry import get_config
+from jserve.pallas_kernels.hidden_attention import (
     HiddenPool, KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
 )
 

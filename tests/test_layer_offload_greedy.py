@@ -15,7 +15,7 @@ from layer_offload_policy import (
 )
 
 from jserve import LLM
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 
 def _none(seq: int, num_layers: int) -> int:

@@ -14,7 +14,7 @@ from jserve.runners.layerkv_cost import (
     layerkv_costs_from_cost_model,
     relative_factor,
 )
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 # Round figures, so each equation can be checked by hand.
 COSTS = LayerKVCosts(num_params=1e9, hidden_size=1000, kv_dim=500, dtype_bytes=2, flops=1e12,

@@ -11,7 +11,7 @@ from layer_offload_policy import identical_to_roomy_run, random_prompts
 from jserve import LLM
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.policies.layerkv import LayerKVPolicy
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])

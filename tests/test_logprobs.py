@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jserve import LLM, SamplingParams
-from models.dense_reference import dense_logits
-from models.llama import llama_weights_of
-from models.loading import LoadedModel
+from jserve.models.dense_reference import dense_logits
+from jserve.models.llama import llama_weights_of
+from jserve.models.loading import LoadedModel
 
 TOL = 2e-4  # fp32: paged vs dense attention, summation order
 

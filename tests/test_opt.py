@@ -13,12 +13,12 @@ from jserve import LLM, SamplingParams
 from jserve.engine.batch import Batch, BatchInputs
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.jax_runner import Buckets, build_step_inputs
-from models.dense_reference import dense_greedy_generate, dense_logits
-from models.loading import LoadedModel, load_model
-from models.opt import OPTForCausalLM, opt_weights_of
-from models.paged import KVCache
-from models.registry import get_config
-from pallas_kernels.backends import select_attention
+from jserve.models.dense_reference import dense_greedy_generate, dense_logits
+from jserve.models.loading import LoadedModel, load_model
+from jserve.models.opt import OPTForCausalLM, opt_weights_of
+from jserve.models.paged import KVCache
+from jserve.models.registry import get_config
+from jserve.pallas_kernels.backends import select_attention
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64

@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 from attention_cases import GEOMETRIES, assert_close, build_case, interpret, mixed_case, oracle
 
-from pallas_kernels.block_copy import (
+from jserve.pallas_kernels.block_copy import (
     gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
 )
-from pallas_kernels.hidden_attention import (
+from jserve.pallas_kernels.hidden_attention import (
     KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
 )
-from pallas_kernels.kv_write import write_kv, write_kv_reference, write_pages
-from pallas_kernels.paged_decode_attention import paged_decode_attention
-from pallas_kernels.ragged_paged_attention import (
+from jserve.pallas_kernels.kv_write import write_kv, write_kv_reference, write_pages
+from jserve.pallas_kernels.paged_decode_attention import paged_decode_attention
+from jserve.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference,
 )
-from pallas_kernels.rope import rope
-from pallas_kernels.row_copy import copy_rows, copy_rows_reference
+from jserve.pallas_kernels.rope import rope
+from jserve.pallas_kernels.row_copy import copy_rows, copy_rows_reference
 
 INTERPRET = interpret()
 

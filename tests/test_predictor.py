@@ -34,7 +34,7 @@ from jserve.predictor.noise import QUANTILE_LEVELS
 from jserve.predictor.train import (
     Directions, TrainConfig, fit, length_loss, out_of_fold_directions, split_validation, train_head,
 )
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 FEATURES = 16
 

@@ -30,7 +30,7 @@ from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
 from jserve.predictor import Prediction
 from jserve.serving.server import build_app, serve_in_background
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_CONTEXT = 1024

@@ -16,7 +16,7 @@ from jserve import LLM
 from jserve.benchmarking.http_client import wait_until_idle
 from jserve.config import ServerConfig
 from jserve.serving.server import build_app, serve_in_background
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 EXAMPLES = 60  # per operation: seconds in all on tiny-llama with a 64-token context
 

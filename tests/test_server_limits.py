@@ -24,7 +24,7 @@ from jserve import LLM
 from jserve.benchmarking.http_client import wait_until_idle
 from jserve.config import ServerConfig
 from jserve.serving.server import build_app, serve_in_background
-from models.loading import LoadedModel
+from jserve.models.loading import LoadedModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KEY = "sk-test"

@@ -21,7 +21,7 @@ from jserve.errors import PlanError
 from jserve.policies.vllm import VLLMPolicy
 from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 LIMITS = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=16)
 

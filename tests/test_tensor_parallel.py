@@ -26,8 +26,8 @@ from flax import nnx
 
 from jserve import LLM
 from jserve.runners.sharding import AXIS, param_spec, sharded_config
-from models.loading import LoadedModel, load_model
-from models.registry import get_config
+from jserve.models.loading import LoadedModel, load_model
+from jserve.models.registry import get_config
 
 CHECKS = Path(__file__).with_name("tensor_parallel_checks.py")
 sys.path.insert(0, str(CHECKS.parent))

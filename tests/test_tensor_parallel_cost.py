@@ -15,7 +15,7 @@ from jserve.cache.sizing import block_bytes
 from jserve.config import EngineConfig
 from jserve.runners.cost_model import ALLREDUCES_PER_LAYER, LayerTransfers, RooflineCostModel, StepShape, overlap_layers
 from jserve.runners.hardware import NVLINK3, PCIE4, Interconnect, get_hardware, kv_capacity_blocks
-from models.registry import get_config
+from jserve.models.registry import get_config
 
 OPT175B = get_config("opt-175b")
 LLAMA70B = get_config("llama-3.1-70b")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from jserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 SAMPLES = [
     "Hello world!",

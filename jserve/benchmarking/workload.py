@@ -299,8 +299,8 @@ def _default_tokenizer_id() -> str:
     GGUF file it is read from, the code that builds it, and the library that runs it."""
     import tokenizers
 
-    from models import tokenizer
-    from models.gguf_loader import gguf_path_for_default
+    from jserve.models import tokenizer
+    from jserve.models.gguf_loader import gguf_path_for_default
 
     return ":".join([file_digest(gguf_path_for_default()), file_digest(tokenizer.__file__),
                      tokenizers.__version__])
@@ -309,8 +309,8 @@ def _default_tokenizer_id() -> str:
 @functools.lru_cache(maxsize=1)
 def _default_tokenizer_encode() -> Encode:
     """The default model's (SmolLM2) tokenizer, loaded once: building it takes ~2 s."""
-    from models.gguf_loader import gguf_path_for_default
-    from models.tokenizer import Tokenizer
+    from jserve.models.gguf_loader import gguf_path_for_default
+    from jserve.models.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_path_for_default()).encode
 

@@ -8,7 +8,7 @@ import os
 import jax
 import numpy as np
 
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.stopping import watches_tokens
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import InvalidRequestError
-from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from jserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestOptions(TypedDict, total=False):

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from jserve.engine.sampling_params import SamplingParams
-from models.tokenizer import IncrementalDetokenizer
+from jserve.models.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.IntEnum):

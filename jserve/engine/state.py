@@ -41,7 +41,7 @@ from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.token_commit import TokenCommit
 from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import PlanError
-from models.tokenizer import Tokenizer
+from jserve.models.tokenizer import Tokenizer
 
 
 class EngineState:

@@ -32,7 +32,7 @@ import numpy as np
 
 from jserve.datasets.sharegpt import Conversation, sample_requests
 from jserve.predictor.encoder import PromptEncoder
-from models.tokenizer import Tokenizer
+from jserve.models.tokenizer import Tokenizer
 
 __all__ = ["LengthDataset", "LengthExample", "build_dataset", "cached_features", "chat_prompt_ids"]
 

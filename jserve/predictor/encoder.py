@@ -1,6 +1,6 @@
 """The frozen base model as a prompt encoder: one pooled vector per prompt.
 
-The base is the serving model itself (`models.loading.load_model`), run through its paged
+The base is the serving model itself (`jserve.models.loading.load_model`), run through its paged
 interface rather than a second transformer implementation: a batch of prompts is packed
 onto one flat token axis, prefilled into a throwaway KV cache built inside the jit step,
 and pooled. Packing (rather than padding every prompt to the longest) matters on CPU,
@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from models.loading import LoadedModel
-from models.paged import KVCache
-from pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
-from pallas_kernels.backends import select_attention
-from pallas_kernels.ragged_paged_attention import sequence_of_tokens
+from jserve.models.loading import LoadedModel
+from jserve.models.paged import KVCache
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
+from jserve.pallas_kernels.backends import select_attention
+from jserve.pallas_kernels.ragged_paged_attention import sequence_of_tokens
 
 __all__ = ["EncoderConfig", "Pooling", "PromptEncoder", "truncate_prompt"]
 

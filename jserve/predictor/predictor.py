@@ -24,7 +24,7 @@ import numpy as np
 from jserve.predictor.checkpoint import PredictorSpec, load_head
 from jserve.predictor.encoder import PromptEncoder
 from jserve.predictor.heads import Head, Kind, predict_features
-from models.loading import LoadedModel, load_model
+from jserve.models.loading import LoadedModel, load_model
 
 __all__ = ["DEFAULT_DIR", "LengthPredictor", "Prediction", "to_predictions"]
 

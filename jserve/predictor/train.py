@@ -65,7 +65,7 @@ from jserve.predictor.heads import (
 )
 from jserve.predictor.metrics import LengthMetrics, length_metrics
 from jserve.predictor.noise import NoiseModel, write_noise_models
-from models.loading import load_model
+from jserve.models.loading import load_model
 
 __all__ = [
     "Directions", "TrainConfig", "TrainOptions", "TrainResult", "bucket_loss", "direction_loss",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from jserve.runners.hardware import Hardware
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from jserve.engine.batch import Batch, LayerTraffic

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jserve.cache.sizing import block_bytes
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 GB = 1e9
 GiB = 2**30

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.engine.batch import BlockMove
-from models.paged import KVCache
+from jserve.models.paged import KVCache
 
 
 def memory_shardings(on_device: jax.sharding.Sharding | None = None

@@ -49,13 +49,13 @@ from jserve.engine.view import SchedulerLimits
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
-from models.config import ModelConfig
-from models.loading import CausalLM
-from models.paged import KVCache
-from pallas_kernels.attention_metadata import (
+from jserve.models.config import ModelConfig
+from jserve.models.loading import CausalLM
+from jserve.models.paged import KVCache
+from jserve.pallas_kernels.attention_metadata import (
     AttentionMetadata, ragged_metadata, with_hidden, with_layer_tables,
 )
-from pallas_kernels.backends import select_attention
+from jserve.pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
 

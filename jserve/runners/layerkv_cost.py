@@ -22,7 +22,7 @@ import numpy as np
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.runners.cost_model import CostModel, LayerTransfers, StepShape, nnls
 from jserve.runners.hardware import Hardware
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 # Prompt lengths profiled: 64 tokens up to the engine's longest prompt, doubling.
 MIN_FIT_TOKENS = 64

@@ -28,7 +28,7 @@ from jserve.engine.batch import Batch, BatchInputs, BlockMove
 from jserve.runners.cost_model import CalibratedCostModel, StepShape, nnls
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import PreemptionProfile
-from models.config import ModelConfig
+from jserve.models.config import ModelConfig
 
 
 def profile_shapes(max_len: int) -> list[tuple[list[int], list[int]]]:

@@ -44,11 +44,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jserve.errors import ConfigError
-from models.config import ModelConfig
-from models.loading import CausalLM
-from models.paged import KVCache
-from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.backends import AttentionBackend
+from jserve.models.config import ModelConfig
+from jserve.models.loading import CausalLM
+from jserve.models.paged import KVCache
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.backends import AttentionBackend
 
 AXIS = "tp"
 

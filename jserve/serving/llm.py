@@ -14,9 +14,9 @@ from jserve.config import EngineConfig
 from jserve.engine.request import RequestOutput
 from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
-from models.loading import LoadedModel
-from models.registry import DEFAULT_MODEL
-from models.tokenizer import Tokenizer
+from jserve.models.loading import LoadedModel
+from jserve.models.registry import DEFAULT_MODEL
+from jserve.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from jserve.predictor import LengthPredictor

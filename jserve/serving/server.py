@@ -50,7 +50,7 @@ from jserve.serving.openai_protocol import (
     preemption_info,
     usage,
 )
-from models.tokenizer import Tokenizer
+from jserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
