@@ -23,6 +23,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
+from jserve.runners.cost_model import COST_MODELS
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
 from jserve.models.config import ModelConfig
 from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
@@ -83,6 +84,8 @@ class EngineConfig:
         warmup: compile the step's shape buckets at start-up rather than on first use.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
+        cost_model: how the simulator prices a step when no `profile` is given: a name in
+            `jserve.runners.cost_model.COST_MODELS`.
         tensor_parallel_size: devices one model is split across, Megatron-style (attention
             heads and the MLP's inner dimension; the KV cache by KV head). The real engine
             needs that many JAX devices; the simulator prices the all-reduces over the
@@ -113,6 +116,7 @@ class EngineConfig:
     warmup: bool = True
     hardware: str = "a100-80g"
     profile: str | None = None
+    cost_model: str = "roofline"
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -130,6 +134,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention", self.attention, ATTENTION)
         _check_choice("hardware", self.hardware, tuple(sorted(HARDWARE)))
+        _check_choice("cost_model", self.cost_model, COST_MODELS)
         if isinstance(self.predictor, str) and self.predictor != "auto":
             raise ValueError(f"predictor must be 'auto', None or a LengthPredictor, not {self.predictor!r}")
         if self.prefix_cache is not None and self.prefix_cache.eviction not in EVICTION_RULES:
@@ -272,6 +277,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
     parser.add_argument("--hardware", default=d.hardware, choices=sorted(HARDWARE),
                         help="accelerator the simulator models; the real engine reads only its "
                              "host link, to price swaps for --profile (default: %(default)s)")
+    parser.add_argument("--cost-model", default=d.cost_model, choices=COST_MODELS,
+                        help="how the simulator prices a step when no --profile is given "
+                             "(default: %(default)s)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         metavar="N",
                         help="devices the model is split across (attention heads, MLP, KV heads); "
@@ -325,7 +333,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
-        tensor_parallel_size=args.tensor_parallel_size,
+        cost_model=args.cost_model, tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

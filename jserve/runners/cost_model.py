@@ -289,6 +289,10 @@ def _advance(t: float, amount: float, busy: list[tuple[float, float]], i: int) -
     return t + amount, i
 
 
+# The simulator's step-time models by name (`EngineConfig.cost_model`): `roofline` is
+# `RooflineCostModel` of the hardware entry.
+COST_MODELS: tuple[str, ...] = ("roofline",)
+
 # Per-iteration cost that does not scale with the work: the engine's Python scheduling,
 # input preparation, sampling and kernel launches. vLLM-era engines spend ~1-3 ms here per
 # step (less with CUDA graphs on decode); 2 ms is a middle figure. Pass `step_overhead` to
