@@ -53,7 +53,8 @@ def test_shape_of_decodes():
     shape = StepShape.of(make_batch([9, 0, 99], [1, 1, 1]))
     # each decode attends to its whole context start+1 and reads it once
     assert shape == StepShape(num_seqs=3, num_prefill_tokens=0, num_decode_tokens=3,
-                              attended=10 + 1 + 100, kv_read_tokens=10 + 1 + 100)
+                              attended=10 + 1 + 100, kv_read_tokens=10 + 1 + 100,
+                              decode_context=10 + 1 + 100)
 
 
 def test_shape_of_mixed_chunks_and_decodes():
@@ -67,6 +68,8 @@ def test_shape_of_mixed_chunks_and_decodes():
     assert shape.num_tokens == 8
     assert shape.attended == 34 + 6 + 20
     assert shape.kv_read_tokens == 10 + 3 + 20
+    # as measured kernels split it: chunks against themselves and their prefix, decodes' context
+    assert (shape.prefill_square, shape.prefill_prefix, shape.decode_context) == (16 + 9, 4 * 6, 20)
     assert (shape.swap_bytes, shape.layer_bytes, shape.hidden_tokens) == (0, None, 0)
     assert not shape.moves_cache
 

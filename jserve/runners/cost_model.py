@@ -86,6 +86,10 @@ class StepShape:
       which the jnp attention walks for every token. Zero when no bucketing is modelled.
     - `layer_bytes`: per-layer transfers of layer-wise residency (LayerKV); None when the
       step moves no layer (never in a profile, so not in `to_dict`).
+    - `prefill_square`, `prefill_prefix`, `decode_context`: `attended` split the way
+      measured attention kernels cost it (`MeasuredCostModel`): over prefill chunks the sum
+      of `q*q` (the chunk against itself) and of `q*s` (against its cached prefix), and over
+      decodes the sum of their contexts `s+1`, which a paged decode kernel streams.
     """
 
     num_seqs: int
@@ -100,6 +104,9 @@ class StepShape:
     swap_blocks: int = 0
     swap_moves: int = 0
     layer_bytes: LayerTransfers | None = None
+    prefill_square: int = 0
+    prefill_prefix: int = 0
+    decode_context: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -117,15 +124,20 @@ class StepShape:
         q = np.asarray(query_lens, dtype=np.int64)
         s = np.asarray(start, dtype=np.int64)
         total = int(q.sum())
-        num_decode = int(np.count_nonzero(q == 1))
+        decode = q == 1
+        num_decode = int(np.count_nonzero(decode))
         # q*(2s+q+1) is always even, so the halving is exact.
         attended = int((q * (2 * s + q + 1)).sum()) // 2
+        chunk = ~decode
         return cls(
             num_seqs=len(q),
             num_prefill_tokens=total - num_decode,
             num_decode_tokens=num_decode,
             attended=attended,
             kv_read_tokens=int(s.sum()) + total,
+            prefill_square=int((q[chunk] * q[chunk]).sum()),
+            prefill_prefix=int((q[chunk] * s[chunk]).sum()),
+            decode_context=int(s[decode].sum()) + num_decode,
         )
 
     @classmethod
@@ -157,6 +169,7 @@ class StepShape:
             raise ValueError(f"only a step of plain decodes repeats, not {self}")
         return dataclasses.replace(self, attended=self.attended + self.num_seqs,
                                    kv_read_tokens=self.kv_read_tokens + self.num_seqs,
+                                   decode_context=self.decode_context + self.num_seqs,
                                    page_walk=self.page_walk + self.padded_tokens)
 
     @classmethod
@@ -288,10 +301,6 @@ def _advance(t: float, amount: float, busy: list[tuple[float, float]], i: int) -
         i += 1
     return t + amount, i
 
-
-# The simulator's step-time models by name (`EngineConfig.cost_model`): `roofline` is
-# `RooflineCostModel` of the hardware entry.
-COST_MODELS: tuple[str, ...] = ("roofline",)
 
 # Per-iteration cost that does not scale with the work: the engine's Python scheduling,
 # input preparation, sampling and kernel launches. vLLM-era engines spend ~1-3 ms here per
@@ -428,9 +437,17 @@ class RooflineCostModel:
         """Compute time of the hidden-cache K/V recompute alone."""
         return self.flops_per_hidden_token * shape.hidden_tokens / self.flop_rate
 
+    def kernel_time(self, shape: StepShape) -> float:
+        """The device's work of a step that moves no cache: here the roofline's
+        `max(compute, memory)`."""
+        return max(self.compute_time(shape), self.memory_time(shape))
+
+    def overhead_time(self, shape: StepShape) -> float:
+        """The engine's time per busy step outside the device's work."""
+        return self.step_overhead if shape.num_tokens else 0.0
+
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         """The terms of `step_time`, for reports and tests."""
-        busy = shape.num_tokens > 0
         return {
             "compute": self.compute_time(shape),
             "memory": self.memory_time(shape),
@@ -438,16 +455,16 @@ class RooflineCostModel:
             "transfer": self.transfer_time(shape),
             "layer_transfer": self.layer_transfer_time(shape),
             "allreduce": self.communication_time(shape),
-            "overhead": self.step_overhead if busy else 0.0,
+            "overhead": self.overhead_time(shape),
         }
 
     def step_time(self, shape: StepShape) -> float:
         transfer = self.transfer_time(shape)
         if shape.num_tokens == 0:
             return self.layered_time(0.0, shape) + transfer
-        work = max(self.compute_time(shape), self.memory_time(shape)) + self.hidden_recompute_time(shape)
+        work = self.kernel_time(shape) + self.hidden_recompute_time(shape)
         per_layer = ALLREDUCES_PER_LAYER * self.allreduce_time(shape)
-        return self.layered_time(work, shape, per_layer) + transfer + self.step_overhead
+        return self.layered_time(work, shape, per_layer) + transfer + self.overhead_time(shape)
 
 
 # ---------------------------------------------------------------------------------------
