@@ -85,12 +85,30 @@ class Harness(BaseHarness):
     """The generic harness running VLLMPolicy with the vLLM-specific checks."""
 
     def __init__(self, num_blocks: int, block_size: int, limits: SchedulerLimits, eos: int | None,
-                 vocab_size: int = 32, num_host_blocks: int = 0) -> None:
+                 vocab_size: int = 32, num_host_blocks: int = 0, policy: VLLMPolicy | None = None) -> None:
+        policy = policy or VLLMPolicy()
+        checks = (check_vllm_plan,) if policy.max_paddings is None else (check_vllm_plan, padding_check(policy))
         super().__init__(
             num_blocks=num_blocks, block_size=block_size, limits=limits, eos=eos, vocab_size=vocab_size,
-            policy=VLLMPolicy(), plan_checks=(check_vllm_plan,), state_checks=(check_vllm_state,),
+            policy=policy, plan_checks=checks, state_checks=(check_vllm_state,),
             num_host_blocks=num_host_blocks,
         )
+
+
+def padding_check(policy: VLLMPolicy):
+    """vLLM 0.2.3's prompt batching: padded to the longest prompt, the batch fits the token
+    budget and holds at most `max_paddings` padding tokens."""
+
+    def check(view: SchedulerView, plan: Plan) -> None:
+        r = view.requests
+        waiting = set(int(s) for s in r.seq_id[r.with_status(RequestStatus.WAITING)])
+        prompts = [n for s, n in plan.run.items() if s in waiting]
+        if len(prompts) > 1:
+            padded = len(prompts) * max(prompts)
+            assert padded <= view.limits.max_num_batched_tokens
+            assert padded - sum(prompts) <= policy.max_paddings
+
+    return check
 
 
 # --------------------------------------------------------------------------- random traces
@@ -105,6 +123,17 @@ def test_random_traces_keep_invariants_and_outputs(data: st.DataObject) -> None:
     h = Harness(**cfg)
     h.run(specs)
     event(f"preempted: {h.engine.stats.num_preemptions > 0}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_padded_prompt_batches_keep_invariants(data: st.DataObject) -> None:
+    """`vllm-0.2.3`: the same checks, and every prompt batch within its padding limits."""
+    cfg = data.draw(configs(), label="config")
+    specs = data.draw(specs_for(cfg), label="requests")
+    paddings = data.draw(st.integers(0, 8), label="max_paddings")
+    h = Harness(**cfg, policy=VLLMPolicy(max_paddings=paddings))
+    h.run(specs)
 
 
 @PROPERTY

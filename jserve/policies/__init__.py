@@ -19,6 +19,9 @@ from jserve.policies.vllm import VLLMPolicy
 POLICIES: dict[str, Callable[[], Policy]] = {
     "vllm": VLLMPolicy,
     "vllm-swap": partial(VLLMPolicy, name="vllm-swap", preemption_mode=PreemptMode.SWAP),
+    # vLLM 0.2.3's prompt batching (padded to the longest prompt, at most 256 padding
+    # tokens), the version of the real runs the simulator is calibrated against.
+    "vllm-0.2.3": partial(VLLMPolicy, name="vllm-0.2.3", max_paddings=256),
     "sarathi": SarathiPolicy,
     "fastgen": FastGenPolicy,
     "rlp": RLPPolicy,

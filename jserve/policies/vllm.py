@@ -12,6 +12,12 @@
   growth: the plan says how many times (`Plan.repeat`, the simulator's fast path). A
   waiting request that could not be admitted stays so meanwhile, since admission needs
   free blocks, and decodes only take them.
+- With `max_paddings` (policy `vllm-0.2.3`, vLLM 0.2.2-0.2.x's scheduler, default 256) a
+  prefill step batches prompts as that version ran them, padded to the longest: it stops
+  admitting when the batch padded to its longest prompt passes the token budget or holds
+  more than `max_paddings` padding tokens. Real vLLM 0.2.3 runs batch prompts so
+  (../shared/calibration's OPT-13B runs: every batched prefill within 256 padding tokens).
+  The padding's own compute is not charged (at most 256 tokens a step).
 - With `preemption_mode=SWAP` (vLLM's `--preemption-mode swap`, policy `vllm-swap`) victims
   go to host memory while it has room. As in vLLM v0, swapped requests come back before
   anything new is admitted: no prefills run while any are swapped, and they are swapped in
@@ -36,6 +42,7 @@ class VLLMPolicy:
     chunked_prefill: bool = False
     watermark: float = 0.01
     preemption_mode: PreemptMode = PreemptMode.RECOMPUTE
+    max_paddings: int | None = None
 
     def schedule(self, view: SchedulerView) -> Plan:
         return self._prefills(view) or self._decodes(view)
@@ -49,9 +56,15 @@ class VLLMPolicy:
         free, budget = view.num_free_blocks, lim.max_num_batched_tokens
         run: dict[int, int] = {}
         allocate: dict[int, int] = {}
+        longest = total = 0
         for i in r.with_status(WAITING):
             tokens = int(r.num_tokens[i] - r.num_computed[i])
             need = view.blocks_for(int(r.num_tokens[i])) - int(r.num_blocks[i])
+            if self.max_paddings is not None:  # the batch padded to its longest prompt
+                longest, total = max(longest, tokens), total + tokens
+                padded = (len(run) + 1) * longest
+                if padded > lim.max_num_batched_tokens or padded - total > self.max_paddings:
+                    break
             if tokens > budget or running + len(run) >= lim.max_num_seqs or free - need < watermark:
                 break
             seq = int(r.seq_id[i])
