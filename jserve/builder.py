@@ -44,13 +44,14 @@ from jserve.runners.cost_model import (
     hidden_block_cost,
     prefill_seconds_per_token,
 )
-from jserve.runners.hardware import get_hardware, kv_capacity_blocks
+from jserve.runners.hardware import get_hardware
 from jserve.runners.jax_runner import Buckets, JaxRunner
 from jserve.runners.layerkv_cost import fit_lengths, layerkv_costs_from_cost_model
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.profiling import load_hidden_profile
 from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
+from jserve.runners.testbeds import make_cost_model
 from jserve.models.config import ModelConfig
 from jserve.models.loading import LoadedModel, load_model
 from jserve.models.tokenizer import Tokenizer
@@ -192,21 +193,23 @@ def _load_model(config: EngineConfig) -> LoadedModel:
 
 
 def sim_cost_model(config: EngineConfig) -> CostModel:
-    """The cost model the simulator charges `config`'s steps from: a roofline of its
-    hardware entry for one GPU of a group of `tensor_parallel_size` (work and weights split
-    over the group, two ring all-reduces a layer over the entry's interconnect), or the
-    profile's fitted model with that roofline pricing what a profile does not measure (the
-    profile is taken as measured on the same group: no all-reduce is added to it).
-    `cost.step_time(StepShape...)` is the TP-aware step-time prediction; the roofline's
-    `breakdown` shows its terms (`allreduce` among them)."""
+    """The cost model the simulator charges `config`'s steps from: the named `cost_model`
+    (`jserve.runners.testbeds`: vLLM as measured by default) of its hardware entry for one
+    GPU of a group of `tensor_parallel_size` (work and weights split over the group, two ring
+    all-reduces a layer over the entry's interconnect), or the profile's fitted model with a
+    roofline pricing what a profile does not measure (the profile is taken as measured on the
+    same group: no all-reduce is added to it). `cost.step_time(StepShape...)` is the TP-aware
+    step-time prediction; `breakdown` shows its terms (`allreduce` among them)."""
     # A profile was measured on the JAX runner: model its gathered swaps (and, in
-    # `_build_sim`, its padding); the roofline alone models vLLM v0, whose swaps copy block
+    # `_build_sim`, its padding); the named models are of vLLM v0, whose swaps copy block
     # by block.
-    swap_path = SwapPath.GATHERED if config.profile else SwapPath.PER_BLOCK_LAYER
-    roofline = RooflineCostModel(config.model_config(), get_hardware(config.hardware),
-                                 dtype_bytes=config.sim_dtype_bytes,
-                                 tensor_parallel=config.tensor_parallel_size, swap_path=swap_path)
-    return CalibratedCostModel.load(config.profile, extras=roofline) if config.profile else roofline
+    if config.profile:
+        roofline = RooflineCostModel(config.model_config(), get_hardware(config.hardware),
+                                     dtype_bytes=config.sim_dtype_bytes,
+                                     tensor_parallel=config.tensor_parallel_size, swap_path=SwapPath.GATHERED)
+        return CalibratedCostModel.load(config.profile, extras=roofline)
+    return make_cost_model(config.cost_model, config.model_config(), get_hardware(config.hardware),
+                           config.sim_dtype_bytes, config.tensor_parallel_size, SwapPath.PER_BLOCK_LAYER)
 
 
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
@@ -217,9 +220,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     cost = sim_cost_model(config)
     cache = _with_prefill_fit(cache, cost)
     limits = config.limits
-    num_blocks = config.num_blocks or kv_capacity_blocks(
-        model, hw, config.block_size, dtype_bytes=dbytes, utilization=config.gpu_memory_utilization,
-        tensor_parallel=tp)
+    num_blocks = config.sim_kv_blocks()
     clock = VirtualClock()
     pad = Buckets.for_limits(limits, config.block_size).tokens if config.profile else None
     block = block_bytes(model, config.block_size, dbytes)

@@ -139,11 +139,19 @@ def _write_json(path: str, payload: dict) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from jserve.benchmarking.bench import run_benchmark
     from jserve.benchmarking.metrics import format_table
+    from jserve.runners.hardware import get_hardware
+    from jserve.runners.testbeds import describe
 
     if args.backend == "http" and not args.url:
         print("error: --backend http needs --url", file=sys.stderr)
         return 2
-    result = run_benchmark(_bench_config(args, args.policy, args.rate, args.backend, args.url))
+    config = _bench_config(args, args.policy, args.rate, args.backend, args.url)
+    engine = config.engine
+    if engine.runner == "sim" and config.backend == "inprocess":
+        stack = (f"profile {engine.profile}" if engine.profile else
+                 describe(engine.cost_model, get_hardware(engine.hardware)))
+        print(f"simulating {engine.model_name} on {engine.hardware}: {stack}", file=sys.stderr)
+    result = run_benchmark(config)
     print(format_table(result.summary, result.vllm))
     if result.multiturn is not None:
         m = result.multiturn

@@ -23,8 +23,8 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
-from jserve.runners.cost_model import COST_MODELS
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
+from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, cost_model_info
 from jserve.models.config import ModelConfig
 from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
 
@@ -84,8 +84,9 @@ class EngineConfig:
         warmup: compile the step's shape buckets at start-up rather than on first use.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
-        cost_model: how the simulator prices a step when no `profile` is given: a name in
-            `jserve.runners.cost_model.COST_MODELS`.
+        cost_model: how the simulator prices a step when no `profile` is given: 'measured'
+            (vLLM as measured on A100s; the default), 'roofline' (ideal, for what-if
+            questions), or a paper's testbed (`jserve.runners.testbeds`).
         tensor_parallel_size: devices one model is split across, Megatron-style (attention
             heads and the MLP's inner dimension; the KV cache by KV head). The real engine
             needs that many JAX devices; the simulator prices the all-reduces over the
@@ -116,7 +117,7 @@ class EngineConfig:
     warmup: bool = True
     hardware: str = "a100-80g"
     profile: str | None = None
-    cost_model: str = "roofline"
+    cost_model: str = DEFAULT_COST_MODEL
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -135,6 +136,8 @@ class EngineConfig:
         _check_choice("attention", self.attention, ATTENTION)
         _check_choice("hardware", self.hardware, tuple(sorted(HARDWARE)))
         _check_choice("cost_model", self.cost_model, COST_MODELS)
+        if self.runner == "sim" and self.profile is None:
+            cost_model_info(self.cost_model).check_hardware(self.hardware)
         if isinstance(self.predictor, str) and self.predictor != "auto":
             raise ValueError(f"predictor must be 'auto', None or a LengthPredictor, not {self.predictor!r}")
         if self.prefix_cache is not None and self.prefix_cache.eviction not in EVICTION_RULES:
@@ -157,9 +160,18 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.runner == "sim":  # the simulated TP group must hold the weights
-            kv_capacity_blocks(self.model_config(), get_hardware(self.hardware), self.block_size,
-                               self.sim_dtype_bytes, self.gpu_memory_utilization,
-                               self.tensor_parallel_size)
+            self.sim_kv_blocks()
+
+    def sim_kv_blocks(self) -> int:
+        """KV blocks the simulated accelerators hold (`num_blocks` when given), sized as
+        vLLM sizes its cache for these limits."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        limits = self.limits
+        return kv_capacity_blocks(self.model_config(), get_hardware(self.hardware), self.block_size,
+                                  self.sim_dtype_bytes, self.gpu_memory_utilization,
+                                  self.tensor_parallel_size, limits.max_num_batched_tokens,
+                                  limits.max_num_seqs)
 
     @property
     def sim_dtype_bytes(self) -> int:

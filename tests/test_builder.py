@@ -19,9 +19,11 @@ from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel, SwapPath
 from jserve.runners.hardware import get_hardware
 from jserve.runners.jax_runner import JaxRunner
+from jserve.runners.measured_cost import MeasuredCostModel
 from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.profiling import HiddenProjectionProfile, save_hidden_profile
 from jserve.runners.sim_runner import SimRunner
+from jserve.runners.testbeds import make_cost_model
 from jserve.models.registry import get_config
 
 TINY = EngineConfig(model="tiny-llama", weights="dummy", num_blocks=32, block_size=4,
@@ -77,10 +79,12 @@ def test_simulated_engine_from_the_same_config() -> None:
     cfg = EngineConfig(runner="sim", model="opt-13b", policy="cacheopt")
     built = build_engine(cfg)
     assert isinstance(built.runner, SimRunner) and isinstance(built.clock, VirtualClock)
-    assert built.loaded is None and built.runner.pad is None  # the roofline pads nothing
+    assert built.loaded is None and built.runner.pad is None  # vLLM pads nothing
     model, hw = get_config("opt-13b"), get_hardware("a100-80g")
+    measured = make_cost_model("measured", model, hw)
+    assert isinstance(built.runner.cost_model, MeasuredCostModel)  # vLLM as measured, by default
     assert built.engine.policy.preemption_costs == preemption_costs_from_cost_model(
-        RooflineCostModel(model, hw), cfg.block_size, block_bytes(model, cfg.block_size, 2))
+        measured, cfg.block_size, block_bytes(model, cfg.block_size, 2))
     assert built.engine.state.limits == cfg.limits
     assert _tokens_of_one_request(build_engine(dataclasses.replace(cfg, num_blocks=64)).engine) == 4
 

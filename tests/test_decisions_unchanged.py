@@ -78,6 +78,9 @@ def build_engine(policy: str, setting: Setting,
         runner="sim", policy=policy, model="opt-13b", hardware="a100-80g",
         num_blocks=setting.num_blocks, max_model_len=setting.max_model_len,
         max_num_seqs=setting.max_num_seqs, swap_space=setting.swap_space, prefix_cache=cache,
+        # Pinned, not the default: these runs check decisions, which the step times the
+        # default model charges (it is refitted as measurements come) must not move.
+        cost_model="roofline",
     )
     built = builder.build_engine(config, futures)
     return built.engine, built.clock

@@ -17,6 +17,7 @@ from jserve.engine.batch import Batch
 from jserve.engine.sampling_params import SamplingParams
 from jserve.runners.cost_model import CalibratedCostModel, RooflineCostModel, StepShape, hidden_block_cost
 from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import make_cost_model
 from jserve.models.registry import get_config
 
 OPT13B, A100 = get_config("opt-13b"), get_hardware("a100-80g")
@@ -55,7 +56,7 @@ def test_simulated_view_carries_the_hidden_cache_and_forced_hidden_runs_slower()
         built = build_engine(dataclasses.replace(cfg, policy=policy))
         view = built.engine.state.snapshot(0.0)
         assert view.hidden_block_tokens == 32
-        assert view.hidden_block_cost == hidden_block_cost(RooflineCostModel(OPT13B, A100), 32)
+        assert view.hidden_block_cost == hidden_block_cost(make_cost_model("measured", OPT13B, A100), 32)
         for i in range(4):
             built.engine.add_request(f"r{i}", list(range(1, 301)), SamplingParams(max_tokens=50, ignore_eos=True))
         while built.engine.has_unfinished:

@@ -136,13 +136,14 @@ HARDWARE: dict[str, Hardware] = {
     hw.name: hw
     for hw in [
         # NVIDIA A100 Tensor Core GPU datasheet: BF16 tensor 312 TFLOPS dense (624 with
-        # sparsity); A100 40GB SXM HBM2 1,555 GB/s; reported capacity 40960 MiB.
+        # sparsity); A100 40GB SXM HBM2 1,555 GB/s; the device reports 40,536 MiB to the
+        # framework (nvidia-smi shows 40,960).
         # PCIe 4.0 x16: 31.5 GB/s per direction theoretical (16 GT/s x 16 lanes, 128b/130b);
         # 25 GB/s effective pinned copies is 79% of it, the fraction our H100 measured of
         # its link (53 of 63 GB/s, below). Not measured on an A100.
         # SXM parts: GPUs talk over NVLink 3 (NVLINK3 above), each with its own host link.
         Hardware("a100-40g", peak_flops=312 * TFLOPS, hbm_bandwidth=1555 * GB,
-                 pcie_bandwidth=25 * GB, memory_bytes=40 * GiB, interconnect=NVLINK3),
+                 pcie_bandwidth=25 * GB, memory_bytes=40536 * MiB, interconnect=NVLINK3),
         # Same datasheet, A100 80GB SXM: HBM2e 2,039 GB/s; reported capacity 81920 MiB.
         Hardware("a100-80g", peak_flops=312 * TFLOPS, hbm_bandwidth=2039 * GB,
                  pcie_bandwidth=25 * GB, memory_bytes=80 * GiB, interconnect=NVLINK3),
@@ -191,33 +192,42 @@ def get_hardware(name: str) -> Hardware:
         raise ValueError(f"unknown hardware {name!r}; known hardware: {known}") from None
 
 
-# vLLM profiles a forward pass of `max_num_batched_tokens` tokens to size activations; the
-# default 2048 is the estimate's token count. The fixed part stands for the CUDA context,
-# cuBLAS/NCCL workspaces and allocator fragmentation that live outside the weights and KV.
-ACTIVATION_TOKENS = 2048
+# vLLM sizes its KV cache after a profiling forward pass of `max_num_batched_tokens` tokens
+# over `max_num_seqs` sequences: what that pass's peak leaves of `utilization * memory` after
+# the weights. We take the peak as ACTIVATION_PEAK_FACTOR times the live set of one layer of
+# that pass (its tokens' residual stream, attention and MLP activations) plus the sampler's
+# fp32 logits of every sequence, and a fixed part for the CUDA context, cuBLAS/NCCL workspaces
+# and fragmentation. The factor is fitted (`bench/calibrate_sim.py`) to the KV capacity of
+# real vLLM 0.2.3 runs of OPT-13B on an A100-80GB (16,384 batched tokens, 1,024 sequences),
+# which used at most 3,370 blocks where the weights alone would leave 4,260:
+# PyTorch's eager pass keeps several times the one-layer live set at its peak.
+ACTIVATION_TOKENS = 2048  # vLLM v0's default max_num_batched_tokens for a 2,048 context
+ACTIVATION_SEQS = 256  # and max_num_seqs
+ACTIVATION_PEAK_FACTOR = 5.04
 NON_TORCH_BYTES_PER_GPU = 512 * MiB
 
 
 def activation_reserve_bytes(cfg: ModelConfig, dtype_bytes: int = 2, tensor_parallel: int = 1,
-                             max_batched_tokens: int = ACTIVATION_TOKENS) -> float:
-    """Estimated peak non-KV, non-weight memory summed over `tensor_parallel` GPUs.
-
-    The largest live set of a forward pass over `max_batched_tokens` tokens is about the
-    residual stream, the QKV/attention output and the MLP intermediate (up and gate) of one
-    layer, `tokens * (4*hidden + 2*intermediate)` values (sharded over TP apart from the
-    replicated residual, ignored here), plus fp32 logits for up to 256 sampled rows. For
-    OPT-13B this is ~0.3 GB + 0.5 GiB fixed per GPU: small next to the weights, as vLLM finds.
-    """
+                             max_batched_tokens: int = ACTIVATION_TOKENS,
+                             max_num_seqs: int = ACTIVATION_SEQS) -> float:
+    """Estimated peak non-KV, non-weight memory of vLLM's profiling pass, summed over
+    `tensor_parallel` GPUs: `ACTIVATION_PEAK_FACTOR` x (`tokens * (4*hidden +
+    2*intermediate)` values of one layer's live set, the replicated residual stream
+    counted once, plus fp32 logits of `max_num_seqs` rows) + a fixed part per GPU. For
+    OPT-13B at vLLM's defaults this is ~2 GB; at 16,384 tokens and 1,024 sequences ~11 GB."""
     per_token = 4 * cfg.hidden_size + 2 * cfg.intermediate_size
-    activations = max_batched_tokens * per_token * dtype_bytes + 256 * cfg.vocab_size * 4
-    return activations + tensor_parallel * NON_TORCH_BYTES_PER_GPU
+    live = max_batched_tokens * per_token * dtype_bytes + max_num_seqs * cfg.vocab_size * 4
+    return ACTIVATION_PEAK_FACTOR * live + tensor_parallel * NON_TORCH_BYTES_PER_GPU
 
 
 def kv_capacity_blocks(cfg: ModelConfig, hw: Hardware, block_size: int, dtype_bytes: int = 2,
-                       utilization: float = 0.9, tensor_parallel: int = 1) -> int:
+                       utilization: float = 0.9, tensor_parallel: int = 1,
+                       max_batched_tokens: int = ACTIVATION_TOKENS,
+                       max_num_seqs: int = ACTIVATION_SEQS) -> int:
     """KV blocks of `block_size` tokens that fit, by vLLM's rule.
 
-    Budget = `utilization * tensor_parallel * memory - weights - activation reserve`, over
+    Budget = `utilization * tensor_parallel * memory - weights - activation reserve` (of a
+    profiling pass of `max_batched_tokens` over `max_num_seqs`, as vLLM sizes it), over
     all `tensor_parallel` GPUs together (weights and KV heads are sharded evenly; a block's
     bytes are the whole block across the group), divided by `block_bytes`. Raises
     `ValueError` naming the smallest sufficient `tensor_parallel` when the weights do not
@@ -233,7 +243,7 @@ def kv_capacity_blocks(cfg: ModelConfig, hw: Hardware, block_size: int, dtype_by
     weights = cfg.num_params * dtype_bytes
 
     def budget(tp: int) -> float:
-        reserve = activation_reserve_bytes(cfg, dtype_bytes, tp)
+        reserve = activation_reserve_bytes(cfg, dtype_bytes, tp, max_batched_tokens, max_num_seqs)
         return utilization * tp * hw.memory_bytes - weights - reserve
 
     free = budget(tensor_parallel)
