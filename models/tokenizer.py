@@ -141,7 +141,6 @@ class Tokenizer:
             eos_token=self._backend.id_to_token(self._eos_token_id),
         )
 
-
     def token_strings(self, ids: list[int]) -> list[str]:
         """The vocabulary's strings for `ids` (byte-level: `Ġ` for a space), as Hugging Face's
         `convert_ids_to_tokens` gives them (vLLM's `/tokenize` `token_strs`)."""
