@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 T = TypeVar("T")
 
 
 class BadArguments(Exception):
     """An option the configuration refused; `main` prints it as one `error:` line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose refusal of an option (an unknown choice, a value that does not
+    parse) is its one `error:` line and a pointer to `--help`, not the command's whole
+    usage text before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
 def _checked(make: Callable[[], T]) -> T:
@@ -222,6 +232,24 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise BadArguments(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
     serve(LLM(engine), server, sock)
+    # The process ends next: spare Python's teardown its garbage collections over JAX's
+    # object graph, which took seconds after the server had shut down (measured in
+    # bench/serve_shutdown.py); the memory goes back to the OS either way.
+    gc.freeze()
+    return 0
+
+
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from jserve.config import MAX_DEFAULT_MODEL_LEN
+    from jserve.models.loading import load_tokenizer
+    from jserve.models.registry import get_config
+
+    tokenizer = load_tokenizer(args.model)
+    if tokenizer is None:
+        raise BadArguments(f"{args.model} has no real weights and so no tokenizer")
+    context = args.max_model_len or min(get_config(args.model).max_position, MAX_DEFAULT_MODEL_LEN)
+    for path in tokenizer.export_hf(args.output, model_max_length=context):
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -304,7 +332,7 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
+    parser = ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt and stream the text to stdout")
@@ -366,6 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "code uses 5, unexplained in the paper (default: 1)")
     p.set_defaults(func=_profile)
     _add_train_predictor_parser(sub)
+
+    e = sub.add_parser("export-tokenizer",
+                       help="write the model's tokenizer as a Hugging Face tokenizer folder "
+                            "(tokenizer.json, tokenizer_config.json with the chat template), for "
+                            "clients that load one locally (guidellm --processor, lm-eval "
+                            "tokenizer=)")
+    e.add_argument("output", help="the folder to write (made if missing)")
+    add_model_arg(e)
+    e.add_argument("--max-model-len", type=int, default=None, metavar="L",
+                   help="the context the folder declares (model_max_length); pass the server's "
+                        "(default: min(model context, 2048), the server's default)")
+    e.set_defaults(func=_export_tokenizer)
     return parser
 
 

@@ -24,6 +24,7 @@ from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
+from jserve.runners.sharding import sharded_config
 from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, cost_model_info
 from jserve.models.config import ModelConfig
 from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
@@ -149,6 +150,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_at_least(name, getattr(self, name), 1)
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        sharded_config(self.model_config(), self.tensor_parallel_size)  # heads must split evenly
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.prefix_cache is not None and getattr(self.make_policy(), "offloads_layers", False):
@@ -367,6 +369,10 @@ class ServerConfig:
         the engine (never started or preempted); None: no limit.
     drain_s: on SIGINT/SIGTERM, how long running requests may go on finishing before the
         rest are aborted.
+    served_model_names: the names clients may ask for in `model` (vLLM's
+        --served-model-name; a Hugging Face id such as `HuggingFaceTB/SmolLM2-135M-Instruct`
+        lets a client that looks its tokenizer up by the model's name find it); the first is
+        the one `/health` reports. Empty: the model's registry name.
     """
 
     host: str = "127.0.0.1"
@@ -375,8 +381,12 @@ class ServerConfig:
     max_request_bytes: int = 4 * 2**20
     max_waiting_requests: int | None = None
     drain_s: float = 5.0
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("a served model name must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key == "":
@@ -404,6 +414,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="on Ctrl-C / SIGTERM, let running requests finish this long, then "
                              "abort the rest (default: %(default)s)")
+    parser.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=[],
+                        metavar="NAME",
+                        help="the names clients may send as `model` (several allowed; a Hugging "
+                             "Face id lets clients find the tokenizer by name); the first is the "
+                             "one /health reports (default: the --model name)")
 
 
 def server_config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ServerConfig:
@@ -412,4 +427,5 @@ def server_config_from_args(args: argparse.Namespace, environ: dict[str, str]) -
     return ServerConfig(host=args.host, port=args.port,
                         api_key=args.api_key or environ.get(API_KEY_ENV) or None,
                         max_request_bytes=args.max_request_bytes,
-                        max_waiting_requests=args.max_waiting_requests, drain_s=args.drain_s)
+                        max_waiting_requests=args.max_waiting_requests, drain_s=args.drain_s,
+                        served_model_names=tuple(args.served_model_names))

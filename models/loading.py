@@ -55,3 +55,10 @@ def load_model(
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
     load_llama_weights(model, gguf_weights)
     return LoadedModel(cfg, model, tokenizer=Tokenizer.from_gguf(reader))
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> Tokenizer | None:
+    """A named model's tokenizer without its weights (`jserve export-tokenizer`); None for a
+    model without real weights, which has none."""
+    get_config(name)  # unknown names fail with the list of known ones
+    return Tokenizer.from_gguf(_REAL_WEIGHTS[name]()) if name in _REAL_WEIGHTS else None

@@ -6,6 +6,8 @@ no HF hub download or separate tokenizer.json is needed to serve it.
 
 from __future__ import annotations
 
+import json
+import pathlib
 from typing import Any
 
 import gguf
@@ -66,6 +68,7 @@ class Tokenizer:
         self._special_ids = special_ids
         self._bos_token_id = bos_token_id
         self._eos_token_id = eos_token_id
+        self._chat_template_source = chat_template
         # Sandboxed because chat templates ship inside model files; the
         # whitespace options and `raise_exception` mirror HF transformers so
         # templates written for it render identically.
@@ -138,6 +141,55 @@ class Tokenizer:
             eos_token=self._backend.id_to_token(self._eos_token_id),
         )
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """The vocabulary's strings for `ids` (byte-level: `Ġ` for a space), as Hugging Face's
+        `convert_ids_to_tokens` gives them (vLLM's `/tokenize` `token_strs`)."""
+        return [self._backend.id_to_token(i) for i in ids]
+
+    # ------------------------------------------------------------ export (Hugging Face)
+    def hf_tokenizer_config(self, model_max_length: int) -> dict[str, Any]:
+        """What a Hugging Face `tokenizer_config.json` says of this tokenizer: its special
+        tokens, chat template and context, for clients that load a tokenizer by folder
+        (`transformers.AutoTokenizer`) and for vLLM's `/tokenizer_info`. The end-of-turn
+        token doubles as padding, as the model's own GGUF file says for SmolLM2."""
+        token = self._backend.id_to_token
+        eos = token(self._eos_token_id)
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": token(self._bos_token_id),
+            "eos_token": eos,
+            "pad_token": eos,
+            "add_bos_token": False,  # `encode` adds none; the chat template writes its own
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+            "added_tokens_decoder": {
+                str(i): {"content": token(i), "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True}
+                for i in sorted(self._special_ids)},
+        }
+        if self._chat_template_source is not None:
+            config["chat_template"] = self._chat_template_source
+        return config
+
+    def export_hf(self, directory: str | pathlib.Path, model_max_length: int) -> list[pathlib.Path]:
+        """Write this tokenizer as a Hugging Face tokenizer folder (`tokenizer.json`,
+        `tokenizer_config.json`, `special_tokens_map.json`), which
+        `AutoTokenizer.from_pretrained(directory)` loads to the same ids, text and chat
+        template. Returns the files written."""
+        out = pathlib.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        config = self.hf_tokenizer_config(model_max_length)
+        files = {
+            "tokenizer.json": self._backend.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+            "special_tokens_map.json": json.dumps(
+                {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}, indent=2),
+        }
+        for name, text in files.items():
+            (out / name).write_text(text + "\n", encoding="utf-8")
+        return [out / name for name in files]
+
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas.
@@ -169,3 +221,54 @@ class IncrementalDetokenizer:
         text = self._tokenizer.decode(self._pending, self._skip_special_tokens)
         self._pending.clear()
         return text
+
+
+class TokenTexts:
+    """Each token's share of a decoded text, for log-probability listings, whose token
+    strings must join back into the text and whose `text_offset`s count characters of it.
+
+    Byte-level BPE can split one character over several tokens, so a token decoded on its
+    own is not its share (a lone half of `日` decodes to U+FFFD). As vLLM's incremental
+    detokenizer does, a window from the last character boundary is decoded: a token that
+    leaves a character unfinished gets the empty string and the token that finishes it
+    gets the whole character. Decoding windows, never single tokens, keeps any decoder's
+    context (a leading-space marker, say) right, not only byte-level ones.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window: the text before it is settled
+        self._read = 0  # end of the settled part of the window
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _piece(self, window: list[int]) -> str | None:
+        """The text `window` adds after the settled part, or None while it ends inside a
+        character."""
+        settled = self._decode(window[: self._read - self._prefix])
+        text = self._decode(window)
+        if len(text) > len(settled) and not text.endswith(_REPLACEMENT_CHAR):
+            return text[len(settled):]
+        return None
+
+    def push(self, token_id: int) -> str:
+        """Token `token_id`'s share of the text (empty while it leaves a character open)."""
+        self._ids.append(token_id)
+        piece = self._piece(self._ids[self._prefix:])
+        if piece is None:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return piece
+
+    def peek(self, token_id: int) -> str:
+        """What `push(token_id)` would return, without pushing: an alternative's share."""
+        return self._piece([*self._ids[self._prefix:], token_id]) or ""
+
+    def flush(self) -> str:
+        """What the pushed tokens left unsettled (an unfinished character: U+FFFD), which
+        belongs to the last token once no more follow."""
+        rest = self._decode(self._ids[self._prefix:])[len(self._decode(self._ids[self._prefix:self._read])):]
+        self._prefix = self._read = len(self._ids)
+        return rest

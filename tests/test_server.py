@@ -24,7 +24,7 @@ from jserve.benchmarking.http_client import scrape_metrics
 from jserve.benchmarking.http_client import wait_until_idle as server_idle
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cli import main
-from jserve.config import EngineConfig
+from jserve.config import EngineConfig, ServerConfig
 from jserve.engine.plan import Plan
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_CONTEXT = 1024
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 ABORTED = 'jserve_requests_finished_total{finish_reason="abort"}'
+HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -73,8 +74,8 @@ class Served:
     client: openai.OpenAI
 
 
-def _serve(llm: LLM) -> Iterator[Served]:
-    with serve_in_background(build_app(llm)) as url:
+def _serve(llm: LLM, config: ServerConfig | None = None) -> Iterator[Served]:
+    with serve_in_background(build_app(llm, config)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         yield Served(url, llm, client)
         client.close()
@@ -91,10 +92,11 @@ def tiny(tiny_loaded: LoadedModel) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def smol(smollm2_loaded: LoadedModel) -> Iterator[Served]:
-    """SmolLM2 with its real weights and tokenizer, for text prompts and chat."""
+    """SmolLM2 with its real weights and tokenizer, for text prompts and chat, served under
+    its registry name and its Hugging Face id."""
     llm = LLM(smollm2_loaded, num_blocks=64, max_model_len=256, max_num_seqs=4,
               max_num_batched_tokens=256, warmup=False)
-    yield from _serve(llm)
+    yield from _serve(llm, ServerConfig(served_model_names=("smollm2-135m", HF_ID)))
 
 
 def wait_until_idle(served: Served) -> None:
@@ -180,6 +182,13 @@ def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(
         (b'{"model": "tiny-llama", "prompt": [1], "temperature": Infinity}', 400, "temperature",
          "temperature must be a finite number"),
         (b'{"model": "tiny-llama", "prompt": [1], "top_p": NaN}', 400, "top_p", "top_p must be a finite number"),
+        (b'{"model": "tiny-llama", "prompt": [1], "stream": "yes"}', 400, "stream",
+         "stream: Input should be a valid boolean"),
+        (b'{"model": "tiny-llama", "prompt": [1], "echo": 1}', 400, "echo", "echo: Input should be a valid boolean"),
+        (b'{"model": "tiny-llama", "prompt": 42}', 400, "prompt",
+         "prompt: must be a string, a list of token ids, or a list of either (a batch)"),
+        (b'{"model": "tiny-llama", "prompt": [1], "stop": 7}', 400, "stop", "stop: must be a string or a list"),
+        (b'{"model": "tiny-llama", "prompt": [[1, 2], []]}', 400, "prompt", "prompt[1]: the prompt is empty"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(tiny: Served, body: bytes, status: int,
@@ -349,3 +358,103 @@ def test_chat_logprobs_and_top_logprobs(smol: Served) -> None:
     r = httpx.post(f"{smol.url}/v1/chat/completions", json=kw | {"logprobs": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     wait_until_idle(smol)
+
+
+# ------------------------------------------------------------------ what third-party clients need
+
+
+def test_a_batch_of_token_id_prompts_gets_one_choice_each_in_order(tiny: Served) -> None:
+    prompts = [[5, 6, 7], [9], [11, 12, 13, 14]]
+    kw = dict(model="tiny-llama", max_tokens=3, temperature=0, extra_body=NO_EOS)
+    alone = [tiny.client.completions.create(prompt=p, **kw).choices[0].token_ids for p in prompts]
+    batch = tiny.client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.token_ids for c in batch.choices] == alone
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (8, 9)
+    chunks = list(tiny.client.completions.create(prompt=prompts, stream=True, **kw,
+                                                 stream_options={"include_usage": True}))
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for chunk in chunks[:-1]:
+        [c] = chunk.choices
+        streamed[c.index] += c.token_ids
+    assert list(streamed.values()) == alone and chunks[-1].usage.completion_tokens == 9
+    wait_until_idle(tiny)
+
+
+def test_a_text_batch_matches_its_prompts_sent_alone(smol: Served) -> None:
+    prompts = ["1, 2, 3,", "The capital of France is"]
+    kw = dict(model="smollm2-135m", max_tokens=4, temperature=0)
+    alone = [smol.client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    batch = smol.client.completions.create(prompt=prompts, **kw)
+    assert [(c.index, c.text) for c in batch.choices] == list(enumerate(alone))
+    wait_until_idle(smol)
+
+
+def _joined(lp: object) -> str:
+    return "".join(lp.tokens)
+
+
+def test_scoring_echoes_the_prompts_logprobs_and_generates_nothing(smol: Served) -> None:
+    """`max_tokens: 0` with `echo` (lm-eval's loglikelihood): the prompt's log-probabilities,
+    the same as a one-token run's, and no completion."""
+    kw = dict(model="smollm2-135m", prompt="The quick brown fox jumps", echo=True, logprobs=1, temperature=0)
+    scored = smol.client.completions.create(max_tokens=0, **kw)
+    [c] = scored.choices
+    one = smol.client.completions.create(max_tokens=1, **kw).choices[0].logprobs
+    assert c.text == "The quick brown fox jumps" and c.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and len(c.logprobs.tokens) == scored.usage.prompt_tokens
+    assert c.logprobs.tokens == one.tokens[:-1] and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(one.token_logprobs[1:-1], abs=1e-5)
+    r = httpx.post(f"{smol.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    wait_until_idle(smol)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_count_characters_where_tokens_split_them(smol: Served, stream: bool) -> None:
+    """Byte-level tokens split `日` and emoji: each token's text is its share of the text
+    (empty until a character is whole), so the tokens join back into the text and each
+    offset is the characters before it, as OpenAI defines `text_offset`."""
+    prompt = "日本語のテキスト 🤗👍🏽"
+    out = smol.client.completions.create(model="smollm2-135m", prompt=prompt, echo=True, logprobs=2,
+                                         max_tokens=6, temperature=0, stream=stream)
+    chunks = [c.choices[0] for c in out] if stream else out.choices
+    text = "".join(c.text for c in chunks)
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    assert text.startswith(prompt) and "".join(tokens) == text
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert len(tokens) > len(prompt)  # more tokens than characters: some split one
+    wait_until_idle(smol)
+
+
+def test_served_model_names_are_all_listed_and_all_answer(smol: Served) -> None:
+    assert [m.id for m in smol.client.models.list().data] == ["smollm2-135m", HF_ID]
+    out = smol.client.completions.create(model=HF_ID, prompt="Hi", max_tokens=1, temperature=0)
+    assert out.model == HF_ID and out.usage.completion_tokens == 1
+    with pytest.raises(openai.NotFoundError, match=f"serves `smollm2-135m`, `{HF_ID}`"):
+        smol.client.completions.create(model="gpt-4", prompt="Hi")
+    wait_until_idle(smol)
+
+
+def test_vllms_tokenizer_routes(smol: Served) -> None:
+    """/tokenize, /detokenize and /tokenizer_info in vLLM's shapes: what lm-eval's remote
+    tokenizer reads (its eos id is the encoding of `eos_token`)."""
+    tok = smol.llm.tokenizer
+    r = httpx.post(f"{smol.url}/tokenize", json={"prompt": "Hello 日本", "return_token_strs": True,
+                                                 "add_special_tokens": False}).json()
+    assert r == {"count": 5, "max_model_len": 256, "tokens": tok.encode("Hello 日本"),
+                 "token_strs": ["Hello", "Ġæ", "Ĺ", "¥", "æľ¬"]}
+    chat = httpx.post(f"{smol.url}/tokenize", json={"model": HF_ID, "messages": [
+        {"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert httpx.post(f"{smol.url}/detokenize", json={"tokens": chat["tokens"]}).json() == {
+        "prompt": tok.apply_chat_template([{"role": "user", "content": "Hi"}])}
+    info = httpx.get(f"{smol.url}/tokenizer_info").json()
+    assert (info["tokenizer_class"], info["eos_token"], info["model_max_length"]) == (
+        "PreTrainedTokenizerFast", "<|im_end|>", 256)
+    assert tok.encode(info["eos_token"]) == [tok.eos_token_id] and "<|im_start|>" in info["chat_template"]
+    for path, body, param in [("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens")]:
+        r = httpx.post(f"{smol.url}{path}", json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param

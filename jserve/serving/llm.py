@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
 
 
-def render_chat(tokenizer: Tokenizer, messages: Messages) -> str:
+def render_chat(tokenizer: Tokenizer, messages: Messages, add_generation_prompt: bool = True) -> str:
     """The conversation through the model's chat template; `InvalidRequestError` (param
     `messages`) for a malformed message or one the template refuses."""
     for i, m in enumerate(messages):
@@ -34,7 +34,7 @@ def render_chat(tokenizer: Tokenizer, messages: Messages) -> str:
             raise InvalidRequestError(f"messages[{i}] must have a string 'role' and 'content', "
                                       f"got {m!r}", "messages")
     try:
-        return tokenizer.apply_chat_template(list(messages))
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt)
     except (jinja2.TemplateError, ValueError) as e:
         raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from None
 

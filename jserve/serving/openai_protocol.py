@@ -6,8 +6,11 @@ benchmark client and the tests read the same field names the server writes.
 Extensions beyond OpenAI's API (vLLM's names where vLLM has one): `top_k`, `ignore_eos`,
 `return_token_ids` (each choice carries the generated token ids: a model without a
 tokenizer has no text to stream), `ttft_slo` / `tbt_slo` (seconds, handed to SLO-aware
-policies), and on the finishing chunk of a stream a `jserve` object with the request's
-preemptions, which a client cannot observe otherwise.
+policies), on the finishing chunk of a stream a `jserve` object with the request's
+preemptions, which a client cannot observe otherwise, and vLLM's tokenizer routes'
+bodies (`/tokenize`, `/detokenize`).
+
+Bodies are strict (`StrictModel`): a value of the wrong JSON type is refused, not coerced.
 """
 
 from __future__ import annotations
@@ -15,9 +18,18 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from jserve.engine.request import RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
@@ -52,19 +64,46 @@ class OpenAIError(Exception):
                           "code": self.code}}
 
 
-def model_not_found(model: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served}`",
+def model_not_found(model: str, served: tuple[str, ...]) -> OpenAIError:
+    names = ", ".join(f"`{name}`" for name in served)
+    return OpenAIError(404, f"The model `{model}` does not exist; this server serves {names}",
                        param="model", code="model_not_found")
 
 
 # --------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """A request body whose values keep their JSON types, as OpenAI's schema has them: no
+    `"yes"` or `1` taken for true, no `"0.5"` for a number (an int is still a number)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+def one_of(description: str) -> WrapValidator:
+    """A union field's validator whose refusal says what the field may be, in place of
+    pydantic's complaint about the union's first member (`prompt.str: ...`)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "must be {description}",
+                                      {"description": description}) from None
+
+    return WrapValidator(check)
+
+
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]],
+                   one_of("a string, a list of token ids, or a list of either (a batch)")]
+Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")]
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(StrictModel):
     """Fields both endpoints share. Nullable as in OpenAI's spec: null means the default.
     Fields this server does not implement (penalties, ...) are ignored."""
 
@@ -74,7 +113,7 @@ class GenerationRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None  # extension; 0 or -1 (vLLM's old "off") disable it
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Stop = None
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -103,14 +142,20 @@ class GenerationRequest(BaseModel):
         """(alternatives per output token, per prompt token); None: not asked."""
         return None, None
 
+    @property
+    def score_only(self) -> bool:
+        """Only the prompt's log-probabilities are wanted, nothing generated."""
+        return False
+
     def sampling_params(self, default_max_tokens: int, num_prompt_tokens: int,
                         max_model_len: int) -> SamplingParams:
         """The engine's options, or `OpenAIError` (400) naming what is wrong. An explicit
         `max_tokens` must fit the context beside the prompt (vLLM's check and message); the
-        default is capped by the context instead."""
+        default is capped by the context instead. Scoring a prompt (`max_tokens: 0` with
+        `echo`) runs one step, as vLLM does; its token is not returned."""
         if self.n not in (None, 1):
             raise OpenAIError(400, f"only n=1 is supported, got n={self.n}", param="n")
-        max_tokens = self.requested_max_tokens()
+        max_tokens = 1 if self.score_only else self.requested_max_tokens()
         if (max_tokens is not None and num_prompt_tokens < max_model_len
                 and num_prompt_tokens + max_tokens > max_model_len):
             raise OpenAIError(
@@ -134,30 +179,34 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """/v1/completions: one prompt, as text or token ids (a one-element batch is accepted)."""
+    """/v1/completions: a prompt as text or token ids, or a batch of them (a list of
+    either), answered with one choice per prompt in the batch's order (`index`)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None  # alternatives per token (OpenAI caps it at 5; we at 20)
     echo: bool = False  # the prompt comes back before the completion (with logprobs, its own)
 
     def requested_logprobs(self) -> tuple[int | None, int | None]:
         return self.logprobs, self.logprobs if self.echo else None
 
-    def single_prompt(self) -> str | list[int]:
+    @property
+    def score_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a lone prompt (text, or token ids, empty included) is a batch of one."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise OpenAIError(400, f"send one prompt per request, got {len(p)}", param="prompt")
-            return p[0]
-        return p
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: str
     content: str | list[TextPart]
 
@@ -201,10 +250,10 @@ class ResponseFormat:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None,
+    def choice(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
                *, stream: bool, first: bool = False,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0}
+        c: dict[str, Any] = {"index": index}
         if not self.chat:
             c["text"] = text
         elif stream:
@@ -220,22 +269,22 @@ class ResponseFormat:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log-probabilities of some tokens, with their text: what both endpoints render."""
+    """Log-probabilities of some tokens, with their text: what both endpoints render.
+
+    A token's text is its share of the choice's text (see `TokenTexts`: empty for a token
+    that leaves a character unfinished), so the tokens join back into the text and
+    `bytes` concatenate to its UTF-8."""
 
     tokens: list[str]
     logprobs: list[float | None]  # None: the prompt's first token, which nothing predicts
     top: list[dict[str, float] | None]  # alternatives by text, most likely first
     num_top: int  # alternatives asked for
+    offsets: list[int]  # each token's character offset into the choice's text
 
-    def completion(self, text_offset: int, tokens_are_text: bool = True) -> dict[str, Any]:
-        """/v1/completions' shape; offsets count from `text_offset` into the choice's text
-        (which token labels such as `token_id:N` are not part of)."""
-        offsets = []
-        for token in self.tokens:
-            offsets.append(text_offset)
-            text_offset += len(token) if tokens_are_text else 0
+    def completion(self) -> dict[str, Any]:
+        """/v1/completions' shape."""
         return {"tokens": self.tokens, "token_logprobs": self.logprobs, "top_logprobs": self.top,
-                "text_offset": offsets}
+                "text_offset": self.offsets}
 
     def chat(self) -> dict[str, Any]:
         """/v1/chat/completions' shape: `content`, one entry per token, `top_logprobs` a list."""
@@ -281,8 +330,44 @@ def preemption_info(metrics: RequestMetrics) -> dict[str, float]:
     return {"num_preemptions": metrics.num_preemptions, "preempted_time": metrics.preempted_time}
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_list(names: tuple[str, ...], root: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """/v1/models: every served name (vLLM's `--served-model-name`), each of the one model
+    `root` (its registry name)."""
     return {"object": "list", "data": [
-        {"id": model, "object": "model", "created": created, "owned_by": "jserve",
-         "max_model_len": max_model_len},
+        {"id": name, "object": "model", "created": created, "owned_by": "jserve", "root": root,
+         "max_model_len": max_model_len}
+        for name in names
     ]}
+
+
+# --------------------------------------------------------------------------- tokenizer routes
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template.
+    `add_special_tokens` is accepted as vLLM's clients send it; this server's tokenizers
+    add no BOS or EOS either way (the chat template writes its own markers)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("tokenize_input", "send exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server around one engine (`jserve serve`).
 
 Routes: `/v1/completions` and `/v1/chat/completions` (server-sent events with
-`stream: true`), `/v1/models`, `/health`, `/metrics` (Prometheus). Handlers only tokenize
+`stream: true`), `/v1/models`, `/health`, `/metrics` (Prometheus), and vLLM's tokenizer
+routes `/tokenize`, `/detokenize`, `/tokenizer_info` (for clients that count tokens
+without a local tokenizer, e.g. lm-eval's remote tokenizer). Handlers only tokenize
 (in a worker thread, so a large prompt never stalls the other routes), validate and hand
 requests to the `AsyncEngine`, whose single loop steps the engine; every error a client can
 cause comes back as OpenAI's error JSON with a 4xx status. `RequestGuard` checks the API key
@@ -31,8 +33,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from jserve.config import ServerConfig
+from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
+from jserve.models.tokenizer import Tokenizer
 from jserve.serving.async_engine import AsyncEngine, Delta, EngineStopped, QueueFull, RequestStream
+from jserve.serving.choices import Choice, PromptInput
 from jserve.serving.llm import LLM, render_chat
 from jserve.serving.openai_protocol import (
     CHAT,
@@ -40,41 +45,43 @@ from jserve.serving.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
     OpenAIError,
     ResponseFormat,
     ResponseHeader,
-    TokenLogprobs,
+    TokenizeRequest,
     model_list,
     model_not_found,
     preemption_info,
+    tokenize_response,
     usage,
 )
-from jserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 60
-# uvicorn's own backstop after the engine's drain: the drain has ended every request by
-# then, so connections close well within it (a second Ctrl-C cuts at once).
+# uvicorn's own backstop, counted from the end of the engine's drain: the drain has ended
+# every request by then, so connections close well within it (a second Ctrl-C cuts at once).
 CONNECTION_CLOSE_S = 5
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events that close their request stream however the response ends
+    """Server-sent events that close their request streams however the response ends
     (finished, client gone: the send task is cancelled, server stopping), so an abandoned
     request is aborted and its KV blocks freed."""
 
-    def __init__(self, stream: RequestStream, events: AsyncIterator[str]) -> None:
+    def __init__(self, streams: list[RequestStream], events: AsyncIterator[str]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._stream = stream
+        self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.close()
+            for stream in self._streams:
+                stream.close()
 
 
 class ClientGone(Exception):
@@ -110,6 +117,32 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas of several streams (a batch's), each with its stream's index, as they
+    come; an error of any stream ends the whole."""
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                delta = task.result()
+                yield i, delta
+                if not delta.finished:
+                    pending[asyncio.ensure_future(streams[i].__anext__())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _whole(stream: RequestStream) -> Delta:
+    """A stream's deltas joined into one."""
+    whole = Delta([], "")
+    async for delta in stream:
+        whole = whole.then(delta)
+    return whole
+
+
 class OpenAIServer:
     """The routes' logic: one served model, one engine loop."""
 
@@ -117,6 +150,9 @@ class OpenAIServer:
         self.llm = llm
         self.config = config
         self.model = llm.config.name
+        # the names clients may ask for (vLLM's --served-model-name); the first is the
+        # one /health names
+        self.names = config.served_model_names or (self.model,)
         self.policy = llm.policy.name
         self.max_model_len = llm.engine.state.limits.max_model_len
         self.engine = AsyncEngine(llm.engine, predictor=llm.predictor,
@@ -126,13 +162,15 @@ class OpenAIServer:
     # ------------------------------------------------------------------ endpoints
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         self._check_model(body.model)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            ids = await asyncio.to_thread(self._tokenizer("prompt").encode, prompt)
-            return await self._generate(request, body, COMPLETION, ids, prompt,
-                                        DEFAULT_COMPLETION_MAX_TOKENS)
-        return await self._generate(request, body, COMPLETION, prompt, None,
-                                    DEFAULT_COMPLETION_MAX_TOKENS)
+        prompts = body.prompts()
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded: Iterator[list[int]] = iter([])
+        if texts:
+            tokenizer = self._tokenizer("prompt")
+            encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        inputs = [PromptInput(next(encoded), p) if isinstance(p, str) else PromptInput(p, None)
+                  for p in prompts]
+        return await self._generate(request, body, COMPLETION, inputs, DEFAULT_COMPLETION_MAX_TOKENS)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         self._check_model(body.model)
@@ -143,60 +181,111 @@ class OpenAIServer:
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e) from None
         # OpenAI's default for chat: whatever the context leaves.
-        return await self._generate(request, body, CHAT, ids, text,
+        return await self._generate(request, body, CHAT, [PromptInput(ids, text)],
                                     max(1, self.max_model_len - len(ids)))
 
     def health(self) -> JSONResponse:
         ok = self.engine.running
-        return JSONResponse({"status": "ok" if ok else "engine stopped", "model": self.model,
+        return JSONResponse({"status": "ok" if ok else "engine stopped", "model": self.names[0],
                              "policy": self.policy}, status_code=200 if ok else 503)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids the completion or chat endpoint would run."""
+        if body.model is not None:
+            self._check_model(body.model)
+        if body.messages is not None:
+            tokenizer = self._tokenizer("messages")
+            messages = [m.as_template_input() for m in body.messages]
+            try:
+                _, ids = await asyncio.to_thread(_render_and_encode, tokenizer, messages,
+                                                 body.add_generation_prompt)
+            except InvalidRequestError as e:
+                raise OpenAIError.invalid(e) from None
+        else:
+            tokenizer = self._tokenizer("prompt")
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
+        return tokenize_response(ids, self.max_model_len,
+                                 tokenizer.token_strings(ids) if body.return_token_strs else None)
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize: the text of token ids, special tokens written out."""
+        if body.model is not None:
+            self._check_model(body.model)
+        tokenizer = self._tokenizer("tokens")
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token ids must lie in [0, {tokenizer.vocab_size}), got {bad[0]}",
+                              param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: what the tokenizer's `tokenizer_config.json` says (the
+        file `jserve export-tokenizer` writes), e.g. for lm-eval's remote tokenizer."""
+        return self._tokenizer("model").hf_tokenizer_config(self.max_model_len)
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, body: GenerationRequest, fmt: ResponseFormat,
-                        prompt_ids: list[int], prompt: str | None,
-                        default_max_tokens: int) -> Response:
-        params = body.sampling_params(default_max_tokens, len(prompt_ids), self.max_model_len)
-        header = ResponseHeader.new(fmt, self.model)
-        try:
-            stream = await self.engine.add_request(header.id, prompt_ids, params, prompt=prompt,
-                                                   ttft_slo=body.ttft_slo, tbt_slo=body.tbt_slo,
-                                                   conversation_id=body.conversation_id)
-        except InvalidRequestError as e:
-            raise OpenAIError.invalid(e, body.prompt_param) from None
+                        inputs: list[PromptInput], default_max_tokens: int) -> Response:
+        """Run every prompt of `inputs` as its own engine request and answer with one
+        choice per prompt, in order."""
+        params = [body.sampling_params(default_max_tokens, len(p.ids), self.max_model_len)
+                  for p in inputs]
+        header = ResponseHeader.new(fmt, body.model)
+        ids = [header.id] if len(inputs) == 1 else [f"{header.id}-{i}" for i in range(len(inputs))]
+        streams = await self._add_all(body, ids, inputs, params)
+        choices = [Choice(i, p, body, fmt, self.llm.tokenizer) for i, p in enumerate(inputs)]
         if body.stream:
-            return EventStreamResponse(stream, self._events(body, fmt, header, stream, prompt_ids, prompt))
+            return EventStreamResponse(streams, self._events(body, fmt, header, streams, choices))
         try:
-            collected = self._collect(body, fmt, header, stream, prompt_ids, prompt)
+            collected = self._collect(fmt, header, streams, choices)
             return JSONResponse(await _unless_disconnected(request, collected))
         except ClientGone:  # nobody reads the answer; close() below aborts the request
             log.info("client of %s disconnected; request aborted", header.id)
             return Response(status_code=499)  # nginx's "client closed request", for the log
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
 
-    async def _collect(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
-                       stream: RequestStream, prompt_ids: list[int], prompt: str | None) -> dict[str, Any]:
-        whole = Delta([], "")
-        async for delta in stream:
-            whole = whole.then(delta)
-        cached = whole.metrics.num_cached_tokens if whole.metrics is not None else 0
-        choice, _ = self._choice(body, fmt, whole, prompt_ids, prompt, stream=False, first=True, offset=0)
-        return header.body(fmt.object, [choice], usage=usage(len(prompt_ids), len(whole.token_ids), cached))
+    async def _add_all(self, body: GenerationRequest, ids: list[str], inputs: list[PromptInput],
+                       params: list[SamplingParams]) -> list[RequestStream]:
+        """Hand every prompt to the engine at once (admitted in one pass of its loop); if
+        any is refused, the others are aborted and the refusal raised."""
+        added = await asyncio.gather(*(
+            self.engine.add_request(request_id, p.ids, sp, prompt=p.text, ttft_slo=body.ttft_slo,
+                                    tbt_slo=body.tbt_slo, conversation_id=body.conversation_id)
+            for request_id, p, sp in zip(ids, inputs, params)), return_exceptions=True)
+        errors = [(i, e) for i, e in enumerate(added) if isinstance(e, BaseException)]
+        if not errors:
+            return list(added)
+        for stream in added:
+            if isinstance(stream, RequestStream):
+                stream.close()
+        i, error = errors[0]
+        if isinstance(error, InvalidRequestError):
+            if len(inputs) > 1 and error.param == "prompt":
+                error = InvalidRequestError(f"{body.prompt_param}[{i}]: {error}", error.param)
+            raise OpenAIError.invalid(error, body.prompt_param) from None
+        raise error
+
+    async def _collect(self, fmt: ResponseFormat, header: ResponseHeader, streams: list[RequestStream],
+                       choices: list[Choice]) -> dict[str, Any]:
+        tasks = [asyncio.ensure_future(_whole(s)) for s in streams]
+        try:
+            wholes = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        rendered = [c.render(whole, stream=False) for c, whole in zip(choices, wholes)]
+        return header.body(fmt.object, rendered, usage=_usage(choices))
 
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
-                      stream: RequestStream, prompt_ids: list[int], prompt: str | None) -> AsyncIterator[str]:
-        """One event per batch of tokens, the usage chunk if asked for, then `[DONE]`."""
-        num_out = 0
-        cached = 0
-        offset = 0
+                      streams: list[RequestStream], choices: list[Choice]) -> AsyncIterator[str]:
+        """One event per batch of one choice's tokens, the usage chunk if asked for, then
+        `[DONE]`."""
         try:
-            async for delta in stream:
-                cached = delta.metrics.num_cached_tokens if delta.metrics is not None else cached
-                choice, offset = self._choice(body, fmt, delta, prompt_ids, prompt, stream=True,
-                                              first=num_out == 0, offset=offset)
-                num_out += len(delta.token_ids)
+            async for i, delta in _merged(streams):
                 extra = {} if delta.metrics is None else {"jserve": preemption_info(delta.metrics)}
-                yield _sse(header.body(fmt.chunk_object, [choice], **extra))
+                yield _sse(header.body(fmt.chunk_object, [choices[i].render(delta, stream=True)], **extra))
         except EngineStopped as e:  # shutting down: the drain window is over
             yield _sse(OpenAIError(503, str(e), type="server_error").to_json())
         except Exception as e:  # the status line is sent: report the failure in the stream
@@ -204,58 +293,13 @@ class OpenAIServer:
             yield _sse(OpenAIError(500, str(e), type="server_error").to_json())
         else:
             if body.include_usage:
-                yield _sse(header.body(fmt.chunk_object, [], usage=usage(len(prompt_ids), num_out, cached)))
+                yield _sse(header.body(fmt.chunk_object, [], usage=_usage(choices)))
         yield _sse("[DONE]")
-
-    def _choice(self, body: GenerationRequest, fmt: ResponseFormat, delta: Delta,
-                prompt_ids: list[int], prompt: str | None, *, stream: bool, first: bool,
-                offset: int) -> tuple[dict[str, Any], int]:
-        """A choice of `delta`'s tokens (the first also echoing the prompt, if asked) and the
-        text offset after it."""
-        text, ids = delta.text, delta.token_ids
-        lps: list[float | None] | None = delta.logprobs
-        tops: list[dict[int, float] | None] | None = delta.top_logprobs
-        if first and getattr(body, "echo", False):
-            text = (prompt if prompt is not None else self._decode(prompt_ids)) + text
-            if lps is not None and tops is not None:
-                # None where nothing was computed: the first token, and positions a prefix
-                # cache served
-                known = list(delta.prompt_logprobs or [])
-                prompt_tops = known + [None] * (len(prompt_ids) - len(known))
-                lps = [None if e is None else e[t] for e, t in zip(prompt_tops, prompt_ids)] + lps
-                tops = list(prompt_tops) + tops
-                ids = prompt_ids + ids
-        logprobs = None
-        if lps is not None and tops is not None:
-            num_top = body.requested_logprobs()[0] or 0
-            rendered = self._token_logprobs(ids, lps, tops, num_top)
-            logprobs = (rendered.chat() if fmt.chat
-                        else rendered.completion(offset, self.llm.tokenizer is not None))
-        choice = fmt.choice(text, delta.finish_reason,
-                            delta.token_ids if body.return_token_ids else None,
-                            stream=stream, first=first, logprobs=logprobs)
-        return choice, offset + len(text)
-
-    def _token_logprobs(self, ids: list[int], lps: list[float | None],
-                        tops: list[dict[int, float] | None], num_top: int) -> TokenLogprobs:
-        text = self._token_text
-        return TokenLogprobs(
-            [text(t) for t in ids], lps,
-            [None if e is None else {text(k): v for k, v in sorted(e.items(), key=lambda kv: -kv[1])}
-             for e in tops], num_top)
-
-    def _token_text(self, token_id: int) -> str:
-        """A token's text; without a tokenizer, vLLM's `token_id:N`."""
-        tok = self.llm.tokenizer
-        return f"token_id:{token_id}" if tok is None else tok.decode([token_id], skip_special_tokens=False)
-
-    def _decode(self, ids: list[int]) -> str:
-        return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(ids)
 
     # ------------------------------------------------------------------ helpers
     def _check_model(self, model: str) -> None:
-        if model != self.model:
-            raise model_not_found(model, self.model)
+        if model not in self.names:
+            raise model_not_found(model, self.names)
 
     def _tokenizer(self, param: str) -> Tokenizer:
         if self.llm.tokenizer is None:
@@ -264,8 +308,14 @@ class OpenAIServer:
         return self.llm.tokenizer
 
 
-def _render_and_encode(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-    text = render_chat(tokenizer, messages)
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    return usage(sum(len(c.prompt.ids) for c in choices), sum(c.num_output_tokens for c in choices),
+                 sum(c.num_cached_tokens for c in choices))
+
+
+def _render_and_encode(tokenizer: Tokenizer, messages: list[dict[str, str]],
+                       add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    text = render_chat(tokenizer, messages, add_generation_prompt)
     return text, tokenizer.encode(text)
 
 
@@ -380,7 +430,19 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return model_list(server.model, server.created, server.max_model_len)
+        return model_list(server.names, server.model, server.created, server.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        return server.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return server.tokenizer_info()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -415,9 +477,14 @@ class JServeServer(uvicorn.Server):
                      s.policy, s.llm.engine.state.blocks.num_blocks, host, port)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        drain = asyncio.ensure_future(self.openai.engine.drain(self.openai.config.drain_s))
-        await super().shutdown(sockets)  # stops accepting first, then waits for connections
-        await drain
+        """Stop accepting, drain, then let uvicorn close the connections. uvicorn's own
+        close window starts only after the drain: every stream has had its final event by
+        then, so the connections close at once and the window is never exceeded (run side
+        by side, its timer and the drain's ended together, and uvicorn logged an error)."""
+        for server in self.servers:
+            server.close()
+        await self.openai.engine.drain(self.openai.config.drain_s)
+        await super().shutdown(sockets)
 
 
 def bind(config: ServerConfig) -> socket.socket:
