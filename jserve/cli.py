@@ -32,6 +32,7 @@ from jserve.config import (
     server_config_from_args,
 )
 from jserve.errors import ConfigError
+from jserve.models.hf_checkpoint import CheckpointError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BadArguments, ConfigError) as e:
+    except (BadArguments, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
