@@ -47,7 +47,8 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
         if llm.tokenizer is None:
-            raise InvalidRequestError(f"{args.model} has no tokenizer (dummy weights)")
+            raise InvalidRequestError(f"{args.model} has no tokenizer (dummy weights, or a checkpoint "
+                                      "without tokenizer.json)")
         prompt = args.prompt
         if not args.raw:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.models.config import ModelConfig
-from jserve.models.loading import MODEL_CLASSES, CausalLM
+from jserve.models.loading import MODEL_CLASSES, CausalLM, abstract_model
 from jserve.models.paged import AttentionFn, KVCache
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from jserve.pallas_kernels.backends import select_attention
@@ -96,6 +96,13 @@ class PagedModel:
 
     graphdef: nnx.GraphDef
     attention: AttentionFn
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32,
+           attention: str | AttentionFn = "auto") -> PagedModel:
+        """`cfg`'s structure alone, for parameters held elsewhere (a config and params:
+        `PagedModel.of(cfg).bind(params)` is the Flax module to serve)."""
+        return split(abstract_model(cfg, dtype), attention)[0]
 
     def bind(self, params: Params) -> CausalLM:
         """The Flax module of these parameters (e.g. to serve it: `LLM(model.bind(params))`)."""

@@ -30,3 +30,11 @@ def test_split_and_bind_round_trip(tiny_loaded: LoadedModel) -> None:
     assert back.cfg == tiny_loaded.config
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(functional.split(back)[1]), strict=True):
         assert a is b or np.array_equal(a, b)
+
+
+def test_a_config_and_params_make_the_same_module(tiny_loaded: LoadedModel) -> None:
+    """`PagedModel.of(cfg)` is the structure alone; bound to a model's params it is that model."""
+    model, params = functional.split(tiny_loaded.model)
+    rebuilt = functional.PagedModel.of(tiny_loaded.config, attention=model.attention)
+    assert rebuilt == model
+    assert rebuilt.bind(params).cfg == tiny_loaded.config

@@ -210,10 +210,10 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     next_ids = np.zeros(t, np.int32)
     if x.next_token_ids is not None:
         next_ids[:batch.num_tokens] = x.next_token_ids
-    return StepInputs(
-        step if meta is step.meta else dataclasses.replace(step, meta=meta), pad(x.temperature), pad(x.top_p, 1.0),
-        pad(x.top_k), pad(x.seeds), pad(x.output_index), next_ids,
-    )
+    if meta is not step.meta:
+        step = dataclasses.replace(step, meta=meta)
+    return StepInputs(step, pad(x.temperature), pad(x.top_p, 1.0), pad(x.top_k), pad(x.seeds),
+                      pad(x.output_index), next_ids)
 
 
 def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

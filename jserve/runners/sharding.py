@@ -110,12 +110,6 @@ def param_spec(path: tuple) -> P:
     return REPLICATED
 
 
-def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
-    """A `NamedSharding` per parameter of `params` (same tree)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path)), params)
-
-
 def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
     """`model` with its KV heads repeated up to `tensor_parallel_size` (a new module; `model`
     is untouched), or `model` itself when its KV heads split as they are (a checkpoint read
@@ -220,7 +214,8 @@ class TensorParallel:
 
     def place_params(self, params: nnx.State) -> nnx.State:
         """`params` on the mesh, each split by its spec (no copy for those read there)."""
-        return jax.device_put(params, param_shardings(params, self.mesh))
+        return jax.device_put(params, jax.tree_util.tree_map_with_path(
+            lambda path, _: self.param_sharding(path), params))
 
     def cache_shardings(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda _: self.pages, cache)
