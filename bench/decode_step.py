@@ -157,10 +157,10 @@ def main() -> None:
 
     step_s = median_seconds(device_step, repeats=args.repeats)
     backend = select_attention(args.attention)
-    q = random_like((x.meta.positions.shape[0], cfg.num_heads, cfg.head_dim), dtype, seed=99)
+    q = random_like((x.batch.meta.positions.shape[0], cfg.num_heads, cfg.head_dim), dtype, seed=99)
     attend = jax.jit(partial(backend.decode or backend.ragged, scale=cfg.head_dim**-0.5))
     attention_s = cfg.num_layers * median_seconds(
-        lambda: attend(q, runner.cache.k[0], runner.cache.v[0], x.meta), repeats=args.repeats)
+        lambda: attend(q, runner.cache.k[0], runner.cache.v[0], x.batch.meta), repeats=args.repeats)
     execute_s = median_seconds(lambda: runner.execute(step_batch), repeats=args.repeats)
     copy_bps = copy_bandwidth(1 << 30 if gpu else 1 << 28)
 

@@ -53,6 +53,7 @@ from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
 from jserve.runners.testbeds import make_cost_model
 from jserve.models.config import ModelConfig
+from jserve.models.hf_checkpoint import checkpoint_dtype, is_checkpoint_dir
 from jserve.models.loading import LoadedModel, load_model
 from jserve.models.tokenizer import Tokenizer
 
@@ -119,7 +120,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     _enable_compilation_cache()
     tp_size = config.tensor_parallel_size
     tp = TensorParallel.over(tp_size) if tp_size > 1 else None
-    loaded = _load_model(config)
+    loaded = _load_model(config, tp)
     model = loaded.config
     # The cache as the runner holds it, KV heads repeated where fewer than devices: the
     # budgets (one device's, times the devices) buy blocks of that size.
@@ -183,13 +184,23 @@ def _device_kv_budget(model: ModelConfig, dbytes: int, utilization: float, devic
     return per_device * (1 if jax.default_backend() == "cpu" else devices)
 
 
-def _load_model(config: EngineConfig) -> LoadedModel:
+def _load_model(config: EngineConfig, tp: TensorParallel | None) -> LoadedModel:
+    """The configured model; a checkpoint's weights are read straight onto `tp`'s mesh."""
     if isinstance(config.model, LoadedModel):
         return config.model
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    return load_model(config.model, weights=config.weights, dtype=jnp.dtype(dtype), seed=config.seed)
+    return load_model(config.model, weights=config.weights, dtype=jnp.dtype(serving_dtype(config)),
+                      seed=config.seed, placement=tp)
+
+
+def serving_dtype(config: EngineConfig) -> str:
+    """`config.dtype`, 'auto' resolved: float32 on CPU; on accelerators a checkpoint's own
+    half-precision dtype, else bfloat16."""
+    if config.dtype != "auto":
+        return config.dtype
+    if jax.default_backend() == "cpu":
+        return "float32"
+    stored = checkpoint_dtype(config.model) if is_checkpoint_dir(config.model) else None
+    return stored if stored in ("bfloat16", "float16") else "bfloat16"
 
 
 def sim_cost_model(config: EngineConfig) -> CostModel:

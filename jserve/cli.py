@@ -42,6 +42,7 @@ from jserve.config import (
     server_config_from_args,
 )
 from jserve.errors import ConfigError
+from jserve.models.hf_checkpoint import CheckpointError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,7 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
         if llm.tokenizer is None:
-            raise InvalidRequestError(f"{args.model} has no tokenizer (dummy weights)")
+            raise InvalidRequestError(f"{args.model} has no tokenizer (dummy weights, or a checkpoint "
+                                      "without tokenizer.json)")
         prompt = args.prompt
         if not args.raw:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -246,7 +248,8 @@ def _export_tokenizer(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.model)
     if tokenizer is None:
-        raise BadArguments(f"{args.model} has no real weights and so no tokenizer")
+        raise BadArguments(f"{args.model} has no tokenizer: a named shape other than smollm2-135m "
+                           "has random weights, a checkpoint directory needs tokenizer.json")
     context = args.max_model_len or min(get_config(args.model).max_position, MAX_DEFAULT_MODEL_LEN)
     for path in tokenizer.export_hf(args.output, model_max_length=context):
         print(f"wrote {path}", file=sys.stderr)
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BadArguments, ConfigError) as e:
+    except (BadArguments, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from flax import nnx
+
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
@@ -27,12 +29,12 @@ from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
 from jserve.runners.sharding import sharded_config
 from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, cost_model_info
 from jserve.models.config import ModelConfig
+from jserve.models.loading import CausalLM, LoadedModel
 from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
 
 if TYPE_CHECKING:
     from jserve.engine.policy import Policy
     from jserve.predictor import LengthPredictor
-    from jserve.models.loading import LoadedModel
 
 Runner = Literal["real", "sim"]
 RUNNERS: tuple[str, ...] = ("real", "sim")
@@ -47,10 +49,14 @@ class EngineConfig:
     """How to build one engine; every field has the default `LLM(...)` and the CLI use.
 
     Model:
-        model: a name from `jserve.models.registry`, or (real engine only) a `LoadedModel` already
-            in memory, so several engines can share one.
-        weights: 'auto' (real where a package ships them, else random), 'real' or 'dummy'.
-        dtype: 'auto' (float32 on CPU, bfloat16 on accelerators and in the simulator).
+        model: a name from `jserve.models.registry`, a Hugging Face checkpoint directory
+            (`jserve.models.hf_checkpoint`), or (real engine only) a model already in
+            memory: a `LoadedModel`, so several engines can share one, or a Flax model of
+            jserve's families (e.g. `PagedModel.bind(params)`, `jserve.models.functional`).
+        weights: 'auto' (real where a package or the checkpoint has them, else random),
+            'real' or 'dummy' (random, in the shape's or the checkpoint's config).
+        dtype: 'auto' (float32 on CPU; on accelerators a checkpoint's own bfloat16 or
+            float16, else bfloat16; bfloat16 in the simulator), or the dtype to convert to.
         seed: seed of random (dummy) weights.
     Scheduling:
         policy: a name in `jserve.policies.POLICIES` or a policy object
@@ -98,7 +104,7 @@ class EngineConfig:
             real engine without one leaves the policy its fallback, always swap).
     """
 
-    model: str | LoadedModel = DEFAULT_MODEL
+    model: str | LoadedModel | CausalLM = DEFAULT_MODEL
     weights: Literal["auto", "real", "dummy"] = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -126,8 +132,10 @@ class EngineConfig:
             cache = None if self.prefix_cache == "none" else PrefixCacheConfig(self.prefix_cache)
             object.__setattr__(self, "prefix_cache", cache)
         _check_choice("runner", self.runner, RUNNERS)
+        if isinstance(self.model, nnx.Module):
+            object.__setattr__(self, "model", LoadedModel.of(self.model))
         if isinstance(self.model, str):
-            get_config(self.model)  # unknown names fail with the list of known ones
+            get_config(self.model)  # unknown names fail with the known ones; a directory's config is read
         elif self.runner == "sim":
             raise ValueError("the simulator takes a model name from the registry, not a loaded model")
         if isinstance(self.policy, str):
@@ -182,7 +190,9 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        return self.model if isinstance(self.model, str) else self.model.config.name
+        """The name the model is served and recorded under (a checkpoint's is its shape's
+        registry name, else its directory's)."""
+        return self.model_config().name
 
     @property
     def policy_name(self) -> str:
@@ -231,8 +241,11 @@ def _check_at_least(name: str, value: int, low: int) -> None:
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     """`--model`, alone: for commands that load a model but build no serving engine."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
-                        help="model shape; only smollm2-135m has real weights (default: %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
+                        help="a Hugging Face checkpoint directory (config.json, *.safetensors, "
+                             "tokenizer.json), or a shape's name: "
+                             f"{', '.join(sorted(MODELS))}; of those, only smollm2-135m has real "
+                             "weights (default: %(default)s)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
@@ -247,11 +260,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
     d = EngineConfig()
     add_model_arg(parser)
     parser.add_argument("--weights", default=d.weights, choices=WEIGHTS,
-                        help="auto: real weights where a package ships them, else random "
-                             "(default: %(default)s)")
+                        help="auto: real weights where a package or the checkpoint has them, "
+                             "else random (default: %(default)s)")
     parser.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                        help="auto: float32 on CPU, bfloat16 on accelerators and in the simulator "
-                             "(default: %(default)s)")
+                        help="auto: float32 on CPU, on accelerators a checkpoint's own half "
+                             "precision or else bfloat16, bfloat16 in the simulator; otherwise the "
+                             "dtype weights are converted to (default: %(default)s)")
     if policy:
         parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
                             help="scheduling / KV-cache policy (default: %(default)s)")

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
+from jserve.pallas_kernels.rope import Llama3RopeScaling
+
 Family = Literal["llama", "opt"]
 
 
@@ -31,6 +35,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int = 1
     eos_token_id: int = 2
+    qkv_bias: bool = False  # Llama family: q/k/v projections with biases (Qwen2)
+    rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1's long-context frequencies
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,9 +61,21 @@ class ModelConfig:
         attn = d * self.num_heads * self.head_dim * 2 + d * self.num_kv_heads * self.head_dim * 2
         if self.family == "llama":
             mlp, norms, final_norm, positions = 3 * d * f, 2 * d, d, 0
+            if self.qkv_bias:
+                attn += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         else:  # OPT: fc1/fc2 with biases, LayerNorm scale+bias, attention biases, and a
             # learned position table with 2 leading rows no token reads
             mlp, norms, final_norm = 2 * d * f + f + d, 4 * d + 4 * d, 2 * d
             positions = (self.max_position + 2) * d
         embed = v * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * (attn + mlp + norms) + embed + positions + final_norm
+
+
+def repeated_kv_columns(cfg: ModelConfig, held: ModelConfig) -> np.ndarray:
+    """For a K/V projection held with `held.num_kv_heads` heads, each a repeat of one of
+    `cfg`'s (tensor parallelism over more devices than KV heads): the column of `cfg`'s
+    projection each held column is. Held KV head `j` is head `j // repeats`, so query head
+    `h` still reads the head it did."""
+    repeats = held.num_kv_heads // cfg.num_kv_heads
+    column = np.arange(held.num_kv_heads * held.head_dim)
+    return (column // held.head_dim // repeats) * cfg.head_dim + column % held.head_dim

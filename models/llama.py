@@ -9,6 +9,7 @@ reference without the model knowing.
 from __future__ import annotations
 
 from dataclasses import fields
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,19 @@ from jserve.pallas_kernels.hidden_attention import KVProjection
 from jserve.pallas_kernels.rope import rope
 
 
-def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def _linear(d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+# Hugging Face's name of each module (`LlamaForCausalLM`, and Mistral and Qwen2, which share
+# its layout), by this module's attribute: blocks under `model.layers.{i}.`.
+HF_NAMES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
+}
+HF_LAYERS = "model.layers"
 
 
 class LlamaBlock(nnx.Module):
@@ -33,9 +45,9 @@ class LlamaBlock(nnx.Module):
         self.cfg = cfg
         norm = dict(epsilon=cfg.norm_eps, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.attn_norm = nnx.RMSNorm(d, **norm)
-        self.wq = _linear(d, cfg.num_heads * hd, dtype, rngs)
-        self.wk = _linear(d, cfg.num_kv_heads * hd, dtype, rngs)
-        self.wv = _linear(d, cfg.num_kv_heads * hd, dtype, rngs)
+        self.wq = _linear(d, cfg.num_heads * hd, dtype, rngs, cfg.qkv_bias)
+        self.wk = _linear(d, cfg.num_kv_heads * hd, dtype, rngs, cfg.qkv_bias)
+        self.wv = _linear(d, cfg.num_kv_heads * hd, dtype, rngs, cfg.qkv_bias)
         self.wo = _linear(cfg.num_heads * hd, d, dtype, rngs)
         self.mlp_norm = nnx.RMSNorm(d, **norm)
         self.w_gate = _linear(d, cfg.intermediate_size, dtype, rngs)
@@ -52,10 +64,14 @@ class LlamaBlock(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg, t = self.cfg, x.shape[0]
         h = self.attn_norm(x)
-        q = rope(self.wq(h).reshape(t, cfg.num_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
-        k = rope(self.wk(h).reshape(t, cfg.num_kv_heads, cfg.head_dim), meta.positions, cfg.rope_theta)
+        rotate = partial(rope, positions=meta.positions, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+        q = rotate(self.wq(h).reshape(t, cfg.num_heads, cfg.head_dim))
+        k = rotate(self.wk(h).reshape(t, cfg.num_kv_heads, cfg.head_dim))
         v = self.wv(h).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        proj = KVProjection(self.wk.kernel.get_value(), self.wv.kernel.get_value(), rope_theta=cfg.rope_theta)
+        wk, wv = self.wk, self.wv
+        proj = KVProjection(wk.kernel.get_value(), wv.kernel.get_value(),
+                            *((wk.bias.get_value(), wv.bias.get_value()) if cfg.qkv_bias else ()),
+                            rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
         o, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, meta, scale=cfg.head_dim**-0.5,
                                         hidden=h, proj=proj)
         x = x + self.wo(o.reshape(t, cfg.num_heads * cfg.head_dim))

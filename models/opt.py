@@ -23,6 +23,17 @@ from jserve.pallas_kernels.hidden_attention import KVProjection
 # reserving ids for padding), so position p reads row p + 2; HF checkpoints keep that layout.
 POSITION_OFFSET = 2
 
+# Hugging Face's name of each module (`OPTForCausalLM`), by this module's attribute: blocks
+# under `model.decoder.layers.{i}.`. The output projection is the tied `embed_tokens`.
+HF_NAMES = {"embed": "model.decoder.embed_tokens", "positions": "model.decoder.embed_positions",
+            "final_norm": "model.decoder.final_layer_norm"}
+HF_LAYER_NAMES = {
+    "attn_norm": "self_attn_layer_norm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj", "out_proj": "self_attn.out_proj", "mlp_norm": "final_layer_norm",
+    "fc1": "fc1", "fc2": "fc2",
+}
+HF_LAYERS = "model.decoder.layers"
+
 Affine = tuple[np.ndarray, np.ndarray]  # (kernel [in, out] or LayerNorm scale [D], bias)
 
 

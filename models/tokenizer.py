@@ -104,6 +104,34 @@ class Tokenizer:
             chat_template=_metadata(reader, "tokenizer.chat_template"),
         )
 
+    @classmethod
+    def from_pretrained_dir(cls, path: str | pathlib.Path, bos_token_id: int,
+                            eos_token_id: int) -> Tokenizer:
+        """A Hugging Face checkpoint's tokenizer: tokenizer.json, with the chat template and
+        the BOS / EOS tokens its tokenizer_config.json names (a separate chat_template.jinja
+        too, as newer transformers save it). `bos_token_id` / `eos_token_id`: the model's,
+        for tokens the config does not name."""
+        path = pathlib.Path(path)
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+        def token_id(key: str, default: int) -> int:
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            found = None if token is None else backend.token_to_id(token)
+            return default if found is None else found
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several, by name: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        return cls(backend=backend, special_ids=special,
+                   bos_token_id=token_id("bos_token", bos_token_id),
+                   eos_token_id=token_id("eos_token", eos_token_id), chat_template=template)
+
     @property
     def bos_token_id(self) -> int:
         return self._bos_token_id
@@ -133,7 +161,7 @@ class Tokenizer:
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
         if self._chat_template is None:
-            raise ValueError("This model's GGUF file has no tokenizer.chat_template")
+            raise ValueError("This model has no chat template")
         return self._chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,

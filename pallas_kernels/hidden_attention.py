@@ -28,7 +28,7 @@ from jserve.pallas_kernels.attention_tiles import (
     MASKED as _MASKED, check_head_dim, TileLoader, compiler_params, dot, gather,
 )
 from jserve.pallas_kernels.ragged_paged_attention import attend_row_tile, row_tiles, sequence_of_tokens
-from jserve.pallas_kernels.rope import inverse_frequencies, rope
+from jserve.pallas_kernels.rope import Llama3RopeScaling, inverse_frequencies, rope
 
 
 @jax.tree_util.register_dataclass
@@ -41,6 +41,7 @@ class KVProjection:
     bk: jax.Array | None = None  # [kv_heads * head_dim] (OPT); None: no bias (Llama)
     bv: jax.Array | None = None
     rope_theta: float | None = field(default=None, metadata=dict(static=True))  # None: no RoPE
+    rope_scaling: Llama3RopeScaling | None = field(default=None, metadata=dict(static=True))
 
     def biases(self) -> tuple[jax.Array, jax.Array]:
         zero = jnp.zeros(self.wk.shape[1], self.wk.dtype)
@@ -54,7 +55,7 @@ def project_kv(hidden: jax.Array, proj: KVProjection, positions: jax.Array, head
     k = (hidden @ proj.wk + bk).reshape(hidden.shape[0], -1, head_dim)
     v = (hidden @ proj.wv + bv).reshape(hidden.shape[0], -1, head_dim)
     if proj.rope_theta is not None:
-        k = rope(k, positions, proj.rope_theta)
+        k = rope(k, positions, proj.rope_theta, proj.rope_scaling)
     return k, v
 
 
@@ -233,7 +234,7 @@ def hidden_paged_attention(
     group = num_heads // num_kv_heads
     tile_seq, tile_row = row_tiles(meta.query_start, group, block_m, num_tokens)
     use_rope = proj.rope_theta is not None
-    freq = inverse_frequencies(head_dim, proj.rope_theta if use_rope else 1.0)
+    freq = inverse_frequencies(head_dim, proj.rope_theta if use_rope else 1.0, proj.rope_scaling)
     bk, bv = proj.biases()
     num_pages = len(pool.pages)
 

@@ -15,7 +15,6 @@ from jserve.errors import ConfigError
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["serve", "--model", "nosuch"], "jserve serve: error: argument --model: invalid choice: 'nosuch'"),
         (["bench", "--hardware", "tpu"], "jserve bench: error: argument --hardware: invalid choice: 'tpu'"),
         (["bench", "--rate", "abc"], "jserve bench: error: argument --rate: invalid float value: 'abc'"),
         (["serve", "--no-such-option"], "jserve: error: unrecognized arguments: --no-such-option"),
@@ -28,6 +27,14 @@ def test_a_bad_option_is_one_error_line_and_a_help_pointer(argv: list[str], mess
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0].startswith(message) and err[1].endswith("--help`)"), err
+
+
+def test_an_unknown_model_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--model` takes a checkpoint directory too, so the configuration refuses a name that
+    is neither, with the known names."""
+    assert main(["serve", "--model", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown model 'nosuch'; known models:"), err
 
 
 def test_heads_must_split_over_the_tensor_parallel_size_in_the_simulator_too(

@@ -56,7 +56,7 @@ def _paged_logits(
     # The runner's jit turns the numpy inputs into device arrays; do so here without a jit.
     x = build_step_inputs(batch, buckets, BLOCK_SIZE, cache.scratch_block)
     x = jax.tree.map(jnp.asarray, x)
-    hidden, cache = model(x.token_ids, cache, x.meta, select_attention("reference"))
+    hidden, cache = model(x.batch.token_ids, cache, x.batch.meta, select_attention("reference"))
     logits = np.asarray(model.logits(hidden))
     bounds = np.cumsum(query_lens)[:-1]
     return np.split(logits[: int(query_lens.sum())], bounds), cache

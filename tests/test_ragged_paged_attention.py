@@ -200,7 +200,7 @@ def test_metadata_builder_matches_jax_runner_inputs():
     )
     batch = Batch(seq_ids=np.arange(n), start=np.array(case.starts, np.int32),
                   query_lens=np.array(case.qlens, np.int32), sample=np.ones(n, bool), inputs=inputs)
-    meta = build_step_inputs(batch, buckets, bs, scratch).meta
+    meta = build_step_inputs(batch, buckets, bs, scratch).batch.meta
     t, s = meta.positions.shape[0], meta.context_lens.shape[0]
     assert t >= case.t_real and s >= n
     ours = case.meta

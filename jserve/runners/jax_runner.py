@@ -30,6 +30,7 @@ asking costs nothing: the plain step is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -50,11 +51,10 @@ from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.models.config import ModelConfig
+from jserve.models.functional import PagedBatch, PagedModel, paged_batch, pow2_at_least
 from jserve.models.loading import CausalLM
 from jserve.models.paged import KVCache
-from jserve.pallas_kernels.attention_metadata import (
-    AttentionMetadata, ragged_metadata, with_hidden, with_layer_tables,
-)
+from jserve.pallas_kernels.attention_metadata import with_hidden, with_layer_tables
 from jserve.pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
@@ -70,16 +70,12 @@ COMPILE_THREADS = min(4, os.cpu_count() or 1)
 Shape = tuple[int, int, bool, bool, bool]
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepInputs:
-    token_ids: jax.Array  # [T]
-    meta: AttentionMetadata
-    sample_index: jax.Array  # [S]: flat index of each sequence's last token
+    """The model's batch (`jserve.models.functional`) and each sequence's sampling settings."""
+
+    batch: PagedBatch
     temperature: jax.Array  # [S]
     top_p: jax.Array
     top_k: jax.Array
@@ -109,13 +105,13 @@ class Buckets:
     @classmethod
     def for_limits(cls, limits: SchedulerLimits, block_size: int) -> Buckets:
         return cls(
-            max_tokens=_pow2_at_least(limits.max_num_batched_tokens, 8),
-            max_seqs=_pow2_at_least(limits.max_num_seqs, 8),
+            max_tokens=pow2_at_least(limits.max_num_batched_tokens, 8),
+            max_seqs=pow2_at_least(limits.max_num_seqs, 8),
             max_blocks_per_seq=-(-limits.max_model_len // block_size),
         )
 
     def tokens(self, n: int) -> int:
-        return min(_pow2_at_least(n, 8), self.max_tokens)
+        return min(pow2_at_least(n, 8), self.max_tokens)
 
     def seqs(self, n: int, tokens: int) -> int:
         """Sequence bucket of an `n`-sequence step of `tokens` tokens: from 256 tokens on
@@ -123,7 +119,7 @@ class Buckets:
         variant of each large token bucket cost a start-up a compile or cache load of a
         whole-model step for at most 8 rows of sampling saved."""
         floor = 16 if tokens >= 256 else 8
-        return min(_pow2_at_least(n, floor), self.max_seqs)
+        return min(pow2_at_least(n, floor), self.max_seqs)
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(T, S) pairs of all-prefill steps with few sequences (up to 8 prompts, 16 from
@@ -143,8 +139,9 @@ class Buckets:
 
 
 def _shape_of(x: StepInputs) -> Shape:
-    return (x.token_ids.shape[0], x.sample_index.shape[0], x.meta.decode_only,
-            x.meta.layer_block_tables is not None, x.meta.hidden is not None)
+    b = x.batch
+    return (b.token_ids.shape[0], b.sample_index.shape[0], b.meta.decode_only,
+            b.meta.layer_block_tables is not None, b.meta.hidden is not None)
 
 
 @dataclass(frozen=True)
@@ -177,8 +174,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     backends with a decode kernel. `staging`: the staging blocks each partly offloaded
     sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the model's
     hidden-cache layout, for the batch's `hidden` sequences."""
-    n, t_real = batch.num_seqs, batch.num_tokens
-    t = b.tokens(t_real)
+    n = batch.num_seqs
+    t = b.tokens(batch.num_tokens)
     s = b.seqs(n, t)
     q = batch.query_lens
     x = batch.inputs
@@ -190,11 +187,12 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         if hidden is None:
             raise ValueError("a hidden-cache sequence, but this model's blocks hold no hidden row")
         tables = [t[:0] if h else t for t, h in zip(tables, batch.hidden.tolist())]
-    meta = ragged_metadata(
-        batch.start, q, tables, num_tokens=t, num_seqs=s,
+    step = paged_batch(
+        x.token_ids, batch.start, q, tables, num_tokens=t, num_seqs=s,
         max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=scratch_block,
         decode_only=mark_decode and bool(np.all(q == 1)),
     )
+    meta = step.meta
     if batch.hidden is not None:
         meta = with_hidden(meta, batch.hidden, x.block_tables, rows_per_page=hidden.rows_per_page,
                            row_size=hidden.row_size, page_size=hidden.page_size,
@@ -203,10 +201,6 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         per_layer = {i: [d if len(d) else staging[i] for d in tables.device]
                      for i, tables in x.layer_tables.items()}
         meta = with_layer_tables(meta, per_layer, len(next(iter(per_layer.values()))), bs)
-    token_ids = np.zeros(t, np.int32)
-    token_ids[:t_real] = x.token_ids
-    sample_index = np.zeros(s, np.int32)
-    sample_index[:n] = meta.query_start[1 : n + 1] - 1
 
     def pad(a: np.ndarray, fill: float = 0) -> np.ndarray:
         out = np.full(s, fill, a.dtype)
@@ -215,11 +209,11 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
 
     next_ids = np.zeros(t, np.int32)
     if x.next_token_ids is not None:
-        next_ids[:t_real] = x.next_token_ids
-    return StepInputs(
-        token_ids, meta, sample_index, pad(x.temperature), pad(x.top_p, 1.0),
-        pad(x.top_k), pad(x.seeds), pad(x.output_index), next_ids,
-    )
+        next_ids[:batch.num_tokens] = x.next_token_ids
+    if meta is not step.meta:
+        step = dataclasses.replace(step, meta=meta)
+    return StepInputs(step, pad(x.temperature), pad(x.top_p, 1.0), pad(x.top_k), pad(x.seeds),
+                      pad(x.output_index), next_ids)
 
 
 def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -286,31 +280,35 @@ class JaxRunner:
             (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), np.dtype(dtype),
             cfg.num_layers, self.scratch_block, tp and tp.pages) if layer_staging and num_host_blocks else None
         # The step takes the weights as a flat list: flattening the nnx.State tree on every
-        # call cost ~0.25 ms.
+        # call cost ~0.25 ms. The model runs through `jserve.models.functional`, as a JAX
+        # user's own jit would.
         self._weights, treedef = jax.tree.flatten(self.params)
+        model = PagedModel(graphdef, attention_fn)
 
-        def step(weights: list[jax.Array], cache: KVCache, x: StepInputs
-                 ) -> tuple[jax.Array, jax.Array, KVCache]:
-            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-            hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
-            logits = m.logits(hidden[x.sample_index])
+        def forward(weights: list[jax.Array], cache: KVCache, x: StepInputs
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
+            """Every position's hidden state, the sampled positions' logits, tokens and
+            their log-probabilities, and the updated cache."""
+            params = jax.tree.unflatten(treedef, weights)
+            hidden, cache = model.hidden_states(params, cache, x.batch)
+            logits = model.logits(params, hidden[x.batch.sample_index])
             tokens, logprobs = sample_tokens(
                 logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index
             )
+            return hidden, logits, (tokens, logprobs), cache
+
+        def step(weights: list[jax.Array], cache: KVCache, x: StepInputs
+                 ) -> tuple[jax.Array, jax.Array, KVCache]:
+            _, _, (tokens, logprobs), cache = forward(weights, cache, x)
             return tokens, logprobs, cache
 
         def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
                                variant: int) -> tuple[Any, ...]:
-            m = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-            hidden, cache = m(x.token_ids, cache, x.meta, attention_fn)
-            logits = m.logits(hidden[x.sample_index])
-            tokens, logprobs = sample_tokens(
-                logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index
-            )
+            hidden, logits, (tokens, logprobs), cache = forward(weights, cache, x)
             _, top = _top(logits)
             if variant == SAMPLED:
                 return tokens, logprobs, top, cache
-            lsm, position_top = _top(m.logits(hidden))
+            lsm, position_top = _top(model.logits(jax.tree.unflatten(treedef, weights), hidden))
             next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
             return tokens, logprobs, top, (next_lp, position_top), cache
 
@@ -393,10 +391,10 @@ class JaxRunner:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         none = z(0, np.int32)
-        meta = ragged_metadata(none, none, [], num_tokens=t, num_seqs=s,
-                               max_blocks=self.buckets.max_blocks_per_seq,
-                               block_size=self.block_size, scratch_block=self.scratch_block,
-                               decode_only=decode_only)
+        batch = paged_batch(none, none, none, [], num_tokens=t, num_seqs=s,
+                            max_blocks=self.buckets.max_blocks_per_seq, block_size=self.block_size,
+                            scratch_block=self.scratch_block, decode_only=decode_only)
+        meta = batch.meta
         if layered:
             meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
         if hidden:
@@ -404,7 +402,7 @@ class JaxRunner:
             meta = with_hidden(meta, np.zeros(0, bool), [], rows_per_page=h.rows_per_page,
                                row_size=h.row_size, page_size=h.page_size, max_blocks=h.max_blocks,
                                scratch_block=self.scratch_block, block_size=self.block_size)
-        return StepInputs(z(t, np.int32), meta, z(s, np.int32), z(s, np.float32),
+        return StepInputs(dataclasses.replace(batch, meta=meta), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
                           z(t, np.int32))
 

@@ -37,15 +37,14 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jserve.errors import ConfigError
-from jserve.models.config import ModelConfig
-from jserve.models.loading import CausalLM
+from jserve.models.config import ModelConfig, repeated_kv_columns
+from jserve.models.loading import CausalLM, abstract_model
 from jserve.models.paged import KVCache
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.backends import AttentionBackend
@@ -111,28 +110,19 @@ def param_spec(path: tuple) -> P:
     return REPLICATED
 
 
-def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
-    """A `NamedSharding` per parameter of `params` (same tree)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path)), params)
-
-
 def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
     """`model` with its KV heads repeated up to `tensor_parallel_size` (a new module; `model`
-    is untouched), or `model` itself when its KV heads split as they are."""
+    is untouched), or `model` itself when its KV heads split as they are (a checkpoint read
+    for this mesh is held so already)."""
     cfg = sharded_config(model.cfg, tensor_parallel_size)
     if cfg is model.cfg:
         return model
-    repeats = cfg.num_kv_heads // model.cfg.num_kv_heads
+    columns = repeated_kv_columns(model.cfg, cfg)
     dtype = model.embed.embedding.get_value().dtype
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(abstract_model(cfg, dtype))
 
     def repeat_columns(path: tuple, x: jax.Array) -> jax.Array:
-        if _layer_name(path) not in KV_PROJECTIONS:
-            return x
-        lead = x.shape[:-1]  # kernel [D, kv * hd], bias [kv * hd]
-        heads = x.reshape(*lead, model.cfg.num_kv_heads, cfg.head_dim)
-        return jnp.repeat(heads, repeats, axis=-2).reshape(*lead, cfg.num_kv_heads * cfg.head_dim)
+        return x[..., columns] if _layer_name(path) in KV_PROJECTIONS else x  # kernel or bias
 
     state = jax.tree_util.tree_map_with_path(repeat_columns, nnx.state(model))
     return nnx.merge(graphdef, state)
@@ -214,9 +204,18 @@ class TensorParallel:
     def prepare(self, model: CausalLM) -> CausalLM:
         return replicate_kv_heads(model, self.size)
 
+    def held_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` as the mesh holds it (a `jserve.models.loading.Placement`)."""
+        return sharded_config(cfg, self.size)
+
+    def param_sharding(self, path: tuple) -> NamedSharding:
+        """Where the parameter at `path` (in the model's `nnx.State`) goes on the mesh."""
+        return NamedSharding(self.mesh, param_spec(path))
+
     def place_params(self, params: nnx.State) -> nnx.State:
-        """`params` on the mesh, each split by its spec."""
-        return jax.device_put(params, param_shardings(params, self.mesh))
+        """`params` on the mesh, each split by its spec (no copy for those read there)."""
+        return jax.device_put(params, jax.tree_util.tree_map_with_path(
+            lambda path, _: self.param_sharding(path), params))
 
     def cache_shardings(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda _: self.pages, cache)

@@ -14,7 +14,7 @@ from jserve.config import EngineConfig
 from jserve.engine.request import RequestOutput
 from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
-from jserve.models.loading import LoadedModel
+from jserve.models.loading import CausalLM, LoadedModel
 from jserve.models.registry import DEFAULT_MODEL
 from jserve.models.tokenizer import Tokenizer
 
@@ -43,13 +43,16 @@ class LLM:
     """Load a model, size its paged KV cache and serve batches of prompts.
 
     `LLM(model, policy=..., num_blocks=..., ...)`: `model` is a registry name (default
-    SmolLM2-135M with its real weights) or a `LoadedModel` already in memory, and every
-    keyword is an `EngineConfig` field (see there: policy, cache size and limits, weights,
-    dtype, attention backend, warm-up, swap space, predictor, prefix cache, profile).
+    SmolLM2-135M with its real weights), a Hugging Face checkpoint directory, or a model
+    already in memory (a `LoadedModel`, or a Flax model of jserve's families such as
+    `PagedModel.bind(params)` from `jserve.models.functional`), and every keyword is an
+    `EngineConfig` field (see there: policy, cache size and limits, weights, dtype,
+    attention backend, warm-up, swap space, predictor, prefix cache, profile).
     `LLM(EngineConfig(...))` takes a whole configuration, e.g. one read from the command line.
     """
 
-    def __init__(self, model: str | LoadedModel | EngineConfig = DEFAULT_MODEL, **options: Any) -> None:
+    def __init__(self, model: str | LoadedModel | CausalLM | EngineConfig = DEFAULT_MODEL,
+                 **options: Any) -> None:
         if isinstance(model, EngineConfig):
             if options:
                 raise TypeError(f"LLM(EngineConfig) takes no other options, got {sorted(options)}")
