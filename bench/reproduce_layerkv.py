@@ -7,8 +7,9 @@ Cache Management" (Ant Group, 2024), /work/shared/papers/001_0474c21c2051178f.tx
 
 The setting, as the paper states it, and what is ours:
 - Llama-2-7B on one L20 48 GB (TP = 1), vLLM 0.5.5 as the baseline: the simulator's
-  `llama-2-7b` on `l20` (roofline cost model of the hardware table's L20 entry, blocks of
-  16 tokens, KV sized by vLLM's rule at 0.9 utilisation), policies `vllm` and `layerkv`
+  `llama-2-7b` on `l20` (`--cost-model`: the calibrated default `measured`, the paper's
+  testbed `layerkv`, or `roofline`, the model before calibration; blocks of 16 tokens, KV
+  sized by vLLM's rule at 0.9 utilisation), policies `vllm` and `layerkv`
   (and `layerkv/SLO`, the paper's ablation without the SLO-aware scheduler). The L20's
   tensor rate is the product brief's 119.5 TFLOPS read as dense (see `hardware.py`); no
   L20 measurement is available to us, and the paper's figures are images we cannot read,
@@ -52,44 +53,52 @@ beside it) over the rates where vLLM violates for at least 10% of requests (the 
 throughput "below 3%" lower: the largest relative gap over the rates. The ablation claim:
 without the SLO-aware scheduler TPOT rises and its violations can exceed vLLM's.
 
+Issue 28's cells (`--goal`): mean TTFT vLLM / LayerKV at fixed 2k and 4k prompts with 100
+and 300 requests (the paper ran 100; the result depends on the count) and LayerKV's mean and
+max TPOT, against the goal of at least half the paper's 69x with the mean TPOT within the
+200 ms SLO; ShareGPT SLO violations vLLM minus LayerKV at 4, 6 and 8 req/s, whose sign
+should be the paper's. Each cost model given is run; `--baseline PATH` runs the same points
+on another checkout (its `jserve` first on PYTHONPATH) and prints them as "before".
+
 Usage:
-    nice -n 5 python bench/reproduce_layerkv.py            # the full run (~7 min, 2 cores)
-    python bench/reproduce_layerkv.py --quick              # 3 lengths, 3 rates, fewer requests (~1 min)
-Writes bench/results/layerkv_reproduction.json and .md (the printed tables).
+    nice -n 5 python bench/reproduce_layerkv.py            # the full run
+    python bench/reproduce_layerkv.py --quick              # 3 lengths, 3 rates, fewer requests
+    python bench/reproduce_layerkv.py --goal --cost-model measured layerkv --baseline ../main-copy
+All points run through `jserve.benchmarking.sweep.run_points` (`--workers`, default 1).
+Writes bench/results/layerkv_reproduction.json and .md (the printed tables); `--goal` writes
+`--output`.md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import io
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 import time
-from contextlib import redirect_stdout
 
 import numpy as np
 
 from jserve.benchmarking.bench import (
     BenchConfig,
+    BenchResult,
     make_trace,
-    run_benchmark,
     trace_predictions,
     trace_prompt_ids,
 )
-from jserve.benchmarking.metrics import ttft
+from jserve.benchmarking.metrics import tpot, ttft
 from jserve.benchmarking.replay import replay
-from jserve.builder import build_engine
+from jserve.benchmarking.sweep import run_points
+from jserve.builder import build_engine, sim_cost_model
 from jserve.config import EngineConfig
 from jserve.engine.plan import Plan
-from jserve.engine.request import OFFLOADED, RUNNING, WAITING
+from jserve.engine.request import OFFLOADED, WAITING
 from jserve.engine.view import SchedulerView
-from jserve.policies.layerkv import allowed_prefill_time, future_tokens
-from jserve.runners.cost_model import RooflineCostModel, StepShape
-from jserve.runners.hardware import get_hardware
-from jserve.models.registry import get_config
+from jserve.runners.cost_model import StepShape
+from jserve.runners.testbeds import DEFAULT_COST_MODEL
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODEL, HARDWARE = "llama-2-7b", "l20"
@@ -111,21 +120,38 @@ DOP_MODEL, DOP, QUICK_DOP, DOP_LENGTH = "yi-34b-200k", (2, 4, 8), (2, 4), 4096  
 
 
 def config(policy: str, workload: str, rate: float, requests: int, max_model_len: int,
-           model: str = MODEL, tp: int = 1) -> BenchConfig:
+           model: str = MODEL, tp: int = 1, cost_model: str | None = None) -> BenchConfig:
     engine = EngineConfig(runner="sim", model=model, hardware=HARDWARE, policy=policy,
-                          max_model_len=max_model_len, swap_space=512.0, tensor_parallel_size=tp)
+                          max_model_len=max_model_len, swap_space=512.0, tensor_parallel_size=tp,
+                          **({} if cost_model is None else {"cost_model": cost_model}))
     return BenchConfig(engine, workload=workload, rate=rate, num_requests=requests, seed=0,
                        ttft_slo=TTFT_SLO, tbt_slo=TPOT_SLO, tbt_slo_on="tpot")
 
 
-def run(cfg: BenchConfig) -> dict:
-    t0 = time.perf_counter()
-    with redirect_stdout(io.StringIO()):
-        result = run_benchmark(cfg, progress=False)
-    s = result.summary
+def run_all(configs: list[BenchConfig], workers: int) -> list[dict]:
+    """Every point's row, through the project's one sweep runner."""
+    return [row(r) for r in run_points(configs, progress=False, workers=workers)]
+
+
+def tpot_without_first_gap(r) -> float | None:
+    """A request's TPOT less its wait from the first token to the second (the wait for
+    memory of a request prefilled with its layers on the host, brought back later)."""
+    t = r.token_times
+    return None if len(t) < 3 else (t[-1] - t[1]) / (len(t) - 2)
+
+
+def row(result: BenchResult) -> dict:
+    cfg, s = result.config, result.summary
+    done = [r for r in result.records if r.finished]
+    tpots = [x for x in map(tpot, done) if x is not None]
+    late = [r for r in done if (tpot(r) or 0.0) > TPOT_SLO]
+    rescued = [r for r in late if (tpot_without_first_gap(r) or math.inf) <= TPOT_SLO]
     return {
         "policy": cfg.engine.policy_name, "workload": cfg.workload, "rate": cfg.rate,
+        "requests": cfg.num_requests, "cost_model": cfg.engine.cost_model,
         "model": cfg.engine.model_name, "tp": cfg.engine.tensor_parallel_size,
+        "tpot_max": max(tpots, default=None),
+        "tpot_late_met_without_first_gap": len(rescued) / len(late) if late else None,
         "ttft_mean": s.ttft_mean, "ttft_p99": s.ttft_p99, "tpot_mean": s.tpot_mean,
         "tpot_p99": s.tpot_p99, "throughput_rps": s.throughput_rps,
         "output_tokens_per_s": s.output_tokens_per_s,
@@ -133,15 +159,16 @@ def run(cfg: BenchConfig) -> dict:
         "ttft_slo_violation": None if s.ttft_slo_attainment is None else 1.0 - s.ttft_slo_attainment,
         "tpot_slo_violation": None if s.tbt_slo_attainment is None else 1.0 - s.tbt_slo_attainment,
         "num_preemptions": result.num_preemptions, "num_steps": result.num_steps,
-        "num_blocks": result.num_blocks, "finished": s.num_finished, "requests": s.num_requests,
+        "num_blocks": result.num_blocks, "finished": s.num_finished,
         "max_ttft": max((ttft(r) or 0.0) for r in result.records),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": result.wall_time,
     }
 
 
-def lone_prefill(prompt: int) -> float:
+def lone_prefill(prompt: int, cost_model: str) -> float:
     """The prefill part of TTFT: a lone prompt's prefill step on the cost model."""
-    return RooflineCostModel(get_config(MODEL), get_hardware(HARDWARE)).step_time(StepShape.prefill(prompt))
+    engine = EngineConfig(runner="sim", model=MODEL, hardware=HARDWARE, cost_model=cost_model)
+    return sim_cost_model(engine).step_time(StepShape.prefill(prompt))
 
 
 class GateProbe:
@@ -157,16 +184,12 @@ class GateProbe:
     def schedule(self, view: SchedulerView) -> Plan:
         r, p = view.requests, self.inner
         waiting = r.with_status(WAITING)
-        d = np.flatnonzero(((r.status == RUNNING) | (r.status == OFFLOADED)) & ~np.isnan(r.first_token_time))
-        if len(waiting) and len(d):
-            generated = (r.num_tokens - r.prompt_len)[d]
-            n_past, n_future = np.maximum(generated - 1, 0), future_tokens(generated, r.predicted_len[d], p.bucket_tokens)
-            tpot = p.costs.decode_time(len(d), int(r.num_tokens[d].sum()))
-            allow = allowed_prefill_time(r.tbt_slo[d], n_past, n_future, view.now - r.first_token_time[d], tpot)
-            j = int(np.argmin(allow))
+        a = p.allowances(view)
+        if len(waiting) and len(a.rows):
+            j = int(np.argmin(a.allow))
             head = float(p.prefill_times(np.array([r.num_tokens[waiting[0]] - r.num_computed[waiting[0]]]))[0])
-            self.rows.append((float(allow[j]), head, int(n_past[j]), int(n_future[j]),
-                              bool(r.status[d[j]] == OFFLOADED), float((allow < head).mean())))
+            self.rows.append((float(a.allow[j]), head, int(a.n_past[j]), int(a.n_future[j]),
+                              bool(r.status[a.rows[j]] == OFFLOADED), float((a.allow < head).mean())))
         return p.schedule(view)
 
 
@@ -179,11 +202,11 @@ def gate_probe(cfg: BenchConfig) -> dict:
     built.engine.policy = probe
     trace = make_trace(cfg)
     replay(built.engine, trace, built.clock, trace_prompt_ids(cfg, built), predictions=trace_predictions(cfg, trace))
-    a = np.array(probe.rows)
+    a = np.array(probe.rows, np.float64).reshape(-1, 6)
     closed = a[:, 0] <= a[:, 1]
     c = a[closed]
     return {"workload": cfg.workload, "rate": cfg.rate, "steps_with_a_prompt_waiting": len(a),
-            "gate_closed": float(closed.mean()),
+            "gate_closed": float(closed.mean()) if len(a) else None,
             "closed_binding_n_future_1": float((c[:, 3] == 1).mean()) if len(c) else None,
             "closed_binding_n_past_plus_future_le_2": float((c[:, 2] + c[:, 3] <= 2).mean()) if len(c) else None,
             "closed_binding_waits_to_decode": float(c[:, 4].mean()) if len(c) else None,
@@ -196,10 +219,14 @@ def probe_table(rows: list[dict]) -> list[str]:
            "time (closed), and, when closed, the request that set the minimum.", "",
            "| run | steps | gate closed | ...binding N_future = 1 | ...N_past + N_future <= 2 | "
            "...binding waits to decode | median share of D below the head's time |", "|---|---|---|---|---|---|---|"]
+    def pct(x: float | None, digits: int = 0) -> str:
+        return "-" if x is None or math.isnan(x) else f"{x:.{digits}%}"
+
     for r in rows:
-        out.append(f"| {r['workload']} at {r['rate']:g} req/s | {r['steps_with_a_prompt_waiting']} | {r['gate_closed']:.0%} | "
-                   f"{r['closed_binding_n_future_1']:.0%} | {r['closed_binding_n_past_plus_future_le_2']:.0%} | "
-                   f"{r['closed_binding_waits_to_decode']:.0%} | {r['closed_median_share_of_requests_below_head']:.1%} |")
+        out.append(f"| {r['workload']} at {r['rate']:g} req/s | {r['steps_with_a_prompt_waiting']} | "
+                   f"{pct(r['gate_closed'])} | {pct(r['closed_binding_n_future_1'])} | "
+                   f"{pct(r['closed_binding_n_past_plus_future_le_2'])} | {pct(r['closed_binding_waits_to_decode'])} | "
+                   f"{pct(r['closed_median_share_of_requests_below_head'], 1)} |")
     return out
 
 
@@ -207,14 +234,14 @@ def ratio(a: float | None, b: float | None) -> float:
     return math.nan if not a or not b else a / b
 
 
-def fixed_table(rows: list[dict], lengths: tuple[int, ...]) -> list[str]:
+def fixed_table(rows: list[dict], lengths: tuple[int, ...], cost_model: str) -> list[str]:
     out = ["## Figures 1 and 4: fixed prompts, 512 output tokens, 1 req/s", "",
            "| prompt | policy | mean TTFT (s) | queueing (s) | prefill (s) | mean TPOT (ms) | "
            "throughput (req/s) | tok/s | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
     for n in lengths:
         for p in POLICIES:
             r = next(x for x in rows if x["workload"] == f"fixed:{n}:{OUTPUT_LEN}" and x["policy"] == p)
-            pre = lone_prefill(n)
+            pre = lone_prefill(n, cost_model)
             out.append(f"| {n} | {p} | {r['ttft_mean']:.2f} | {max(r['ttft_mean'] - pre, 0):.2f} | {pre:.2f} | "
                        f"{r['tpot_mean'] * 1e3:.1f} | {r['throughput_rps']:.3f} | {r['output_tokens_per_s']:.0f} | "
                        f"{r['num_preemptions']} |")
@@ -333,38 +360,186 @@ def claims_table(c: dict) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- issue 28's cells
+GOAL_LENGTHS, GOAL_COUNTS = (2048, 4096), (100, 300)
+GOAL_RATES = (4.0, 6.0, 8.0)  # ShareGPT: around the paper's 6 req/s, where its vLLM starts to violate
+GOAL_POLICIES = ("vllm", "layerkv")
+GOAL_X = PAPER["mean_ttft_x"] / 2  # >= half the paper's 69x
+
+
+def goal_configs(cost_model: str, share_n: int, counts: tuple[int, ...], rates: tuple[float, ...]) -> list[BenchConfig]:
+    out = [config(p, f"fixed:{n}:{OUTPUT_LEN}", 1.0, k, max(4096, n + OUTPUT_LEN), cost_model=cost_model)
+           for n in GOAL_LENGTHS for k in counts for p in GOAL_POLICIES]
+    return out + [config(p, "sharegpt", rate, share_n, 4096, cost_model=cost_model)
+                  for rate in rates for p in GOAL_POLICIES if share_n]
+
+
+def mean_e2e(r: dict) -> float:
+    """Mean arrival-to-last-token time of a fixed-length cell: TTFT + (output - 1) TPOT."""
+    return r["ttft_mean"] + (OUTPUT_LEN - 1) * r["tpot_mean"]
+
+
+def ceiling(vllm: dict) -> float:
+    """The largest mean-TTFT ratio over vLLM any scheduler can reach with the mean TPOT at
+    the SLO if it keeps vLLM's mean end-to-end time (the cache, not the order, bounds how
+    many requests decode at once, and every request here has the same length): the mean
+    TTFT cannot fall below that time less (output - 1) x the TPOT SLO. inf: no bound."""
+    floor = mean_e2e(vllm) - (OUTPUT_LEN - 1) * TPOT_SLO
+    return vllm["ttft_mean"] / floor if floor > 0 else math.inf
+
+
+def goal_table(after: list[dict], before: list[dict] | None, label: str) -> list[str]:
+    """Issue 28's goal, cell by cell: mean TTFT vLLM / LayerKV (SLO-aware) at fixed 2k and 4k
+    prompts with its mean TPOT within the SLO, and the ShareGPT violations' sign. `ceiling`
+    beside each: what keeping vLLM's mean end-to-end time allows."""
+    out = [f"### {label}", "",
+           "| cell | paper | vLLM mean TTFT (s) | LayerKV mean TTFT (s) | vLLM / LayerKV | LayerKV mean / max TPOT (ms) | "
+           "TPOT violations | late ones met without the 1st->2nd token wait | mean E2E vLLM / LayerKV (s) | "
+           "ceiling | before: vLLM / LayerKV, TPOT (ms) | goal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def find(rows, workload, requests, rate, policy):
+        return next((x for x in rows or [] if x["workload"] == workload and x["requests"] == requests
+                     and x["rate"] == rate and x["policy"] == policy), None)
+    for r in after:
+        if r["policy"] != "layerkv" or r["workload"] == "sharegpt":
+            continue
+        v = find(after, r["workload"], r["requests"], r["rate"], "vllm")
+        x = ratio(v["ttft_mean"], r["ttft_mean"])
+        met = x >= GOAL_X and r["tpot_mean"] <= TPOT_SLO
+        b, bv = (find(before, r["workload"], r["requests"], r["rate"], p) for p in ("layerkv", "vllm"))
+        was = f"{ratio(bv['ttft_mean'], b['ttft_mean']):.1f}x, {1e3 * b['tpot_mean']:.0f}" if b and bv else "-"
+        rescued = r["tpot_late_met_without_first_gap"]
+        e2e_v, e2e_l, top = mean_e2e(v), mean_e2e(r), ceiling(v)
+        out.append(f"| {r['workload'].split(':')[1]} x {r['requests']} | 69x (ShareGPT; Fig. 4 'an order of magnitude') | "
+                   f"{v['ttft_mean']:.2f} | {r['ttft_mean']:.2f} | {x:.1f}x | {1e3 * r['tpot_mean']:.0f} / "
+                   f"{1e3 * r['tpot_max']:.0f} | {r['tpot_slo_violation']:.1%} | "
+                   f"{'-' if rescued is None else f'{rescued:.0%}'} | {e2e_v:.1f} / {e2e_l:.1f} | "
+                   f"{'none' if math.isinf(top) else f'{top:.1f}x'} | {was} | {'met' if met else 'missed'} |")
+    out += ["", "| ShareGPT rate | vLLM SLO violations | LayerKV | vLLM - LayerKV (pp; paper +17.7 to +28.7) | "
+            "LayerKV TTFT / TPOT violations | before: vLLM - LayerKV (pp) | sign as the paper's |",
+            "|---|---|---|---|---|---|---|"]
+    for r in after:
+        if r["policy"] != "layerkv" or r["workload"] != "sharegpt":
+            continue
+        v = find(after, "sharegpt", r["requests"], r["rate"], "vllm")
+        pp = 100 * (v["slo_violation"] - r["slo_violation"])
+        b, bv = (find(before, "sharegpt", r["requests"], r["rate"], p) for p in ("layerkv", "vllm"))
+        was = f"{100 * (bv['slo_violation'] - b['slo_violation']):+.1f}" if b and bv else "-"
+        out.append(f"| {r['rate']:g} | {v['slo_violation']:.1%} | {r['slo_violation']:.1%} | {pp:+.1f} | "
+                   f"{r['ttft_slo_violation']:.1%} / {r['tpot_slo_violation']:.1%} | {was} | "
+                   f"{'yes' if pp > 0 else 'no'} |")
+    return out
+
+
+def baseline_rows(path: pathlib.Path, configs: list[BenchConfig], workers: int) -> list[dict]:
+    """The same points on another checkout (its `jserve` first on the path): "before"."""
+    spec = [{"policy": c.engine.policy_name, "workload": c.workload, "rate": c.rate, "requests": c.num_requests,
+             "max_model_len": c.max_total_len, "cost_model": c.engine.cost_model} for c in configs]
+    env = {**os.environ, "PYTHONPATH": str(path.resolve())}
+    out = subprocess.run([sys.executable, __file__, "--points", json.dumps(spec), "--workers", str(workers)],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def points_child(spec: str, workers: int) -> None:
+    """--points: run the given points with whatever `jserve` is first on the path; print
+    their rows as one JSON line (`baseline_rows` reads it)."""
+    import jserve
+
+    configs = [config(p["policy"], p["workload"], p["rate"], p["requests"], p["max_model_len"],
+                      cost_model=p["cost_model"]) for p in json.loads(spec)]
+    rows = run_all(configs, workers)
+    print(json.dumps([{**r, "jserve": jserve.__file__} for r in rows], default=float))
+
+
+def goal_main(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    counts = tuple(args.counts)
+    lines = [f"# LayerKV, issue 28's cells ({MODEL} on one {HARDWARE}, simulated)", "",
+             f"Fixed prompts: {OUTPUT_LEN} output tokens, 1 req/s, {' and '.join(map(str, counts)) or 'no'} requests; "
+             f"ShareGPT: {args.share_requests} requests per rate; seed 0; TTFT SLO {TTFT_SLO:g} s, "
+             f"TPOT SLO {1e3 * TPOT_SLO:.0f} ms.", ""]
+    record = {"command": " ".join(["python", *sys.argv]), "cells": {}}
+    shown = 0
+    for cm in args.cost_model:
+        configs = goal_configs(cm, args.share_requests, counts, tuple(args.rates))
+        after = run_all(configs, args.workers)
+        before = baseline_rows(args.baseline, configs, args.workers) if args.baseline else None
+        lines += goal_table(after, before, f"cost model `{cm}`" + (f"; before = {args.baseline}" if before else ""))
+        lines += [""]
+        record["cells"][cm] = {"after": after, "before": before}
+        if args.gate:  # why the gate admits what it does: ShareGPT at the highest rate, fixed 4k prompts
+            probes = [config("layerkv", "sharegpt", max(args.rates), args.share_requests, 4096, cost_model=cm)]
+            probes += [config("layerkv", f"fixed:4096:{OUTPUT_LEN}", 1.0, k, 4096 + OUTPUT_LEN, cost_model=cm)
+                       for k in (counts or GOAL_COUNTS)[:1]]
+            probed = [gate_probe(c) for c in probes]
+            lines += probe_table(probed) + [""]
+            record["cells"][cm]["gate"] = probed
+        print("\n".join(lines[shown:]), flush=True)
+        shown = len(lines)
+    lines += [f"wall time {time.perf_counter() - t0:.0f} s"]
+    text = "\n".join(lines)
+    print(lines[-1])
+    out = pathlib.Path(args.output)
+    out.with_suffix(".md").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=float))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 lengths, 3 rates, fewer requests")
     ap.add_argument("--requests", type=int, default=None, help="ShareGPT requests per rate (default 1000; quick 400)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1, help="run_points workers (default 1)")
+    ap.add_argument("--cost-model", nargs="+", default=[DEFAULT_COST_MODEL],
+                    help="simulator cost model(s): measured (default), layerkv (the paper's L20 testbed), "
+                         "roofline (before calibration), ...; the full run takes the first")
+    ap.add_argument("--goal", action="store_true",
+                    help="only issue 28's cells: fixed 2k and 4k prompts (--counts requests) and ShareGPT "
+                         "violations at 4, 6, 8 req/s, vllm vs layerkv, per cost model")
+    ap.add_argument("--counts", type=int, nargs="*", default=list(GOAL_COUNTS),
+                    help="--goal: requests per fixed cell (none: no fixed cells)")
+    ap.add_argument("--rates", type=float, nargs="+", default=list(GOAL_RATES), help="--goal: ShareGPT rates")
+    ap.add_argument("--gate", action="store_true",
+                    help="--goal: also measure Algorithm 1's gate on ShareGPT at the highest rate and on "
+                         "fixed 4k prompts at the first count")
+    ap.add_argument("--share-requests", type=int, default=500, help="--goal: ShareGPT requests per rate (0: none)")
+    ap.add_argument("--baseline", type=pathlib.Path, default=None,
+                    help="--goal: another checkout (e.g. main before a change) whose jserve runs the same "
+                         "points: printed as 'before' beside this checkout's")
+    ap.add_argument("--output", default=str(RESULTS / "layerkv_issue28"), help="--goal: .md/.json stem")
+    ap.add_argument("--points", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.points:
+        return points_child(args.points, args.workers)
+    if args.goal:
+        return goal_main(args)
+    cost_model = args.cost_model[0]
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
     rates = QUICK_RATES if args.quick else RATES
     fixed_n = 30 if args.quick else 100
     share_n = args.requests or (400 if args.quick else 1000)
     multi_lengths = QUICK_MULTI_LENGTHS if args.quick else MULTI_LENGTHS
-    multi = [config(p, f"fixed:{n}:{OUTPUT_LEN}", 1.0, fixed_n, max(4096, n + OUTPUT_LEN), model, tp)
+    multi = [config(p, f"fixed:{n}:{OUTPUT_LEN}", 1.0, fixed_n, max(4096, n + OUTPUT_LEN), model, tp, cost_model)
              for model, tp in MULTI_GPU for n in multi_lengths for p in MULTI_POLICIES]
-    multi += [config(p, f"fixed:{DOP_LENGTH}:{OUTPUT_LEN}", 1.0, fixed_n, DOP_LENGTH + OUTPUT_LEN, DOP_MODEL, tp)
+    multi += [config(p, f"fixed:{DOP_LENGTH}:{OUTPUT_LEN}", 1.0, fixed_n, DOP_LENGTH + OUTPUT_LEN, DOP_MODEL, tp,
+                     cost_model)
               for tp in (QUICK_DOP if args.quick else DOP) for p in MULTI_POLICIES
               if (DOP_MODEL, tp) not in MULTI_GPU or DOP_LENGTH not in multi_lengths]
     t0 = time.perf_counter()
-    configs = [config(p, f"fixed:{n}:{OUTPUT_LEN}", 1.0, fixed_n, max(4096, n + OUTPUT_LEN))
+    configs = [config(p, f"fixed:{n}:{OUTPUT_LEN}", 1.0, fixed_n, max(4096, n + OUTPUT_LEN), cost_model=cost_model)
                for n in lengths for p in POLICIES]
-    configs += [config(p, "sharegpt", rate, share_n, 4096) for rate in rates for p in POLICIES]
-    probes = [config("layerkv", "sharegpt", 8.0, share_n, 4096),
-              config("layerkv", f"fixed:4096:{OUTPUT_LEN}", 1.0, fixed_n, 4096 + OUTPUT_LEN)]
-    with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
-        probed = pool.map(gate_probe, probes)
-        rows = list(pool.map(run, configs))
-        multi_rows = list(pool.map(run, multi))
-        probed = list(probed)
+    configs += [config(p, "sharegpt", rate, share_n, 4096, cost_model=cost_model) for rate in rates for p in POLICIES]
+    probes = [config("layerkv", "sharegpt", 8.0, share_n, 4096, cost_model=cost_model),
+              config("layerkv", f"fixed:4096:{OUTPUT_LEN}", 1.0, fixed_n, 4096 + OUTPUT_LEN, cost_model=cost_model)]
+    probed = [gate_probe(c) for c in probes]
+    rows = run_all(configs, args.workers)
+    multi_rows = run_all(multi, args.workers)
     c = claims(rows, rates, lengths)
     multi_lines, multi_ratios = multi_tables(multi_rows)
-    lines = [f"# LayerKV reproduction ({MODEL} on one {HARDWARE}, simulated){' --quick' if args.quick else ''}", "",
+    lines = [f"# LayerKV reproduction ({MODEL} on one {HARDWARE}, simulated, cost model `{cost_model}`)"
+             f"{' --quick' if args.quick else ''}", "",
              f"{fixed_n} requests per fixed length; {share_n} ShareGPT requests per rate; seed 0.", ""]
-    lines += fixed_table(rows, lengths) + [""] + sharegpt_table(rows, rates) + [""] + claims_table(c)
+    lines += fixed_table(rows, lengths, cost_model) + [""] + sharegpt_table(rows, rates) + [""] + claims_table(c)
     lines += [""] + multi_lines
     lines += [""] + probe_table(probed)
     lines += ["", f"wall time {time.perf_counter() - t0:.0f} s"]
@@ -374,7 +549,7 @@ def main() -> None:
     stem = "layerkv_reproduction" + ("_quick" if args.quick else "")
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"command": " ".join(["python", *sys.argv]), "model": MODEL, "hardware": HARDWARE,
+        {"command": " ".join(["python", *sys.argv]), "model": MODEL, "hardware": HARDWARE, "cost_model": cost_model,
          "ttft_slo_s": TTFT_SLO, "tpot_slo_s": TPOT_SLO, "paper": PAPER, "claims": c, "gate": probed,
          "runs": rows, "multi_gpu": {"claims": multi_ratios, "runs": multi_rows}},
         indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o)))

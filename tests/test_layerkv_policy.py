@@ -26,10 +26,20 @@ from jserve.policies.layerkv import (
 
 
 def test_future_tokens_from_the_predicted_buckets_lower_edge():
+    unknown = np.zeros(2, bool)
     # bucket (100, 150] predicted as 150: lower edge 101; 30 generated -> 71 to come
-    assert future_tokens(np.array([30]), np.array([150]), 50).tolist() == [71]
+    assert future_tokens(np.array([30]), np.array([150]), unknown[:1], 50).tolist() == [71]
+    # a prediction capped inside the bucket by max_tokens (130) stands for the same bucket
+    assert future_tokens(np.array([30]), np.array([130]), unknown[:1], 50).tolist() == [71]
     # already past the lower edge, or no prediction: at least one
-    assert future_tokens(np.array([120, 5]), np.array([150, 0]), 50).tolist() == [1, 1]
+    assert future_tokens(np.array([120, 5]), np.array([150, 0]), unknown, 50).tolist() == [1, 1]
+
+
+def test_future_tokens_of_a_known_length_are_what_is_left_of_it():
+    # 512 tokens known (ignore_eos, max_tokens 512), 30 generated: 482 to come, not the
+    # 451 of the bucket (450, 500] a prediction of 500 stands for
+    known = np.array([True, True])
+    assert future_tokens(np.array([30, 512]), np.array([512, 512]), known, 50).tolist() == [482, 1]
 
 
 def test_eq1_allowed_prefill_time():
@@ -129,6 +139,23 @@ def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
     # prompts vLLM would admit (whole blocks free) go whole, whatever T_allow says
     roomy = policy.schedule(make_view(d + q, free=60))
     assert list(roomy.run) == [2, 3, 4] and not roomy.layers
+
+
+def test_eq1_current_tpot_is_the_running_batchs_step():
+    # a decode line of 0.05 s + 0.01 s per sequence; one request runs, three wait to decode
+    # with their layers on the host: the current TPOT is a step of the one running
+    # (0.06 s), not of all four (0.09 s), a batch that cannot run (they do not fit)
+    costs = LayerKVCosts(num_params=1e9, hidden_size=1, kv_dim=8, dtype_bytes=2, flops=2e11,
+                         pcie_bandwidth=1e12, decode_base=0.05, decode_per_seq=0.01)
+    run = decoding(0.0, 98.0, 21, predicted=121, length_known=True)  # 100 to come, 20 past in 2 s
+    held = [decoding(1.0 + k, 99.0, 1, status=OFFLOADED, slo=math.nan) for k in range(3)]
+    view = make_view([run] + held + [waiting(10.0)], free=0)
+    policy = LayerKVPolicy(costs=costs)
+    assert policy.current_batch(view, np.arange(4)) == (1, 32 + 21)
+    assert policy.min_allowed_prefill_time(view) == pytest.approx(0.2 * 120 - (2.0 + 0.06 * 100))
+    # nothing running: the step of everyone past prefill is all there is to go by
+    idle = make_view([dict(run, status=OFFLOADED)] + held, free=0)
+    assert policy.current_batch(idle, np.arange(4)) == (4, 32 + 21 + 3 * 33)
 
 
 def test_algorithm1_admits_while_the_summed_prefill_stays_strictly_below():

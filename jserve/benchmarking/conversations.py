@@ -57,7 +57,7 @@ from jserve.benchmarking.metrics import (
     tail_excess_latency,
     ttft,
 )
-from jserve.benchmarking.replay import benchmark_params, record_of
+from jserve.benchmarking.replay import TraceEnds, open_params, record_of
 from jserve.benchmarking.workload import ConversationTrace, TraceRequest, arrival_times
 from jserve.cache.prefix import ConversationFutures, FutureTurn
 from jserve.engine.clock import VirtualClock, WallClock
@@ -304,7 +304,10 @@ def run_conversations(
     Turn k's prompt is turn k-1's prompt and generated ids, then
     ``message_ids(conversation_id, k, turn)``; it arrives ``turn.think_time`` after turn
     k-1 finished (its request's finish time, on the engine's clock) and is request
-    ``f"{conversation_id}#{k}"``, greedy, exactly ``response_len`` tokens (EOS ignored).
+    ``f"{conversation_id}#{k}"``, greedy, exactly ``response_len`` tokens: sent with the
+    context as its only bound and ended at its length by `TraceEnds`, as `replay` sends a
+    ShareGPT request (a reply's length is the model's, not the client's, so no policy is
+    told it).
     A reply cut short (context cap) is the history as generated. An aborted turn ends its
     conversation: the user has left. A history that outgrows the engine's context makes
     `add_request` raise; fit conversations to it beforehand
@@ -322,6 +325,9 @@ def run_conversations(
     inflight: dict[str, tuple[int, int, int, TraceRequest]] = {}
     delayed: set[str] = set()  # open-loop turns that waited for the previous reply
     records: list[ConversationRecord] = []
+    params = open_params(engine.state.limits.max_model_len)
+    ends = TraceEnds(engine.runner)
+    engine.runner = ends
     bar = None
     if progress:
         from tqdm import tqdm
@@ -336,12 +342,13 @@ def run_conversations(
                 turn = conv.turns[k]
                 message = [int(t) for t in message_ids(conv.conversation_id, k, turn)]
                 prompt = history.pop(i, []) + message
-                # The turn as a trace request: what `benchmark_params` and `record_of` read.
+                # The turn as a trace request: what `record_of` reads.
                 spec = TraceRequest(f"{conv.conversation_id}#{k}", max(at - start, 0.0),
                                     max(len(prompt), 1), turn.response_len,
                                     conversation_id=conv.conversation_id, turn=k)
-                engine.add_request(spec.request_id, prompt, benchmark_params(spec), arrival_time=at,
-                                   conversation_id=conv.conversation_id)
+                req = engine.add_request(spec.request_id, prompt, params, arrival_time=at,
+                                         conversation_id=conv.conversation_id)
+                ends.end_at(req.seq_id, len(prompt) + turn.response_len)
                 inflight[spec.request_id] = (i, k, len(message), spec)
             if not engine.has_unfinished:
                 clock.wait_until(arrivals[0][0])
@@ -371,6 +378,7 @@ def run_conversations(
                     else:
                         heapq.heappush(arrivals, (finished + conv.turns[k + 1].think_time, i, k + 1))
     finally:
+        engine.runner = ends.runner
         if bar is not None:
             bar.close()
     return records

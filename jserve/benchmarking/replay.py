@@ -7,9 +7,11 @@ output length is held by `TraceEnds`, beside the runner, which marks the token t
 reaches it as ending the request (as the recorded model's end-of-sequence did). The
 request itself is sent with the context as its only bound (`open_params`), so its
 `max_len`, the view, every reservation and the predictor see nothing of the true length.
-Passing the length as `max_tokens` instead, as serving benchmarks do (and the HTTP client
-still must: `benchmark_params`), hands prediction-based policies an oracle: a
-reservation capped at `max_len` is cut to the true length.
+Passing the length as `max_tokens` with EOS ignored instead, as serving benchmarks do (and
+the HTTP client still must: `benchmark_params`), tells the engine the length: prediction-
+based policies read it as known (`jserve.engine.admission.known_prediction`). Replay does
+so only where the client fixes the length itself (`TraceRequest.fixed_output`, the
+``fixed:IN:OUT`` workloads), so every policy is told what such a client tells.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def benchmark_params(req: TraceRequest) -> SamplingParams:
     """Greedy, exactly the trace's output length (EOS ignored), as serving benchmarks run
     over HTTP, where the length can only travel as `max_tokens`."""
     return SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
+
+
+def trace_params(req: TraceRequest, max_model_len: int) -> SamplingParams:
+    """What a trace request is sent with: its fixed length (`benchmark_params`) where the
+    client fixes it, else the context alone (`open_params`)."""
+    return benchmark_params(req) if req.fixed_output else open_params(max_model_len)
 
 
 def open_params(max_model_len: int) -> SamplingParams:
@@ -104,7 +112,7 @@ def replay(
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     specs = {r.request_id: r for r in pending}
     records: list[RequestRecord] = []
-    params = open_params(engine.state.limits.max_model_len)
+    max_model_len = engine.state.limits.max_model_len
     ends = TraceEnds(engine.runner)
     engine.runner = ends
     try:
@@ -114,7 +122,7 @@ def replay(
             while i < len(pending) and start + pending[i].arrival_time <= now:
                 spec = pending[i]
                 length, direction = (predictions or {}).get(spec.request_id, (0, 0))
-                req = engine.add_request(spec.request_id, prompt_ids(spec), params,
+                req = engine.add_request(spec.request_id, prompt_ids(spec), trace_params(spec, max_model_len),
                                          prompt=spec.prompt, arrival_time=start + spec.arrival_time,
                                          ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
                                          predicted_len=length, predicted_dir=direction)

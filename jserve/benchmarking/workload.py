@@ -147,6 +147,10 @@ class TraceRequest:
     sees at that turn (all earlier prompts and replies plus the new message), so a prefix
     cache can reuse the earlier part; ``conversation_id`` and ``turn`` say which it is.
     SLOs are per request so that scaled SLOs (CacheOpt) can be stored in the trace.
+    ``fixed_output``: the client fixes the output length (``max_tokens`` = ``output_len``
+    with EOS ignored, as fixed-length benchmarks run), so the engine is told it and
+    prediction-based policies use it; otherwise the length is the model's to decide and
+    the engine sees only the context as its bound (`jserve.benchmarking.replay`).
     """
 
     request_id: str
@@ -158,6 +162,7 @@ class TraceRequest:
     turn: int = 0
     ttft_slo: float | None = None
     tbt_slo: float | None = None
+    fixed_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -281,6 +286,8 @@ class WorkloadSpec:
     ``num_requests`` samples, each fitting ``max_total_len``, deterministic per seed;
     ``output_len`` (when not None) replaces every output length; ``encode`` is the
     tokenizer (None: the default model's, loaded only if the workload needs it).
+    ``fixed_output``: every request's output length is fixed by the client
+    (`TraceRequest.fixed_output`), as in ``fixed:IN:OUT``.
     """
 
     name: str
@@ -288,6 +295,7 @@ class WorkloadSpec:
     synthetic: bool
     has_text: bool
     sampler: Sampler
+    fixed_output: bool = False
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -680,6 +688,7 @@ def get_workload(name: str) -> WorkloadSpec:
             synthetic=True,
             has_text=False,
             sampler=_fixed_sampler(prompt_len, out_len),
+            fixed_output=True,
         )
     raise ValueError(f"unknown workload {name!r}; known workloads: {_known_names()}")
 
@@ -788,11 +797,13 @@ def build_trace(
     The same ``seed`` drives lengths and arrivals through independent streams, so
     changing ``rate`` or ``cv`` keeps the requests and only moves their arrivals.
     Request ids are ``"0"``, ``"1"``, ... in arrival order. See :func:`sample_lengths`
-    for ``output_len`` and ``encode``.
+    for ``output_len`` and ``encode``; a fixed workload's requests, and every request of a
+    trace given an ``output_len`` budget, carry ``fixed_output``.
     """
     check_rate_cv(rate, cv)
     samples = _samples(workload, num_requests, seed, max_total_len, output_len, encode)
     times = arrival_times(num_requests, rate, cv, seed)
+    fixed = get_workload(workload).fixed_output or output_len is not None
     requests = tuple(
         TraceRequest(
             request_id=str(i),
@@ -802,6 +813,7 @@ def build_trace(
             prompt=s.prompt,
             conversation_id=s.conversation_id,
             turn=s.turn,
+            fixed_output=fixed,
         )
         for i, (s, t) in enumerate(zip(samples, times))
     )

@@ -29,10 +29,36 @@ class RequestOptions(TypedDict, total=False):
     ttft_slo: float | None
     tbt_slo: float | None
     # An output-length predictor's estimate and its expected error direction (+1 over,
-    # -1 under, 0 unknown), for policies that allocate by prediction.
+    # -1 under, 0 unknown), for policies that allocate by prediction; admission puts what
+    # the request itself tells before it (`known_prediction`).
     predicted_len: int
     predicted_dir: int
     conversation_id: str | None  # the chat it is a turn of, for the prefix cache
+
+
+def output_length_known(params: SamplingParams, prompt_len: int, max_len: int) -> bool:
+    """Whether a request's output length is known when it arrives: it ignores EOS, has no
+    stop token or string, and its `max_tokens` fits the context and the cache (`max_len`,
+    the request's cap on prompt + output), so it generates exactly `max_tokens` tokens
+    unless aborted. (A `max_tokens` past the cap is what a client that sets no bound
+    sends: the cap then ends nothing it would not have ended.)"""
+    return (params.ignore_eos and not params.stop and not params.stop_token_ids
+            and prompt_len + params.max_tokens <= max_len)
+
+
+def known_prediction(params: SamplingParams, prompt_len: int, max_len: int, predicted_len: int,
+                     predicted_dir: int) -> tuple[int, int, bool]:
+    """The output-length prediction every prediction-based policy (LayerKV, CacheOpt, RLP,
+    S3) reads, as (length, error direction, known): what the request tells comes before a
+    guess. A known length (`output_length_known`) replaces the prediction, with no error
+    to expect; otherwise a prediction is capped by the most the request may generate
+    (`max_len - prompt_len`: `max_tokens` within the context and cache), and 0 stays "no
+    prediction"."""
+    if output_length_known(params, prompt_len, max_len):
+        return params.max_tokens, 0, True
+    if predicted_len <= 0:
+        return 0, 0, False
+    return min(predicted_len, max_len - prompt_len), predicted_dir, False
 
 
 @dataclass(frozen=True)
@@ -67,6 +93,7 @@ class Admission:
             if slo is not None and not (math.isfinite(slo) and slo > 0):
                 raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}", name)
         cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
+        predicted_len, predicted_dir, known = known_prediction(params, len(ids), cap, predicted_len, predicted_dir)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -80,8 +107,8 @@ class Admission:
             prompt_len=len(ids), num_tokens=len(ids), max_len=cap, first_token_time=math.nan,
             ttft_slo=math.nan if ttft_slo is None else ttft_slo,
             tbt_slo=math.nan if tbt_slo is None else tbt_slo,
-            predicted_len=predicted_len, predicted_dir=predicted_dir, last_token_time=math.nan,
-            device_layers=self.num_layers,
+            predicted_len=predicted_len, predicted_dir=predicted_dir, length_known=known,
+            last_token_time=math.nan, device_layers=self.num_layers,
         )
         if self.reuse is not None:
             self.reuse.record_arrival(req)

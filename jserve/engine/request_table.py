@@ -48,6 +48,9 @@ class RequestArrays:
     # classifier expects the error to take: +1 over-predicted, -1 under, 0 unknown.
     predicted_len: np.ndarray = _col(np.int32)
     predicted_dir: np.ndarray = _col(np.int8)
+    # Whether `predicted_len` is the output length itself, known from the request
+    # (`jserve.engine.admission.known_prediction`), not a guess.
+    length_known: np.ndarray = _col(np.bool_)
     # The client's latency targets in seconds (nan: none given), for SLO-aware policies.
     ttft_slo: np.ndarray = _col(np.float64)
     tbt_slo: np.ndarray = _col(np.float64)

@@ -25,10 +25,15 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   metric defines it (`(finish - first token) / (output - 1)`): N_past = output tokens
   after the first, T_past = now - first token time (it includes time waiting to decode,
   as the paper says); "the current TPOT" of T_future = the time of a decode iteration of
-  every request past its prefill, from the runner's fitted decode line (`LayerKVCosts.
-  decode_time`; the paper monitors it), or without fitted costs each request's own TPOT so
-  far (T_past / N_past). N_future = lower edge of the predicted length's bucket - tokens generated, at least
-  1; without a prediction 1 (the conservative end). T_tpot is the request's own TBT SLO,
+  the running batch, from the runner's fitted decode line (`LayerKVCosts.decode_time`; the
+  paper monitors the current iteration; of all of D only while nothing runs:
+  `current_batch`), or without fitted costs each request's own TPOT so far (T_past /
+  N_past). (A step of all of D, OFFLOADED requests included, is a batch that cannot exist:
+  they wait because they do not fit; it read 113 ms where the running batch's took
+  64-75 ms at fixed 2k prompts, issue 28.) N_future = lower edge of the predicted length's bucket - tokens generated, at least
+  1; without a prediction 1 (the conservative end); a request whose length is known
+  (`ignore_eos` with a `max_tokens` that fits: `jserve.engine.admission.known_prediction`)
+  has N_future = its length - tokens generated, and Eq. 5 ends it at that length. T_tpot is the request's own TBT SLO,
   read as a TPOT target; a request without one allows any prefill. Off (`layerkv/SLO`,
   the paper's ablation "without the SLO-aware Scheduler"): every waiting request is
   admitted while the token budget, `max_num_seqs` and memory allow.
@@ -87,11 +92,20 @@ from jserve.policies.vllm import VLLMPolicy
 
 
 # ------------------------------------------------------------------ Eqs. 1-2, Algorithm 1
-def future_tokens(generated: np.ndarray, predicted: np.ndarray, bucket: int) -> np.ndarray:
-    """N_future: the lower edge of the predicted bucket (S3's bucket b holds lengths
-    (b * bucket, (b + 1) * bucket], its prediction the upper edge) less the tokens generated,
-    at least 1; 1 without a prediction (0)."""
-    lower = np.asarray(predicted, np.int64) - bucket + 1
+def predicted_range(predicted: np.ndarray, known: np.ndarray, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """The output-length range a prediction stands for, (lowest, highest): S3's bucket b
+    holds lengths (b * bucket, (b + 1) * bucket] (its prediction is the upper edge; one
+    capped by `max_tokens` lies inside it); a known length is its own range."""
+    pred = np.asarray(predicted, np.int64)
+    upper = -(-pred // bucket) * bucket
+    lower = np.where(known, pred, upper - bucket + 1)
+    return lower, np.where(known, pred, upper)
+
+
+def future_tokens(generated: np.ndarray, predicted: np.ndarray, known: np.ndarray, bucket: int) -> np.ndarray:
+    """N_future: the lowest length of the predicted range (`predicted_range`; the length
+    itself when known) less the tokens generated, at least 1; 1 without a prediction (0)."""
+    lower, _ = predicted_range(predicted, known, bucket)
     return np.where(np.asarray(predicted) > 0, np.maximum(lower - generated, 1), 1)
 
 
@@ -102,6 +116,16 @@ def allowed_prefill_time(tpot_slo: np.ndarray, n_past: np.ndarray, n_future: np.
     n_past = np.asarray(n_past, np.float64)
     allow = tpot_slo * (n_past + n_future) - (t_past + np.asarray(tpot) * n_future)
     return np.where(np.isnan(tpot_slo), np.inf, allow)
+
+
+@dataclass(frozen=True)
+class Allowances:
+    """Eq. 1 over D: its rows in the view, N_past, N_future and T_allow of each."""
+
+    rows: np.ndarray
+    n_past: np.ndarray
+    n_future: np.ndarray
+    allow: np.ndarray
 
 
 # ------------------------------------------------------------------ Eq. 5
@@ -169,21 +193,35 @@ class LayerKVPolicy:
         """Eq. 3 for each prompt (0 s without fitted costs)."""
         return self.costs.prefill_time(tokens) if self.costs else np.zeros(len(tokens))
 
-    def min_allowed_prefill_time(self, view: SchedulerView) -> float:
-        """min_i T_allow over the requests past their prefill (inf when there are none)."""
+    def allowances(self, view: SchedulerView) -> Allowances:
+        """Eq. 1's terms and T_allow for every request past its prefill (the paper's D)."""
         r = view.requests
         d = np.flatnonzero(((r.status == RUNNING) | (r.status == OFFLOADED)) & ~np.isnan(r.first_token_time))
-        if not len(d):
-            return math.inf
         generated = (r.num_tokens - r.prompt_len)[d]
         n_past = np.maximum(generated - 1, 0)
         t_past = view.now - r.first_token_time[d]
-        n_future = future_tokens(generated, r.predicted_len[d], self.bucket_tokens)
+        n_future = future_tokens(generated, r.predicted_len[d], r.length_known[d], self.bucket_tokens)
         if self.costs is None:  # no fitted decode line: each request's own TPOT so far
             tpot = t_past / np.maximum(n_past, 1)
-        else:  # a decode iteration of everyone past prefill, as they will decode
-            tpot = self.costs.decode_time(len(d), int(r.num_tokens[d].sum()))
-        return float(allowed_prefill_time(r.tbt_slo[d], n_past, n_future, t_past, tpot).min())
+        else:
+            tpot = self.costs.decode_time(*self.current_batch(view, d))
+        return Allowances(d, n_past, n_future, allowed_prefill_time(r.tbt_slo[d], n_past, n_future, t_past, tpot))
+
+    @staticmethod
+    def current_batch(view: SchedulerView, d: np.ndarray) -> tuple[int, int]:
+        """Eq. 1's "current TPOT" is the decode iteration the paper monitors: that of the
+        running batch (sequences, context tokens), not of all of D (the OFFLOADED requests
+        in it wait because they do not fit, so no step decodes them with the rest); of all of
+        D only while nothing runs."""
+        r = view.requests
+        running = d[r.status[d] == RUNNING]
+        batch = running if len(running) else d
+        return len(batch), int(r.num_tokens[batch].sum())
+
+    def min_allowed_prefill_time(self, view: SchedulerView) -> float:
+        """min_i T_allow over the requests past their prefill (inf when there are none)."""
+        allow = self.allowances(view).allow
+        return float(allow.min()) if len(allow) else math.inf
 
     # -------------------------------------------------------------- Eq. 5
     def forecast(self, view: SchedulerView, layers: dict[int, int] | None = None) -> Forecast:
@@ -202,13 +240,14 @@ class LayerKVPolicy:
                         grow=L)
 
     def _stages_left(self, view: SchedulerView, rows: np.ndarray) -> np.ndarray:
-        """Stages until each request's predicted end: the middle of its predicted bucket
-        (capped by its `max_len`), inf without a prediction."""
+        """Stages until each request's predicted end: the middle of its predicted range
+        (its known length, if known; capped by its `max_len`), inf without a prediction."""
         r = view.requests
         generated = (r.num_tokens - r.prompt_len)[rows]
         cap = (r.max_len - r.num_tokens)[rows].astype(np.float64)
         pred = r.predicted_len[rows]
-        middle = pred - self.bucket_tokens / 2.0
+        _, upper = predicted_range(pred, r.length_known[rows], self.bucket_tokens)
+        middle = np.where(r.length_known[rows], upper, upper - self.bucket_tokens / 2.0)
         left = np.where(pred > 0, np.minimum(np.maximum(middle - generated, 0), cap), cap)
         return np.ceil(left / view.block_size)
 
