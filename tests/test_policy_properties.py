@@ -323,8 +323,11 @@ def test_vllm_swap_swaps_and_keeps_outputs(num_host_blocks: int) -> None:
 
 
 def _under_predicted(n: int, plen: int, max_tokens: int, predicted: int) -> list:
-    """`n` requests whose outputs run far past an (under-)prediction."""
-    return [dataclasses.replace(spec(plen, max_tokens, first=k), predicted_len=predicted, predicted_dir=-1)
+    """`n` requests whose outputs run far past an (under-)prediction. EOS is not ignored
+    (the harness has none, so they still run to `max_tokens`): with it ignored the length
+    would be known and replace the prediction (`jserve.engine.admission.known_prediction`)."""
+    return [dataclasses.replace(spec(plen, max_tokens, first=k), predicted_len=predicted, predicted_dir=-1,
+                                ignore_eos=False)
             for k in range(n)]
 
 
