@@ -4,8 +4,11 @@ ablations, and the paper's claims printed beside our figures.
 
 Setting, the paper's where it gives one:
 
-- OPT-13B on one A100-80G (simulated: roofline cost model), KV blocks of 8 tokens (Section
-  5's B) for every method, swap space 4 GiB.
+- OPT-13B on one A100-80G (simulated; `--cost-model`: the calibrated default `measured`,
+  vLLM as measured on A100s, or `roofline`, the model before calibration; the paper names
+  no step times of its own, so there is no CacheOpt testbed profile), KV blocks of 8 tokens
+  (Section 5's B) for every method, swap space 4 GiB. Every run goes through
+  `jserve.benchmarking.sweep.run_points` (`--workers`).
 - OPT-175B on 8 A100-80G (AWS p4d.24xlarge, NVSwitch): the paper partitions it "with both
   model and tensor parallelism degree of 2 as in [4]"; the simulator has no pipeline
   (model) parallelism, so ours is tensor parallelism 8 over NVLink (two all-reduces a
@@ -38,16 +41,20 @@ Setting, the paper's where it gives one:
   method's mean normalised latency stays within twice vLLM's at the lowest rate (ours).
 - Ablations (/CKA, /RSA, /PA, /GR, /PP, /PSS) at vLLM's saturation rate on ShareGPT, and in
   the KV-bound sensitivity run, each with the quantity its component acts on: preemptions,
-  swaps and time preempted (CKA, GR, PA, PP, PSS), mean TTFT and batch size (RSA), KV
-  reserved but unused (CKA's padding, GR's reserve).
+  swaps, requests preempted and time preempted (CKA, GR, PA, PP, PSS), mean TTFT (RSA).
+  `bench/cacheopt_preemptions.py` runs the same ablations at the audit's overload point.
 - Sensitivity: the same on an A100-40G (about a quarter of the KV), labelled as such.
 
 Printed: per workload and metric, every method's figure per rate; then per baseline and
 metric, the paper's claim beside ours over the contested rates (those at and above 0.75x
 saturation); the ablation tables. JSON and PNGs go to bench/results/cacheopt_*.
 
-    nice -n 5 python bench/reproduce_cacheopt.py           # ~15-20 min on 2 busy cores
+    nice -n 5 python bench/reproduce_cacheopt.py           # ~20 min on 2 busy cores
+    nice -n 5 python bench/reproduce_cacheopt.py --cost-model roofline   # before calibration
     python bench/reproduce_cacheopt.py --quick             # ~2 min: ShareGPT, 1 seed
+    # a smaller run: --workloads sharegpt --seeds 2 --skip opt-175b,a100-40g
+
+Outputs of a cost model other than the default carry its name (`cacheopt_reproduction_roofline.json`).
 """
 
 from __future__ import annotations
@@ -57,19 +64,18 @@ import dataclasses
 import json
 import math
 import pathlib
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.benchmarking.bench import BenchConfig, trace_predictions
+from jserve.benchmarking.bench import BenchConfig, make_trace
 from jserve.benchmarking.metrics import RequestRecord, normalized_latency, tbt_gaps, ttft
-from jserve.benchmarking.replay import replay
-from jserve.benchmarking.workload import Trace, build_trace
-from jserve.builder import build_engine
+from jserve.benchmarking.sweep import run_points
+from jserve.benchmarking.workload import Trace, build_trace, load_trace, save_trace
 from jserve.config import EngineConfig
-from jserve.engine.plan import Plan
-from jserve.engine.view import SchedulerView
+from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 BASELINES = ["vllm", "rlp", "s3", "sarathi"]
@@ -111,39 +117,13 @@ CLAIM_ATTAINMENT = {"ttft_attainment": ((0.94, 0.97), 0.47), "tbt_attainment": (
 
 
 # --------------------------------------------------------------------------- one run
-class Probe:
-    """Wraps a policy; samples, at every step, what the cache holds and the batch size."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.samples: list[tuple[float, int, int, int]] = []  # now, used, reserved-unused, batch
-
-    def schedule(self, view: SchedulerView) -> Plan:
-        plan = self.inner.schedule(view)
-        used = view.num_blocks - view.num_free_blocks
-        self.samples.append((view.now, used, view.num_reserved_blocks, len(plan.run)))
-        return plan
-
-    def occupancy(self, num_blocks: int) -> dict:
-        if len(self.samples) < 2:
-            return {"kv_mean": 0.0, "kv_peak": 0.0, "reserved_unused_mean": 0.0, "batch_mean": 0.0}
-        s = np.array(self.samples, np.float64)
-        dt = np.diff(s[:, 0], append=s[-1, 0])
-        w = dt / dt.sum() if dt.sum() > 0 else np.full(len(dt), 1 / len(dt))
-        return {"kv_mean": float((s[:, 1] * w).sum() / num_blocks), "kv_peak": float(s[:, 1].max() / num_blocks),
-                "reserved_unused_mean": float((s[:, 2] * w).sum() / num_blocks),
-                "batch_mean": float(s[s[:, 3] > 0, 3].mean())}
-
-
 @dataclass
 class Run:
     method: str
     records: list[RequestRecord]
     preemptions: int
     swaps: int
-    occupancy: dict
     wall: float
-    metrics: dict = field(default_factory=dict)
 
 
 # The simulated servers, by the name the sweeps pass as `hardware`: (model, accelerator, TP).
@@ -151,24 +131,34 @@ SETTINGS = {"a100-80g": ("opt-13b", "a100-80g", 1), "a100-40g": ("opt-13b", "a10
             "8xa100-80g": ("opt-175b", "a100-80g", 8)}
 
 
-def engine_config(w: Workload, method: str, hardware: str) -> EngineConfig:
-    model, accelerator, tp = SETTINGS[hardware]
+@dataclass(frozen=True)
+class Setting:
+    """Where a sweep runs: the simulated server and the simulator's cost model."""
+
+    hardware: str  # a key of SETTINGS
+    cost_model: str  # jserve.runners.testbeds.COST_MODELS: 'measured' (default), 'roofline', ...
+    workers: int = 1
+
+
+def engine_config(w: Workload, method: str, s: Setting) -> EngineConfig:
+    model, accelerator, tp = SETTINGS[s.hardware]
     return EngineConfig(runner="sim", model=model, hardware=accelerator, policy=method,
                         block_size=BLOCK_SIZE, max_model_len=w.max_model_len,
-                        max_num_batched_tokens=w.max_model_len, tensor_parallel_size=tp)
+                        max_num_batched_tokens=w.max_model_len, tensor_parallel_size=tp,
+                        cost_model=s.cost_model)
 
 
-def simulate(w: Workload, method: str, trace: Trace, seed: int, hardware: str) -> Run:
-    cfg = BenchConfig(engine_config(w, method, hardware), workload=w.name, seed=seed)
-    built = build_engine(cfg.engine)
-    probe = Probe(built.engine.policy)
-    built.engine.policy = probe
-    t0 = time.perf_counter()
-    records = replay(built.engine, trace, built.clock, lambda r: [0] * r.prompt_len,
-                     predictions=trace_predictions(cfg, trace))
-    stats = built.engine.stats
-    return Run(method, records, stats.num_preemptions, stats.num_swaps,
-               probe.occupancy(built.engine.state.blocks.num_blocks), time.perf_counter() - t0)
+def bench_config(w: Workload, method: str, rate: float, seed: int, s: Setting,
+                 trace: pathlib.Path | None = None) -> BenchConfig:
+    """One run: `w` sampled at `rate` and `seed`, or the saved `trace` (with its SLOs)."""
+    return BenchConfig(engine_config(w, method, s), workload=w.name, rate=rate,
+                       num_requests=w.num_requests, seed=seed, trace=None if trace is None else str(trace))
+
+
+def simulate(configs: list[BenchConfig], s: Setting) -> list[Run]:
+    """The runs, through the one sweep runner (`sweep.run_points`), in `configs`' order."""
+    return [Run(r.config.engine.policy_name, r.records, r.num_preemptions, r.num_swaps or 0, r.wall_time)
+            for r in run_points(configs, progress=False, workers=s.workers)]
 
 
 # --------------------------------------------------------------------------- metrics
@@ -203,18 +193,32 @@ def measure(run: Run, slos: Trace) -> dict:
         "norm_latency": float(np.mean([normalized_latency(r) for r in recs])),
         "preemptions": run.preemptions, "swaps": run.swaps,
         "preempted_time": float(sum(r.preempted_time for r in recs)),
-        **run.occupancy,
+        "requests_preempted": int(sum(r.num_preemptions > 0 for r in recs)),
     }
 
 
 # --------------------------------------------------------------------------- sweeps
-def point(w: Workload, rate: float, seed: int, hardware: str, methods: list[str]) -> dict[str, dict]:
-    """Every method at one rate and seed, judged against the SLOs the baselines set."""
-    trace = build_trace(w.name, w.num_requests, rate, 1.0, seed, w.max_model_len or 2048)
-    base = [simulate(w, m, trace, seed, hardware) for m in BASELINES]
-    slos = with_slos(trace, *slo_bases(base), seed)
-    rest = [simulate(w, m, slos, seed, hardware) for m in methods if m not in BASELINES]
-    return {run.method: measure(run, slos) for run in base + rest if run.method in methods}
+def points(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: list[str],
+           scratch: pathlib.Path) -> list[dict[str, dict]]:
+    """Every method at each (rate, seed) cell, judged against the SLOs the baselines set
+    there: the baselines run first (all cells at once), then the SLO-aware methods on the
+    cell's trace with its SLOs attached, saved under `scratch` for the runs to replay."""
+    base = simulate([bench_config(w, m, rate, seed, s) for rate, seed in cells for m in BASELINES], s)
+    paths = []
+    for k, (rate, seed) in enumerate(cells):
+        trace = make_trace(bench_config(w, "vllm", rate, seed, s))
+        path = scratch / f"{w.name}_{s.hardware}_{s.cost_model}_{rate:.6g}_{seed}.jsonl"
+        save_trace(with_slos(trace, *slo_bases(base[k * len(BASELINES):(k + 1) * len(BASELINES)]), seed), path)
+        paths.append(path)
+    others = [m for m in methods if m not in BASELINES]
+    rest = simulate([bench_config(w, m, rate, seed, s, path)
+                     for (rate, seed), path in zip(cells, paths) for m in others], s)
+    out = []
+    for k, path in enumerate(paths):
+        slos = load_trace(path)
+        runs = base[k * len(BASELINES):(k + 1) * len(BASELINES)] + rest[k * len(others):(k + 1) * len(others)]
+        out.append({run.method: measure(run, slos) for run in runs if run.method in methods})
+    return out
 
 
 def sustainable_rate(rates: list[float], norm: list[float], limit: float) -> float:
@@ -231,16 +235,15 @@ def sustainable_rate(rates: list[float], norm: list[float], limit: float) -> flo
     return best
 
 
-def vllm_saturation(w: Workload, hardware: str, seed: int) -> tuple[float, list]:
-    """Rate where vLLM's normalised latency reaches SAT_FACTOR x its light-load value."""
+def vllm_saturation(w: Workload, s: Setting, seed: int) -> tuple[float, list]:
+    """Rate where vLLM's normalised latency reaches SAT_FACTOR x its light-load value (the
+    grid runs in threes, and stops once past 3 x SAT_FACTOR)."""
     grid = list(w.table1_rate * np.geomspace(0.02, 2.0, 12))
-    norms = []
-    for rate in grid:
-        trace = build_trace(w.name, w.num_requests, rate, 1.0, seed, w.max_model_len or 2048)
-        run = simulate(w, "vllm", trace, seed, hardware)
-        norms.append(float(np.mean([normalized_latency(r) for r in run.records])))
-        if norms[-1] > 3 * SAT_FACTOR * norms[0]:
-            break
+    norms: list[float] = []
+    while len(norms) < len(grid) and not (norms and norms[-1] > 3 * SAT_FACTOR * norms[0]):
+        chunk = grid[len(norms):len(norms) + 3]
+        runs = simulate([bench_config(w, "vllm", rate, seed, s) for rate in chunk], s)
+        norms += [float(np.mean([normalized_latency(r) for r in run.records])) for run in runs]
     return sustainable_rate(grid[: len(norms)], norms, SAT_FACTOR * norms[0]), list(zip(grid, norms))
 
 
@@ -259,7 +262,7 @@ def aggregate(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
 ROWS = [("ttft_p99", "P99 TTFT (s)", 1.0), ("tbt_p99", "P99 TBT (ms)", 1e3),
         ("ttft_attainment", "TTFT SLO attainment", 1.0), ("tbt_attainment", "TBT SLO attainment", 1.0),
         ("norm_latency", "mean normalised latency (s/token)", 1.0), ("preemptions", "preemptions", 1.0),
-        ("kv_mean", "KV occupancy, time-mean", 1.0), ("kv_peak", "KV occupancy, peak", 1.0)]
+        ("swaps", "of them swaps", 1.0), ("requests_preempted", "requests preempted at least once", 1.0)]
 
 
 def fmt(x: dict | float, scale: float = 1.0) -> str:
@@ -320,9 +323,8 @@ def print_claims(c: dict) -> None:
 ABLATION_COLS = [("ttft_p99", "P99 TTFT s", 1.0), ("tbt_p99", "P99 TBT ms", 1e3),
                  ("ttft_attainment", "TTFT att", 1.0), ("tbt_attainment", "TBT att", 1.0),
                  ("preemptions", "preempt", 1.0), ("swaps", "swaps", 1.0),
-                 ("preempted_time", "preempted s", 1.0), ("ttft_mean", "mean TTFT s", 1.0),
-                 ("batch_mean", "batch", 1.0), ("reserved_unused_mean", "reserved-unused", 1.0),
-                 ("kv_mean", "KV mean", 1.0)]
+                 ("requests_preempted", "reqs preempted", 1.0),
+                 ("preempted_time", "preempted s", 1.0), ("ttft_mean", "mean TTFT s", 1.0)]
 
 
 def print_ablation(title: str, table: dict) -> None:
@@ -369,46 +371,46 @@ def trace_stats(w: Workload) -> dict:
             "output": (float(o.mean()), int(o.min()), int(o.max()))}
 
 
-def sweep_workload(w: Workload, seeds: list[int], hardware: str, loads: tuple[float, ...]) -> dict:
-    sat, curve = vllm_saturation(w, hardware, seeds[0])
+def sweep_workload(w: Workload, seeds: list[int], s: Setting, loads: tuple[float, ...],
+                   scratch: pathlib.Path) -> dict:
+    sat, curve = vllm_saturation(w, s, seeds[0])
     rates = [sat * f for f in loads] + [w.table1_rate]
     labels = [f"{f}x sat" for f in loads] + ["Table 1"]
-    points = []
-    for rate in rates:
-        points.append(aggregate([point(w, rate, s, hardware, METHODS) for s in seeds]))
+    per_cell = iter(points(w, [(rate, seed) for rate in rates for seed in seeds], s, METHODS, scratch))
+    pts = [aggregate([next(per_cell) for _ in seeds]) for _ in rates]
     order = np.argsort(rates)
     srt = [rates[k] for k in order]
-    lowest = points[order[0]]["vllm"]["norm_latency"]["mean"]
-    sustainable = {m: sustainable_rate(srt, [points[k][m]["norm_latency"]["mean"] for k in order],
+    lowest = pts[order[0]]["vllm"]["norm_latency"]["mean"]
+    sustainable = {m: sustainable_rate(srt, [pts[k][m]["norm_latency"]["mean"] for k in order],
                                        SAT_FACTOR * lowest) for m in METHODS}
-    return {"rates": rates, "labels": labels, "loads": list(loads) + [None], "points": points,
+    return {"rates": rates, "labels": labels, "loads": list(loads) + [None], "points": pts,
             "vllm_saturation": sat, "vllm_curve": curve, "sustainable": sustainable,
             "stats": trace_stats(w), "table1": w.table1}
 
 
-def ablation(w: Workload, rate: float, seeds: list[int], hardware: str) -> dict:
-    per_seed = [point(w, rate, s, hardware, ABLATIONS) for s in seeds]
-    return aggregate(per_seed)
+def ablation(w: Workload, rate: float, seeds: list[int], s: Setting, scratch: pathlib.Path) -> dict:
+    return aggregate(points(w, [(rate, seed) for seed in seeds], s, ABLATIONS, scratch))
 
 
-def opt175b(w: Workload, seed: int, loads: tuple[float, ...]) -> dict:
+def opt175b(w: Workload, seed: int, loads: tuple[float, ...], cost_model: str, scratch: pathlib.Path) -> dict:
     """CacheOpt's OPT-175B setting (tensor parallel 8 here): every method at `loads` x vLLM's
     saturation on it, and CacheOpt's tail against each baseline's beside the paper's claims."""
-    sat, curve = vllm_saturation(w, "8xa100-80g", seed)
-    points = {f: point(w, sat * f, seed, "8xa100-80g", METHODS) for f in loads}
-    print(f"\nOPT-175B on 8 x a100-80g (TP 8, NVLink), sharegpt, seed {seed}: vLLM saturates at "
-          f"{sat:.2f} req/s here")
-    for f, p in points.items():
+    s = Setting("8xa100-80g", cost_model)
+    sat, curve = vllm_saturation(w, s, seed)
+    pts = dict(zip(loads, points(w, [(sat * f, seed) for f in loads], s, METHODS, scratch)))
+    print(f"\nOPT-175B on 8 x a100-80g (TP 8, NVLink), sharegpt, seed {seed}, cost model {cost_model}: "
+          f"vLLM saturates at {sat:.2f} req/s here")
+    for f, p in pts.items():
         print(f"  {f}x: " + "; ".join(f"{m} P99 TTFT {p[m]['ttft_p99']:.3g} s, P99 TBT "
                                      f"{p[m]['tbt_p99'] * 1e3:.3g} ms, preempt {p[m]['preemptions']:.0f}"
                                      for m in METHODS))
-    ratios = {key: {b: [p[b][key] / p["cacheopt"][key] for p in points.values()] for b in BASELINES}
+    ratios = {key: {b: [p[b][key] / p["cacheopt"][key] for p in pts.values()] for b in BASELINES}
               for key in ("ttft_p99", "tbt_p99")}
     for key, by in ratios.items():
         print(f"  {key}, baseline / cacheopt: " + ", ".join(
             f"{b} {'/'.join(f'{r:.2f}' for r in rs)} (paper {CLAIMS[key][b][0]}-{CLAIMS[key][b][1]})"
             for b, rs in by.items()))
-    return {"vllm_saturation": sat, "vllm_curve": curve, "points": points, "ratios": ratios}
+    return {"vllm_saturation": sat, "vllm_curve": curve, "points": pts, "ratios": ratios}
 
 
 def main() -> None:
@@ -416,61 +418,79 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="ShareGPT only, 300 requests, one seed")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--workloads", default="sharegpt,alpaca,bookcorpus")
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="the simulator's step-time model (default: %(default)s, vLLM as measured; "
+                         "'roofline' is the model before calibration)")
+    ap.add_argument("--num-requests", type=int, help="requests per run (default: each workload's)")
+    ap.add_argument("--skip", default="", help="comma-separated sections not to run: opt-175b, a100-40g")
+    ap.add_argument("--workers", type=int, default=1, help="run_points' local processes")
     ap.add_argument("--output-dir", default=str(RESULTS))
     args = ap.parse_args()
     out_dir = pathlib.Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     seeds = [0] if args.quick else list(range(args.seeds))
     names = ["sharegpt"] if args.quick else args.workloads.split(",")
+    skip = set(filter(None, args.skip.split(",")))
+    n = 300 if args.quick else args.num_requests
+    setting = Setting("a100-80g", args.cost_model, args.workers)
+    suffix = "" if args.cost_model == DEFAULT_COST_MODEL else f"_{args.cost_model}"
     t0 = time.perf_counter()
     report: dict = {"setting": {"model": "opt-13b", "hardware": "a100-80g", "block_size": BLOCK_SIZE,
-                                "opt_175b": "8 x a100-80g, tensor parallel 8",
+                                "cost_model": args.cost_model, "opt_175b": "8 x a100-80g, tensor parallel 8",
                                 "seeds": seeds, "slo_scale": [0.5, 2.5], "tail": "P99",
                                 "chunk_tokens": CHUNK_TOKENS, "sustainable_factor": SAT_FACTOR,
-                                "predictions": "noise"},
+                                "predictions": "noise", "num_requests": n, "skipped": sorted(skip)},
                     "workloads": {}}
-    for name in names:
-        w = WORKLOADS[name]
-        if args.quick:
-            w = dataclasses.replace(w, num_requests=300)
-        wr = sweep_workload(w, seeds, "a100-80g", RELATIVE_LOADS)
-        report["workloads"][name] = wr
-        st = wr["stats"]
-        print(f"\n== {name}: {w.num_requests} requests; lengths ours (mean, min, max) vs Table 1: "
-              f"input {st['input']} vs {w.table1['input']}, output {st['output']} vs {w.table1['output']}")
-        print(f"saturation (normalised latency <= {SAT_FACTOR}x vLLM's light-load value): vLLM "
-              f"{wr['vllm_saturation']:.2f} req/s here; Table 1's rate {w.table1_rate} req/s is "
-              f"{w.table1_rate / wr['vllm_saturation']:.2f}x it")
-        print("highest sustainable rate: " + ", ".join(f"{m} {r:.2f}" for m, r in wr["sustainable"].items()))
-        print_sweep(name, wr["rates"], wr["labels"], wr["points"])
-        plot(name, wr["rates"], wr["points"], out_dir / f"cacheopt_{name}.png")
-        print(f"  ({time.perf_counter() - t0:.0f} s so far)", flush=True)
-    report["claims"] = claims(report)
-    print_claims(report["claims"])
-    share = report["workloads"]["sharegpt"]
-    w = WORKLOADS["sharegpt"]
-    w = dataclasses.replace(w, num_requests=300) if args.quick else w
-    abl = {"a100-80g sharegpt at vLLM's saturation": ablation(w, share["vllm_saturation"], seeds, "a100-80g")}
-    report["ablations"] = abl
-    for title, table in abl.items():
-        print_ablation(title, table)
-    report["opt_175b_8xa100"] = opt175b(w, seeds[0], (1.0,) if args.quick else (1.0, 1.25))
-    if not args.quick:
-        w40 = WORKLOADS["sharegpt"]
-        sat40, _ = vllm_saturation(w40, "a100-40g", seeds[0])
-        sens = {"sat40": sat40, "points": {}}
-        for f in (1.0, 1.25):
-            sens["points"][f] = aggregate([point(w40, sat40 * f, s, "a100-40g", METHODS) for s in seeds[:2]])
-        title = f"SENSITIVITY a100-40g (KV-bound) sharegpt at vLLM's saturation {sat40:.2f} req/s"
-        sens["ablation"] = ablation(w40, sat40, seeds[:2], "a100-40g")
-        report["sensitivity_a100_40g"] = sens
-        print(f"\n{title}: methods at 1.0x and 1.25x")
-        for f, p in sens["points"].items():
-            print(f"  {f}x: " + "; ".join(f"{m} P99 TTFT {p[m]['ttft_p99']['mean']:.3g} s, P99 TBT "
-                                         f"{p[m]['tbt_p99']['mean'] * 1e3:.3g} ms, preempt "
-                                         f"{p[m]['preemptions']['mean']:.0f}" for m in METHODS))
-        print_ablation(title, sens["ablation"])
-    path = out_dir / ("cacheopt_reproduction_quick.json" if args.quick else "cacheopt_reproduction.json")
+    with tempfile.TemporaryDirectory(prefix="cacheopt_") as tmp:
+        scratch = pathlib.Path(tmp)
+        for name in names:
+            w = WORKLOADS[name]
+            if n:
+                w = dataclasses.replace(w, num_requests=n)
+            wr = sweep_workload(w, seeds, setting, RELATIVE_LOADS, scratch)
+            report["workloads"][name] = wr
+            st = wr["stats"]
+            print(f"\n== {name}: {w.num_requests} requests, cost model {args.cost_model}; lengths ours (mean, min, "
+                  f"max) vs Table 1: input {st['input']} vs {w.table1['input']}, output {st['output']} vs "
+                  f"{w.table1['output']}")
+            print(f"saturation (normalised latency <= {SAT_FACTOR}x vLLM's light-load value): vLLM "
+                  f"{wr['vllm_saturation']:.2f} req/s here; Table 1's rate {w.table1_rate} req/s is "
+                  f"{w.table1_rate / wr['vllm_saturation']:.2f}x it")
+            print("highest sustainable rate: " + ", ".join(f"{m} {r:.2f}" for m, r in wr["sustainable"].items()))
+            print_sweep(name, wr["rates"], wr["labels"], wr["points"])
+            plot(name, wr["rates"], wr["points"], out_dir / f"cacheopt_{name}{suffix}.png")
+            print(f"  ({time.perf_counter() - t0:.0f} s so far)", flush=True)
+        report["claims"] = claims(report)
+        print_claims(report["claims"])
+        share = report["workloads"]["sharegpt"]
+        w = WORKLOADS["sharegpt"]
+        w = dataclasses.replace(w, num_requests=n) if n else w
+        abl = {"a100-80g sharegpt at vLLM's saturation": ablation(w, share["vllm_saturation"], seeds, setting,
+                                                                  scratch)}
+        report["ablations"] = abl
+        for title, table in abl.items():
+            print_ablation(title, table)
+        if "opt-175b" not in skip:
+            report["opt_175b_8xa100"] = opt175b(w, seeds[0], (1.0,) if args.quick else (1.0, 1.25),
+                                                args.cost_model, scratch)
+        if not args.quick and "a100-40g" not in skip:
+            s40 = Setting("a100-40g", args.cost_model, args.workers)
+            sat40, _ = vllm_saturation(w, s40, seeds[0])
+            sens = {"sat40": sat40, "points": {}}
+            for f in (1.0, 1.25):
+                sens["points"][f] = aggregate(points(w, [(sat40 * f, seed) for seed in seeds[:2]], s40, METHODS,
+                                                     scratch))
+            title = f"SENSITIVITY a100-40g (KV-bound) sharegpt at vLLM's saturation {sat40:.2f} req/s"
+            sens["ablation"] = ablation(w, sat40, seeds[:2], s40, scratch)
+            report["sensitivity_a100_40g"] = sens
+            print(f"\n{title}: methods at 1.0x and 1.25x")
+            for f, p in sens["points"].items():
+                print(f"  {f}x: " + "; ".join(f"{m} P99 TTFT {p[m]['ttft_p99']['mean']:.3g} s, P99 TBT "
+                                             f"{p[m]['tbt_p99']['mean'] * 1e3:.3g} ms, preempt "
+                                             f"{p[m]['preemptions']['mean']:.0f}" for m in METHODS))
+            print_ablation(title, sens["ablation"])
+    stem = "cacheopt_reproduction_quick" if args.quick else "cacheopt_reproduction"
+    path = out_dir / f"{stem}{suffix}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {path} and the PNGs beside it ({time.perf_counter() - t0:.0f} s)")
 

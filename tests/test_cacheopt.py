@@ -302,3 +302,19 @@ def test_switches_change_their_component() -> None:
     with_waiting = view_of([dict(status=R, num_tokens=9, last_token_time=9.0), dict()])
     assert co.schedule(with_waiting).run == {0: 1, 1: 8}
     assert off["RSA"].schedule(with_waiting).run == {1: 8}
+
+
+def test_pp_ranks_victims_by_the_predicted_not_the_padded_remaining() -> None:
+    # Three running requests hold all 30 blocks; row 2 needs one more, so one is preempted.
+    # Row 0 was predicted 20 tokens and padded up (about 60 estimated left, none predicted);
+    # row 1 was predicted 90 and padded down (none estimated left, 58 predicted). Section
+    # 3.4 preempts the most remaining *predicted* tokens: row 1, not the padded-up row 0.
+    rows = [dict(status=R, num_tokens=40, predicted_len=20, predicted_dir=-1),
+            dict(status=R, num_tokens=40, predicted_len=90, predicted_dir=+1),
+            dict(status=R, num_tokens=41, num_computed=40, num_blocks=10, predicted_len=10)]
+    view = view_of([dict(row, reserved_blocks=10) for row in rows], num_blocks=30)
+    co = CacheOptPolicy(token_range=1)
+    est = co.estimates(view)
+    assert est.remaining.tolist() == [60, 0, 35]
+    assert est.predicted_remaining.tolist() == [0, 58, 0]
+    assert co.schedule(view).preempt.keys() == {1}

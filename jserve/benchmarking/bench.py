@@ -140,6 +140,7 @@ class BenchResult:
     # Closed-loop conversations: TTFT percentiles, TEL and SLO violations over every turn
     # (`jserve.benchmarking.conversations.multiturn_summary`), and the prompt tokens the cache served.
     multiturn: dict[str, Any] | None = None
+    num_swaps: int | None = None  # preemptions by swap (in-process runs; None over HTTP)
 
     @property
     def vllm(self) -> dict[str, float | int | None]:
@@ -156,6 +157,7 @@ class BenchResult:
             "wall_time_s": self.wall_time,
             "num_steps": self.num_steps,
             "num_blocks": self.num_blocks,
+            "num_swaps": self.num_swaps,
             "multiturn": self.multiturn,
             "requests": [dataclasses.asdict(r) for r in self.records],
         }
@@ -224,15 +226,16 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         built = build_engine(cfg.engine)
         records = replay(built.engine, trace, built.clock, trace_prompt_ids(cfg, built),
                          on_finish=on_finish, predictions=trace_predictions(cfg, trace))
-        totals = EngineTotals(built.engine.stats.num_steps, built.engine.stats.num_preemptions,
-                              built.engine.state.blocks.num_blocks)
+        stats = built.engine.stats
+        totals = EngineTotals(stats.num_steps, stats.num_preemptions, built.engine.state.blocks.num_blocks,
+                              stats.num_swaps)
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
     summary = summarize(records, None if cfg.slo_scale else cfg.ttft_slo,
                         None if cfg.slo_scale else cfg.tbt_slo, cfg.tbt_slo_on)
     return BenchResult(cfg, summary, records, wall, totals.num_steps, totals.num_preemptions,
-                       totals.num_blocks)
+                       totals.num_blocks, num_swaps=totals.num_swaps)
 
 
 def conversation_schedule(cfg: BenchConfig) -> list[ScheduledConversation]:

@@ -463,3 +463,4 @@ class EngineTotals:
     num_steps: int
     num_preemptions: int
     num_blocks: int
+    num_swaps: int | None = None  # preemptions by swap; None where not reported (HTTP)

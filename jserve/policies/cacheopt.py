@@ -35,8 +35,9 @@ faithful or our choice and why, is tabled in bench/results/cacheopt_components.m
   are kept back from admissions; a request outgrowing its allocation extends from them
   instead of preempting someone.
 - PP, preemption order (3.4; `preemption_order`): victims by TBT SLO range (loosest
-  first), then remaining predicted tokens (most first), then KV held (least first), the
-  last two in 128-token ranges. Off (/PP): the latest arrival first (vLLM's FCFS).
+  first), then remaining predicted tokens (most first; the prediction, not the padded
+  estimate: `predicted_remaining`), then KV held (least first), the last two in 128-token
+  ranges. Off (/PP): the latest arrival first (vLLM's FCFS).
 - PSS, preemption strategy selection (3.5; `swap_selection`): with recompute and swap
   latency fitted as L_r(S) = a*S**b + k*S + e and L_s(S) = g*S + d (`PreemptionCosts`, data
   the builder fills from a profile of the runner in use), a victim with S cached tokens at
@@ -154,6 +155,18 @@ def amortized_shares(supply: float, rt: np.ndarray, prompt: np.ndarray) -> np.nd
 
 
 # ------------------------------------------------------------------ PP / PSS
+def predicted_remaining(view: SchedulerView) -> np.ndarray:
+    """Output tokens each request still has to generate by its *predicted* length, the
+    predictor's own output before any padding (Section 3.4 orders victims by "the remaining
+    predicted output tokens"; Section 2.1 keeps "predicted" and the padded "estimated"
+    lengths apart). Without a prediction: what `max_len` leaves. Ranking by the padded
+    estimate instead puts every request CKA padded up (up to `true_to_predicted[1]` times its
+    prediction) first, so the same few were preempted again after every re-admission."""
+    r = view.requests
+    end = np.where(r.predicted_len > 0, r.prompt_len + r.predicted_len, r.max_len)
+    return np.maximum(end.astype(np.int64) - r.num_tokens, 0)
+
+
 def tbt_bucket(tbt_slo: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
     """Range bucket of each TBT SLO (0: tightest); no SLO: the loosest bucket."""
     b = np.searchsorted(np.asarray(edges), tbt_slo, side="right")
@@ -199,6 +212,7 @@ class Estimates:
 
     total: np.ndarray  # prompt + estimated (padded) output: the demand M_i, in tokens
     remaining: np.ndarray  # estimated output tokens still to come
+    predicted_remaining: np.ndarray  # predicted (unpadded) output tokens still to come: PP's key
     rt: np.ndarray  # remaining time to the SLO, seconds
     critical: np.ndarray
 
@@ -267,7 +281,7 @@ class CacheOptPolicy:
         r = view.requests
         total = self.demand_tokens(view)
         rt = remaining_time(view)
-        return Estimates(total, np.maximum(total - r.num_tokens, 0), rt,
+        return Estimates(total, np.maximum(total - r.num_tokens, 0), predicted_remaining(view), rt,
                          is_critical(rt, view.iteration_time, self.critical_eps))
 
     # ---- the step
@@ -287,7 +301,7 @@ class CacheOptPolicy:
 
         running = r.with_status(RequestStatus.RUNNING)
         if self.preemption_order:
-            victim_key = ranked_on_demand(lambda: victim_order(view, running, est.remaining,
+            victim_key = ranked_on_demand(lambda: victim_order(view, running, est.predicted_remaining,
                                                                self.tbt_buckets, self.token_range))
         else:
             victim_key = latest_arrival_first(view)
