@@ -167,6 +167,7 @@ class Options:
     policies: tuple[str, ...] | None
     rates: tuple[float, ...] | None
     ablations: tuple[str, ...]
+    cvs: tuple[float, ...]
     workers: int
 
 
@@ -323,7 +324,7 @@ def run_model(m: Model, o: Options) -> tuple[list[str], dict]:
             jobs += [(d.name, config(m, d, p, d.robust_rate, o, cv)) for d in datasets for cv in CVS for p in ROBUST]
         if "tables" in o.sections:
             jobs += [(d.name, config(m, d, p, rate, o, cv)) for d in datasets for rate, cv in d.paper_tables
-                     for p in o.ablations]
+                     if cv in o.cvs for p in o.ablations]
     seen, unique = set(), []
     for name, cfg in jobs:
         key = (name, cfg.engine.policy_name, cfg.rate, cfg.cv)
@@ -395,6 +396,7 @@ def main() -> None:
     ap.add_argument("--policies", default=None, help="Figure 8's policies (default the model's)")
     ap.add_argument("--rates", default=None, help="Figure 8's rate grid for every dataset run (default each one's)")
     ap.add_argument("--ablations", default=",".join(ABLATIONS), help="Tables 4-5's policies (default all)")
+    ap.add_argument("--cvs", default=",".join(f"{cv:g}" for cv in CVS), help="Tables 4-5's CVs (default all)")
     ap.add_argument("--before", default=None, help="this script's JSON from before a change: printed beside")
     ap.add_argument("--tag", default="", help="suffix of the output files (a partial or before run)")
     ap.add_argument("--workers", type=int, default=1, help="local processes for run_points")
@@ -406,7 +408,7 @@ def main() -> None:
     o = Options(args.cost_model, args.requests or (400 if args.quick else 1000), args.quick,
                 split(args.sections), split(args.datasets), split(args.policies),
                 tuple(float(x) for x in args.rates.split(",")) if args.rates else None, split(args.ablations),
-                args.workers)
+                tuple(float(x) for x in args.cvs.split(",")), args.workers)
     t0 = time.perf_counter()
     lines = [f"# Apt-Serve reproduction ({', '.join(names)} on {HARDWARE}, simulated, cost model {o.cost_model})"
              + (" --quick" if o.quick else ""), "",
