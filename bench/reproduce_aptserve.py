@@ -7,11 +7,13 @@ Scalable LLM Inference Serving" (SIGMOD 2025), /work/shared/papers/004_7766bae62
 
 The setting, as the paper states it, and what is ours:
 - OPT-13B in fp16 on one A100-40G (Table 2): the simulator's `opt-13b` on `a100-40g`
-  (roofline cost model, blocks of 16 tokens, KV sized by vLLM's rule at 0.9 utilisation),
-  max_model_len 2,048 (OPT's limit). Policies `vllm`, `sarathi`, `fastgen` (512-token
-  budgets) and `apt-serve` (`apt-serve-s` beside them, the paper's Figure 11). rho is the
-  cost model's K/V projection time of one hidden block (`hidden_block_cost`), without the
-  authors' /5.
+  (blocks of 16 tokens, KV sized by vLLM's rule at 0.9 utilisation), max_model_len 2,048
+  (OPT's limit), priced by `--cost-model`: `measured` (the calibrated default, vLLM as
+  measured) or `apt-serve` (the paper's testbed: the same kernels with the engine's CPU time
+  fitted so that vLLM crosses 90% at 2.6 req/s as Figure 2a states; `bench/testbeds.py`).
+  Policies `vllm`, `sarathi`, `fastgen` (512-token budgets) and `apt-serve` (`apt-serve-s`
+  beside them, the paper's Figure 11). rho is the cost model's K/V projection time of one
+  hidden block (`hidden_block_cost`), without the authors' /5.
 - OPT-30B on 2 and OPT-66B on 4 A100-40G (Table 2, the paper's Megatron tensor parallelism
   over NVLink): the simulator's `tensor_parallel_size` (each GPU's share of the work and
   weights, two ring all-reduces a layer), `--models opt-30b,opt-66b`. Only Figure 8 is run
@@ -24,52 +26,55 @@ The setting, as the paper states it, and what is ours:
   KV-only column measures (it should match apt-serve run for run). The paper prints no
   per-model ratio (Figure 8's curves are images), so its three-model averages stand beside
   each model's ratio.
-- 1,000 requests per run (Section 6.2): ShareGPT (vLLM's sampling of ShareGPT V3: prompt and
-  output >= 4 tokens and their sum <= 2,048 as the authors' sampling, plus vLLM's 1,024-token
-  prompt cap, ours), HumanEval (the 164 problems repeated in seeded passes, outputs the
-  canonical solutions' lengths; the authors repeat them x10, we sample 1,000), and
-  `longbench-filtered` (LongBench-like synthetic lengths kept only where prompt + output
-  fit 2,048: filtered, not cut; Figure 7's histograms are images we cannot read).
+- 1,000 requests per run (Section 6.2; `--requests` for fewer): ShareGPT (vLLM's sampling
+  of ShareGPT V3: prompt and output >= 4 tokens and their sum <= 2,048 as the authors'
+  sampling, plus vLLM's 1,024-token prompt cap, ours), HumanEval (the 164 problems repeated
+  in seeded passes, outputs the canonical solutions' lengths; the authors repeat them x10,
+  we sample 1,000), and `longbench-filtered` (LongBench-like synthetic lengths kept only
+  where prompt + output fit 2,048: filtered, not cut; Figure 7's histograms are images).
 - Poisson arrivals at rising rates (the figures' axes are images; our grids span each
-  system's fall in the simulator, which runs faster than the paper's A100); Table 3's SLOs
-  for 13B (ShareGPT TTFT 1.0 s / P99 TBT 1.0 s, HumanEval 0.5 / 0.5, LongBench 4.0 / 1.0),
-  given to every request (the baselines ignore them).
-- Effective throughput (Section 6.2): the highest rate of the grid whose SLO attainment and
-  every lower rate's are >= 90% (and >= 60%, where the paper's 8.8x is); ratios Apt-Serve /
-  baseline, against Figure 8's averages over the three models (13B only here).
-- Figure 9: Gamma arrivals at CV 1, 5, 10 (Tables 4-5's CVs; Figure 9's are an image) at a
-  rate chosen as the paper chose 3.8 / 9.0 / 1.5 req/s ("where Apt-Serve is close to the
-  strongest baseline, Sarathi"): our grid's highest rate at which Sarathi still attains 90%.
-- Tables 4 and 5 (ShareGPT and LongBench; the paper's rates 3 and 6 / 1.5 and 3 req/s, a
-  rate and twice it): our Figure 9 rate and twice it, CV 1, 5, 10; `apt-serve` against
-  `apt-serve/hybrid` (KV cache only) and `apt-serve/adaptive` (FCFS), with
-  `apt-serve-decay` (Figure 10's decaying factor 0.4) beside them.
+  system's fall); Table 3's SLOs for 13B (ShareGPT TTFT 1.0 s / P99 TBT 1.0 s, HumanEval
+  0.5 / 0.5, LongBench 4.0 / 1.0), given to every request (the baselines ignore them).
+- Effective throughput (Section 6.2): the rate where SLO attainment first falls through 90%
+  (and 60%, where the paper's 8.8x is), interpolated linearly between the grid's rates
+  (`interpolated_crossing`; a grid's step would quantise the ratios); ratios Apt-Serve /
+  baseline, against Figure 8's averages over the three models (13B only here). Figure 2a's
+  statements of vLLM (90% near 2.6 req/s, about 70% at 3 req/s) stand beside ours.
+- Figure 9: Gamma arrivals at CV 1, 5, 10 (Tables 4-5's CVs; Figure 9's are an image) at the
+  paper's rates, 3.8 / 9.0 / 1.5 req/s.
+- Tables 4 and 5 at the paper's rates and CVs (ShareGPT 3 and 6 req/s, LongBench 1.5 and
+  3, CV 1, 5, 10), each cell of the paper beside ours: `apt-serve` against
+  `apt-serve/hybrid` (KV cache only) and `apt-serve/adaptive` (FCFS), with `apt-serve-decay`
+  (Figure 10's decaying factor 0.4) and `apt-serve-upgrade` (ours: a hidden request moved to
+  KV recomputes in the same step) beside them.
+- `--before OLD.json`: this script's JSON from a run before a change (another commit), its
+  headline cells printed beside this run's.
 
 Usage:
-    nice -n 5 python bench/reproduce_aptserve.py            # opt-13b, the full run (~20 min, 2 cores)
-    python bench/reproduce_aptserve.py --quick              # 400 requests, 4 rates (~3 min)
-    nice -n 5 python bench/reproduce_aptserve.py --models opt-30b,opt-66b   # Figure 8 under TP (~11 min)
-Writes bench/results/aptserve_reproduction[_<models other than opt-13b>][_quick].json and .md
-(the printed tables).
+    nice -n 5 python bench/reproduce_aptserve.py --cost-model apt-serve     # opt-13b, everything
+    python bench/reproduce_aptserve.py --quick              # 400 requests, 4 rates
+    python bench/reproduce_aptserve.py --datasets ShareGPT --rates 2,3,4 --sections fig8 --policies vllm,apt-serve
+    nice -n 5 python bench/reproduce_aptserve.py --models opt-30b,opt-66b   # Figure 8 under TP
+Writes bench/results/aptserve_reproduction[_<models other than opt-13b>]_<cost model>[_<tag>].json and .md
+(the printed tables); `--tag` names a partial or before run.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import io
 import json
 import math
 import pathlib
 import sys
 import time
-from contextlib import redirect_stdout
 from dataclasses import dataclass, replace
 
-from jserve.benchmarking.bench import BenchConfig, run_benchmark
-from jserve.benchmarking.metrics import effective_throughput
+from jserve.benchmarking.bench import BenchConfig
+from jserve.benchmarking.metrics import interpolated_crossing
+from jserve.benchmarking.sweep import run_points
 from jserve.cache.sizing import hidden_block_tokens
 from jserve.config import EngineConfig
+from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 HARDWARE, MAX_LEN, BLOCK_SIZE = "a100-40g", 2048, 16
@@ -77,9 +82,10 @@ BASELINES = ("vllm", "sarathi", "fastgen")
 MAIN = (*BASELINES, "apt-serve", "apt-serve-s")
 TP_MAIN = (*BASELINES, "apt-serve", "apt-serve/hybrid")
 ROBUST = ("vllm", "sarathi", "apt-serve")  # Figure 9's systems
-ABLATIONS = ("apt-serve", "apt-serve/hybrid", "apt-serve/adaptive", "apt-serve-decay")
+ABLATIONS = ("apt-serve", "apt-serve/hybrid", "apt-serve/adaptive", "apt-serve-decay", "apt-serve-upgrade")
 CVS = (1.0, 5.0, 10.0)
 THRESHOLDS = (0.9, 0.6)
+SECTIONS = ("fig8", "fig9", "tables")
 
 
 @dataclass(frozen=True)
@@ -91,17 +97,26 @@ class Dataset:
     rates: tuple[float, ...]
     quick_rates: tuple[float, ...]
     paper_x: dict[float, tuple[float, float, float]]  # threshold -> vs vLLM, Sarathi, FastGen
-    ablated: bool  # in Tables 4 and 5
+    robust_rate: float  # Figure 9's rate
+    # Tables 4 and 5: (rate, CV) -> the paper's (KV only, FCFS, Apt-Serve) attainment, %
+    paper_tables: dict[tuple[float, float], tuple[float, float, float]]
 
 
 SETTINGS = (
-    Dataset("ShareGPT", "sharegpt", 1.0, 1.0, (2, 3, 4, 5, 6, 7, 8, 10, 12, 14), (3, 5, 8, 12),
-            {0.9: (2.3, 2.0, 1.9), 0.6: (7.4, 6.8, 6.4)}, True),
+    Dataset("ShareGPT", "sharegpt", 1.0, 1.0, (2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 14), (2, 3, 4, 6),
+            {0.9: (2.3, 2.0, 1.9), 0.6: (7.4, 6.8, 6.4)}, 3.8,
+            {(3, 1): (99.5, 26.4, 99.5), (3, 5): (94.7, 59.7, 95.9), (3, 10): (75.1, 11.9, 78.2),
+             (6, 1): (65.7, 20.0, 67.3), (6, 5): (66.7, 18.1, 67.7), (6, 10): (57.1, 9.9, 58.4)}),
     Dataset("HumanEval", "humaneval", 0.5, 0.5, (10, 15, 20, 25, 30, 35, 40, 50), (15, 25, 35, 45),
-            {0.9: (1.7, 1.4, 1.4), 0.6: (3.0, 2.6, 2.5)}, False),
+            {0.9: (1.7, 1.4, 1.4), 0.6: (3.0, 2.6, 2.5)}, 9.0, {}),
     Dataset("LongBench", "longbench-filtered", 4.0, 1.0, (0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4),
-            (1, 1.5, 2, 3), {0.9: (2.8, 2.5, 2.3), 0.6: (4.2, 3.9, 3.8)}, True),
+            (1, 1.5, 2, 3), {0.9: (2.8, 2.5, 2.3), 0.6: (4.2, 3.9, 3.8)}, 1.5,
+            {(1.5, 1): (96.6, 11.8, 98.2), (1.5, 5): (70.0, 10.8, 76.0), (1.5, 10): (43.4, 5.4, 50.8),
+             (3, 1): (70.0, 4.8, 77.6), (3, 5): (58.8, 4.6, 64.8), (3, 10): (35.6, 4.2, 42.5)}),
 )
+# Figure 2a (Section 3.1): vLLM, OPT-13B, one A100-40G, ShareGPT, TTFT and P99 TBT 1 s.
+PAPER_VLLM_90 = 2.6  # "the effective throughput is around 2.6 requests per second"
+PAPER_VLLM_AT_3 = 0.70  # "at 3 requests per second ... drop sharply to approximately 70%"
 
 
 @dataclass(frozen=True)
@@ -140,24 +155,43 @@ PAPER_PEAK_X = 8.8  # "up to 8.8x" effective throughput (abstract)
 PAPER_BURST_X = 7.5  # Figure 9: "up to 7.5x higher SLO attainment" under bursty arrivals
 
 
-def config(m: Model, d: Dataset, policy: str, rate: float, requests: int, cv: float = 1.0) -> BenchConfig:
+@dataclass(frozen=True)
+class Options:
+    """What one invocation runs: the cost model, requests per run, which sections and
+    datasets, Figure 8's policies and rate grid (None: the model's)."""
+    cost_model: str
+    requests: int
+    quick: bool
+    sections: tuple[str, ...]
+    datasets: tuple[str, ...] | None
+    policies: tuple[str, ...] | None
+    rates: tuple[float, ...] | None
+    ablations: tuple[str, ...]
+    cvs: tuple[float, ...]
+    workers: int
+
+
+def config(m: Model, d: Dataset, policy: str, rate: float, o: Options, cv: float = 1.0) -> BenchConfig:
     engine = EngineConfig(runner="sim", model=m.name, hardware=HARDWARE, policy=policy, max_model_len=MAX_LEN,
-                          block_size=BLOCK_SIZE, tensor_parallel_size=m.tp)
-    return BenchConfig(engine, workload=d.workload, rate=rate, num_requests=requests, cv=cv, seed=0,
+                          block_size=BLOCK_SIZE, tensor_parallel_size=m.tp, cost_model=o.cost_model)
+    return BenchConfig(engine, workload=d.workload, rate=rate, num_requests=o.requests, cv=cv, seed=0,
                        ttft_slo=d.ttft_slo, tbt_slo=d.tbt_slo)
 
 
-def run(job: tuple[str, BenchConfig]) -> dict:
-    dataset, cfg = job
+def run_all(jobs: list[tuple[str, BenchConfig]], workers: int) -> list[dict]:
+    """Every job through the one sweep runner (`run_points`), one row each."""
     t0 = time.perf_counter()
-    with redirect_stdout(io.StringIO()):
-        result = run_benchmark(cfg, progress=False)
-    s = result.summary
-    return {"dataset": dataset, "policy": cfg.engine.policy_name, "rate": cfg.rate, "cv": cfg.cv,
-            "slo_attainment": s.slo_attainment, "ttft_attainment": s.ttft_slo_attainment,
-            "tbt_attainment": s.tbt_slo_attainment, "ttft_p99": s.ttft_p99, "tbt_p99": s.tbt_p99,
-            "num_preemptions": result.num_preemptions, "num_steps": result.num_steps,
-            "finished": s.num_finished, "wall_s": time.perf_counter() - t0}
+    results = run_points([cfg for _, cfg in jobs], progress=False, workers=workers)
+    rows = []
+    for (dataset, cfg), result in zip(jobs, results):
+        s = result.summary
+        rows.append({"dataset": dataset, "policy": cfg.engine.policy_name, "rate": cfg.rate, "cv": cfg.cv,
+                     "slo_attainment": s.slo_attainment, "ttft_attainment": s.ttft_slo_attainment,
+                     "tbt_attainment": s.tbt_slo_attainment, "ttft_p99": s.ttft_p99, "tbt_p99": s.tbt_p99,
+                     "num_preemptions": result.num_preemptions, "num_steps": result.num_steps,
+                     "finished": s.num_finished})
+    print(f"  {len(jobs)} runs in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return rows
 
 
 def pick(rows: list[dict], dataset: str, policy: str, rate: float, cv: float = 1.0) -> dict:
@@ -165,163 +199,237 @@ def pick(rows: list[dict], dataset: str, policy: str, rate: float, cv: float = 1
                 and r["rate"] == rate and r["cv"] == cv)
 
 
-def eff(rows: list[dict], d: Dataset, policy: str, rates: tuple[float, ...], threshold: float) -> float | None:
-    return effective_throughput(rates, [pick(rows, d.name, policy, r)["slo_attainment"] for r in rates], threshold)
+def eff(rows: list[dict], d: Dataset, policy: str, rates: tuple[float, ...], threshold: float) -> float:
+    """Effective throughput: where attainment first falls through `threshold`, interpolated
+    (0: below the grid's lowest rate; inf: above its highest)."""
+    return interpolated_crossing(rates, [pick(rows, d.name, policy, r)["slo_attainment"] for r in rates], threshold)
 
 
-def ratio(a: float | None, b: float | None) -> float:
-    """Apt-Serve's effective throughput over a baseline's; a baseline failing the lowest
-    rate counts as the grid's step below it (a lower bound on the ratio, marked)."""
-    if a is None:
-        return math.nan
-    return a / b if b else math.inf
+def fmt_rate(x: float, rates: tuple[float, ...]) -> str:
+    if x == 0:
+        return f"< {rates[0]:g}"
+    return f"> {rates[-1]:g}" if math.isinf(x) else f"{x:.2f}"
 
 
-def robust_rate(rows: list[dict], d: Dataset, rates: tuple[float, ...]) -> float:
-    """The paper's principle for Figure 9's rates: where Apt-Serve is close to Sarathi,
-    read as the highest rate of the grid at which Sarathi still attains 90%."""
-    return eff(rows, d, "sarathi", rates, 0.9) or rates[0]
+def ratio(a: float, b: float) -> float:
+    """Apt-Serve's effective throughput over a baseline's (nan where either is off the grid)."""
+    return a / b if 0 < a < math.inf and 0 < b < math.inf else math.nan
 
 
-def main_table(rows: list[dict], m: Model, d: Dataset, rates: tuple[float, ...]) -> list[str]:
+def main_table(rows: list[dict], m: Model, d: Dataset, rates: tuple[float, ...], policies: tuple[str, ...]
+               ) -> list[str]:
     out = [f"#### {m.name}, {d.name} (TTFT {d.ttft_slo:g} s, P99 TBT {d.tbt_slo:g} s): SLO attainment by rate", "",
-           "| rate | " + " | ".join(m.policies) + " |", "|---|" + "---|" * len(m.policies)]
+           "| rate | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
     for rate in rates:
         out.append(f"| {rate:g} | " + " | ".join(
-            f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}" for p in m.policies) + " |")
+            f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}" for p in policies) + " |")
     for t in THRESHOLDS:
-        out.append(f"| eff. throughput at {t:.0%} | " + " | ".join(
-            f"{eff(rows, d, p, rates, t) or '< ' + str(rates[0])}" for p in m.policies) + " |")
+        out.append(f"| eff. throughput at {t:.0%} (interpolated, req/s) | " + " | ".join(
+            fmt_rate(eff(rows, d, p, rates, t), rates) for p in policies) + " |")
+    if d.name == "ShareGPT" and "vllm" in policies and m.tp == 1:
+        at3 = next((r["slo_attainment"] for r in rows if r["dataset"] == d.name and r["policy"] == "vllm"
+                    and r["rate"] == 3 and r["cv"] == 1.0), None)
+        out += ["", f"Figure 2a (vLLM, 500 requests in the paper): 90% crossed near {PAPER_VLLM_90} req/s, ours "
+                    f"{fmt_rate(eff(rows, d, 'vllm', rates, 0.9), rates)}; about {PAPER_VLLM_AT_3:.0%} at 3 req/s, ours "
+                    + (f"{at3:.1%}" if at3 is not None else "not run")]
     return out
 
 
-def claims(rows: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]) -> list[dict]:
+def claims(rows: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]], policies: tuple[str, ...]
+           ) -> list[dict]:
     out = []
     for d in m.datasets:
+        if d.name not in rates_of or "apt-serve" not in policies:
+            continue
         rates = rates_of[d.name]
         for t in THRESHOLDS:
             apt = eff(rows, d, "apt-serve", rates, t)
             for base, paper in zip(BASELINES, d.paper_x[t]):
-                ours = ratio(apt, eff(rows, d, base, rates, t))
-                verdict = ("met" if ours >= paper / 2 else "same sign, < half") if ours > 1 else \
-                    ("tie" if ours == 1 else "missed (opposite sign)")
+                if base not in policies:
+                    continue
+                b = eff(rows, d, base, rates, t)
+                ours = ratio(apt, b)
+                verdict = ("off the grid" if math.isnan(ours) else
+                           ("met" if ours >= paper / 2 else "same sign, < half") if ours > 1.005 else
+                           ("tie" if ours >= 0.995 else "missed (opposite sign)"))
                 out.append({"dataset": d.name, "threshold": t, "baseline": base, "paper_x": paper,
-                            "ours_x": ours, "apt_rate": apt, "baseline_rate": eff(rows, d, base, rates, t),
-                            "verdict": verdict if not math.isnan(ours) else "apt-serve fails the lowest rate"})
+                            "ours_x": ours, "apt_rate": apt, "baseline_rate": b, "verdict": verdict})
     return out
 
 
-def claims_table(c: list[dict], m: Model) -> list[str]:
+def claims_table(c: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]) -> list[str]:
     out = [f"### Figure 8's claims, {m.name}: Apt-Serve's effective throughput over each baseline's", "",
            f"| dataset | threshold | baseline | paper (3-model avg) | ours ({m.name}) | rates (apt / baseline, req/s) | "
            "goal: same sign, >= half |", "|---|---|---|---|---|---|---|"]
     for x in c:
-        ours = "inf (baseline fails the lowest rate)" if math.isinf(x["ours_x"]) else f"{x['ours_x']:.2f}x"
+        rates = rates_of[x["dataset"]]
+        ours = "n/a" if math.isnan(x["ours_x"]) else f"{x['ours_x']:.2f}x"
         out.append(f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | {ours} | "
-                   f"{x['apt_rate']} / {x['baseline_rate']} | {x['verdict']} |")
+                   f"{fmt_rate(x['apt_rate'], rates)} / {fmt_rate(x['baseline_rate'], rates)} | {x['verdict']} |")
     finite = [x["ours_x"] for x in c if math.isfinite(x["ours_x"])]
     out += ["", f"Peak ratio over datasets, thresholds and baselines: paper up to {PAPER_PEAK_X}x, "
                 f"ours {max(finite):.2f}x" if finite else "no finite ratio"]
     return out
 
 
-def robust_table(rows: list[dict], m: Model, rate_of: dict[str, float]) -> list[str]:
-    out = ["### Figure 9: SLO attainment under Gamma arrivals (burstiness CV)", "",
+def robust_table(rows: list[dict], m: Model) -> list[str]:
+    out = ["### Figure 9: SLO attainment under Gamma arrivals (burstiness CV) at the paper's rates", "",
            "| dataset | rate | CV | " + " | ".join(ROBUST) + " | apt-serve / best baseline |",
            "|---|---|---|" + "---|" * (len(ROBUST) + 1)]
     best = 0.0
     for d in m.datasets:
+        if not any(r["dataset"] == d.name and r["rate"] == d.robust_rate for r in rows):
+            continue
         for cv in CVS:
-            att = {p: pick(rows, d.name, p, rate_of[d.name], cv)["slo_attainment"] for p in ROBUST}
+            att = {p: pick(rows, d.name, p, d.robust_rate, cv)["slo_attainment"] for p in ROBUST}
             base = max(att[p] for p in ROBUST if p != "apt-serve")
             x = att["apt-serve"] / base if base else math.inf
             best = max(best, x if math.isfinite(x) else 0.0)
-            out.append(f"| {d.name} | {rate_of[d.name]:g} | {cv:g} | " + " | ".join(f"{att[p]:.1%}" for p in ROBUST)
+            out.append(f"| {d.name} | {d.robust_rate:g} | {cv:g} | " + " | ".join(f"{att[p]:.1%}" for p in ROBUST)
                        + f" | {x:.2f}x |")
     out += ["", f"Largest gain over the best baseline: paper up to {PAPER_BURST_X}x, ours {best:.2f}x"]
     return out
 
 
-def ablation_table(rows: list[dict], m: Model, rate_of: dict[str, float]) -> list[str]:
-    out = ["### Tables 4 and 5: hybrid cache and adaptive scheduling switched off (SLO attainment)", "",
-           "Paper (Table 4 KV-only vs hybrid; Table 5 FCFS vs adaptive), ShareGPT at 3 / 6 req/s, LongBench at "
-           "1.5 / 3: hybrid beats KV-only by 0 to 7.6 pp; adaptive beats FCFS by 36.2 to 86.4 pp.", "",
+def ablation_table(rows: list[dict], m: Model) -> list[str]:
+    out = ["### Tables 4 and 5 at the paper's rates: hybrid cache and adaptive scheduling switched off "
+           "(SLO attainment %, paper / ours; nan: not run)", "",
            "| dataset | rate | CV | apt-serve | /hybrid (KV only) | /adaptive (FCFS) | apt-serve-decay (0.4) | "
-           "hybrid - KV only (pp) | adaptive - FCFS (pp) |", "|---|---|---|---|---|---|---|---|---|"]
+           "apt-serve-upgrade (ours) | hybrid - KV only (pp) | adaptive - FCFS (pp) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for d in m.datasets:
-        if not d.ablated:
-            continue
-        for rate in (rate_of[d.name], 2 * rate_of[d.name]):
-            for cv in CVS:
-                a = {p: pick(rows, d.name, p, rate, cv)["slo_attainment"] for p in ABLATIONS}
-                out.append(f"| {d.name} | {rate:g} | {cv:g} | " + " | ".join(f"{a[p]:.1%}" for p in ABLATIONS)
-                           + f" | {100 * (a['apt-serve'] - a['apt-serve/hybrid']):+.1f} | "
-                           f"{100 * (a['apt-serve'] - a['apt-serve/adaptive']):+.1f} |")
+        for (rate, cv), (kv, fcfs, apt) in d.paper_tables.items():
+            if not any(r["dataset"] == d.name and r["rate"] == rate and r["cv"] == cv for r in rows):
+                continue
+            a = {p: next((100 * r["slo_attainment"] for r in rows if r["dataset"] == d.name and r["policy"] == p
+                          and r["rate"] == rate and r["cv"] == cv), math.nan) for p in ABLATIONS}
+            out.append(f"| {d.name} | {rate:g} | {cv:g} | {apt:.1f} / {a['apt-serve']:.1f} | "
+                       f"{kv:.1f} / {a['apt-serve/hybrid']:.1f} | {fcfs:.1f} / {a['apt-serve/adaptive']:.1f} | "
+                       f"{a['apt-serve-decay']:.1f} | {a['apt-serve-upgrade']:.1f} | "
+                       f"{apt - kv:+.1f} / {a['apt-serve'] - a['apt-serve/hybrid']:+.1f} | "
+                       f"{apt - fcfs:+.1f} / {a['apt-serve'] - a['apt-serve/adaptive']:+.1f} |")
     return out
 
 
-def run_model(pool: concurrent.futures.Executor, m: Model, n: int, quick: bool) -> tuple[list[str], dict]:
-    """Figure 8's sweep for one model (and, with `m.extras`, Figure 9 and Tables 4-5 at
-    rates read from it): the printed section and its JSON."""
-    rates_of = {d.name: d.quick_rates if quick else d.rates for d in m.datasets}
-    jobs = [(d.name, config(m, d, p, rate, n)) for d in m.datasets for rate in rates_of[d.name] for p in m.policies]
-    rows = list(pool.map(run, jobs))
-    rate_of = {d.name: robust_rate(rows, d, rates_of[d.name]) for d in m.datasets}
+def run_model(m: Model, o: Options) -> tuple[list[str], dict]:
+    """The chosen sections for one model: the printed section and its JSON."""
+    datasets = [d for d in m.datasets if o.datasets is None or d.name in o.datasets]
+    policies = o.policies or m.policies
+    rates_of = {d.name: o.rates or (d.quick_rates if o.quick else d.rates) for d in datasets}
+    jobs = []
+    if "fig8" in o.sections:
+        jobs += [(d.name, config(m, d, p, rate, o)) for d in datasets for rate in rates_of[d.name] for p in policies]
     if m.extras:
-        more = {(d.name, p, rate, cv) for d in m.datasets for cv in CVS for p in ROBUST
-                for rate in [rate_of[d.name]]}
-        more |= {(d.name, p, rate, cv) for d in m.datasets if d.ablated for cv in CVS for p in ABLATIONS
-                 for rate in (rate_of[d.name], 2 * rate_of[d.name])}
-        done = {(r["dataset"], r["policy"], r["rate"], r["cv"]) for r in rows}
-        by_name = {d.name: d for d in m.datasets}
-        jobs = [(name, config(m, by_name[name], p, rate, n, cv)) for name, p, rate, cv in sorted(more - done)]
-        rows += list(pool.map(run, jobs))
-    c = claims(rows, m, rates_of)
+        if "fig9" in o.sections:
+            jobs += [(d.name, config(m, d, p, d.robust_rate, o, cv)) for d in datasets for cv in CVS for p in ROBUST]
+        if "tables" in o.sections:
+            jobs += [(d.name, config(m, d, p, rate, o, cv)) for d in datasets for rate, cv in d.paper_tables
+                     if cv in o.cvs for p in o.ablations]
+    seen, unique = set(), []
+    for name, cfg in jobs:
+        key = (name, cfg.engine.policy_name, cfg.rate, cfg.cv)
+        if key not in seen:
+            seen.add(key)
+            unique.append((name, cfg))
+    rows = run_all(unique, o.workers)
     gpus = "one" if m.tp == 1 else f"{m.tp} x"
-    lines = [f"## {m.name} on {gpus} {HARDWARE} (tensor_parallel_size {m.tp}): hidden_block_tokens "
-             f"{m.hidden_block_tokens} per {BLOCK_SIZE}-token block"
+    lines = [f"## {m.name} on {gpus} {HARDWARE} (tensor_parallel_size {m.tp}, cost model {o.cost_model}): "
+             f"hidden_block_tokens {m.hidden_block_tokens} per {BLOCK_SIZE}-token block"
              + ("" if m.hidden_block_tokens > BLOCK_SIZE else " (the hidden cache saves no memory: apt-serve keeps "
-                "every request on K/V, its gains can only be its scheduling)"), "",
-             "### Figure 8" + (" (and Figure 11's apt-serve-s)" if "apt-serve-s" in m.policies else "")
-             + ": SLO attainment and effective throughput", ""]
-    for d in m.datasets:
-        lines += main_table(rows, m, d, rates_of[d.name]) + [""]
-    lines += claims_table(c, m)
-    if m.extras:
-        lines += [""] + robust_table(rows, m, rate_of) + [""] + ablation_table(rows, m, rate_of)
+                "every request on K/V, its gains can only be its scheduling)"), ""]
+    c = []
+    if "fig8" in o.sections:
+        lines += ["### Figure 8" + (" (and Figure 11's apt-serve-s)" if "apt-serve-s" in policies else "")
+                  + ": SLO attainment and effective throughput", ""]
+        for d in datasets:
+            lines += main_table(rows, m, d, rates_of[d.name], policies) + [""]
+        c = claims(rows, m, rates_of, policies)
+        lines += claims_table(c, m, rates_of)
+    if m.extras and "fig9" in o.sections:
+        lines += [""] + robust_table(rows, m)
+    if m.extras and "tables" in o.sections:
+        lines += [""] + ablation_table(rows, m)
     return lines, {"tensor_parallel_size": m.tp, "hidden_block_tokens": m.hidden_block_tokens, "rates": rates_of,
-                   "robust_rates": rate_of if m.extras else None, "claims": c, "runs": rows}
+                   "claims": c, "runs": rows}
+
+
+def before_table(old: dict, new: dict) -> list[str]:
+    """This run's cells beside the same cells of `old` (a JSON of this script before a
+    change): every run both have, by dataset, policy, rate and CV, and the claims."""
+    out = [f"## Before / after: {old.get('label') or old.get('command')} -> this run", ""]
+    for name, after in new["models"].items():
+        before = old["models"].get(name)
+        if before is None:
+            continue
+        key = lambda r: (r["dataset"], r["policy"], r["rate"], r["cv"])  # noqa: E731
+        was = {key(r): r for r in before["runs"]}
+        out += [f"### {name}: SLO attainment of the runs both have (changed ones marked)", "",
+                "| dataset | policy | rate | CV | before | after | preemptions before / after |",
+                "|---|---|---|---|---|---|---|"]
+        for r in sorted(after["runs"], key=key):
+            b = was.get(key(r))
+            if b is None:
+                continue
+            mark = " *" if b["slo_attainment"] != r["slo_attainment"] else ""
+            out.append(f"| {r['dataset']} | {r['policy']} | {r['rate']:g} | {r['cv']:g} | {b['slo_attainment']:.1%} | "
+                       f"{r['slo_attainment']:.1%}{mark} | {b['num_preemptions']} / {r['num_preemptions']} |")
+        old_claims = {(x["dataset"], x["threshold"], x["baseline"]): x for x in before["claims"]}
+        both = [(old_claims[(x["dataset"], x["threshold"], x["baseline"])], x) for x in after["claims"]
+                if (x["dataset"], x["threshold"], x["baseline"]) in old_claims]
+        if both:
+            out += ["", "| dataset | threshold | baseline | paper | before | after |", "|---|---|---|---|---|---|"]
+            out += [f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | "
+                    f"{b['ours_x']:.2f}x | {x['ours_x']:.2f}x |" for b, x in both]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                    help="the simulator's step prices: measured (default) or apt-serve (the paper's testbed)")
     ap.add_argument("--quick", action="store_true", help="400 requests, 4 rates per dataset")
     ap.add_argument("--requests", type=int, default=None, help="requests per run (default 1000; quick 400)")
     ap.add_argument("--models", default="opt-13b",
                     help=f"comma-separated, of {', '.join(MODELS)} (Table 2's settings; 30B/66B: Figure 8 only)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--datasets", default=None, help="comma-separated dataset names (default all)")
+    ap.add_argument("--policies", default=None, help="Figure 8's policies (default the model's)")
+    ap.add_argument("--rates", default=None, help="Figure 8's rate grid for every dataset run (default each one's)")
+    ap.add_argument("--ablations", default=",".join(ABLATIONS), help="Tables 4-5's policies (default all)")
+    ap.add_argument("--cvs", default=",".join(f"{cv:g}" for cv in CVS), help="Tables 4-5's CVs (default all)")
+    ap.add_argument("--before", default=None, help="this script's JSON from before a change: printed beside")
+    ap.add_argument("--tag", default="", help="suffix of the output files (a partial or before run)")
+    ap.add_argument("--workers", type=int, default=1, help="local processes for run_points")
     args = ap.parse_args()
     names = args.models.split(",")
     if unknown := set(names) - set(MODELS):
         ap.error(f"unknown models {sorted(unknown)}; choose from {', '.join(MODELS)}")
-    n = args.requests or (400 if args.quick else 1000)
+    split = lambda s: tuple(s.split(",")) if s else None  # noqa: E731
+    o = Options(args.cost_model, args.requests or (400 if args.quick else 1000), args.quick,
+                split(args.sections), split(args.datasets), split(args.policies),
+                tuple(float(x) for x in args.rates.split(",")) if args.rates else None, split(args.ablations),
+                tuple(float(x) for x in args.cvs.split(",")), args.workers)
     t0 = time.perf_counter()
-    lines = [f"# Apt-Serve reproduction ({', '.join(names)} on {HARDWARE}, simulated){' --quick' if args.quick else ''}",
-             "", f"{n} requests per run, seed 0; rho = the cost model's K/V projection time per hidden block.", ""]
+    lines = [f"# Apt-Serve reproduction ({', '.join(names)} on {HARDWARE}, simulated, cost model {o.cost_model})"
+             + (" --quick" if o.quick else ""), "",
+             f"{o.requests} requests per run, seed 0; rho = the cost model's K/V projection time per hidden block.",
+             f"Command: python {' '.join(sys.argv)}", ""]
     results = {}
-    with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
-        for name in names:
-            section, results[name] = run_model(pool, MODELS[name], n, args.quick)
-            lines += section + [""]
+    for name in names:
+        section, results[name] = run_model(MODELS[name], o)
+        lines += section + [""]
+    data = {"command": " ".join(["python", *sys.argv]), "label": args.tag or None, "hardware": HARDWARE,
+            "cost_model": o.cost_model, "requests": o.requests, "models": results}
+    if args.before:
+        lines += before_table(json.loads(pathlib.Path(args.before).read_text()), data) + [""]
     lines += [f"wall time {time.perf_counter() - t0:.0f} s"]
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = "_".join(["aptserve_reproduction", *(x for x in names if x != "opt-13b")]) + ("_quick" if args.quick else "")
+    stem = "_".join(["aptserve_reproduction", *(x for x in names if x != "opt-13b"), o.cost_model,
+                     *([args.tag] if args.tag else []), *(["quick"] if o.quick else [])])
     (RESULTS / f"{stem}.md").write_text(text + "\n")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"command": " ".join(["python", *sys.argv]), "hardware": HARDWARE, "requests": n, "models": results},
-        indent=1, default=str))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
 
 
 if __name__ == "__main__":

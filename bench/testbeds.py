@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import numpy as np
 
 import jserve.runners.testbeds as testbeds
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
-from jserve.benchmarking.metrics import Summary
+from jserve.benchmarking.metrics import Summary, interpolated_crossing
 from jserve.config import EngineConfig
 from jserve.models.registry import get_config
 from jserve.runners.cost_model import StepShape
@@ -75,13 +74,7 @@ class StatedCapacity:
     def crossing(self, values: list[float]) -> float:
         """The rate where `values` (over `rates`) first pass `level`, interpolated: 0 if
         the lowest rate is past it already, infinity if no rate reaches it."""
-        sign = 1.0 if self.rising else -1.0
-        if sign * (values[0] - self.level) >= 0:
-            return 0.0
-        for (r0, v0), (r1, v1) in zip(zip(self.rates, values), zip(self.rates[1:], values[1:])):
-            if sign * (v0 - self.level) < 0 <= sign * (v1 - self.level):
-                return r0 + (r1 - r0) * (self.level - v0) / (v1 - v0)
-        return math.inf
+        return interpolated_crossing(self.rates, values, self.level, self.rising)
 
 
 STATED = (

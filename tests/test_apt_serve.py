@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 from policy_harness import Harness, spec
 
+from jserve.builder import build_engine
+from jserve.config import EngineConfig
+from jserve.engine.request import RUNNING
+from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES
+from jserve.policies.apt_serve import AptServePolicy
 from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, greedy_types, schedule_values
 
 ROOMY = 10**9
@@ -127,3 +132,48 @@ def test_policy_uses_the_hidden_cache_only_where_it_saves_blocks(name, hidden_bl
                 policy=POLICIES[name](), hidden_block_tokens=hidden_block_tokens)
     h.run([spec(12, 6, first=k) for k in range(8)])
     assert (h.runner.num_hidden_runs > 0) == uses_hidden
+
+
+class _Upgrades:
+    """Wraps a policy and counts, per plan, the running hidden requests it moves to the KV
+    cache: recomputed in the same step (in `run`) or preempted to re-prefill later."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
+        self.uses_hidden_cache = inner.uses_hidden_cache
+        self.in_step = self.preempted = 0
+
+    def schedule(self, view):
+        plan = self.inner.schedule(view)
+        r = view.requests
+        hidden = (r.status == RUNNING) & (r.cache_type == HIDDEN)
+        for seq in r.seq_id[hidden].tolist():
+            if plan.cache_type.get(seq) == KV:
+                self.in_step += seq in plan.run and seq not in plan.preempt
+                self.preempted += seq in plan.preempt
+        return plan
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_upgrade_in_step_recomputes_hidden_requests_on_kv_in_the_same_step(chunked):
+    """`upgrade_in_step` (off by default): where the default preempts a running hidden request
+    the greedy moves to KV, the option recomputes it on KV in that step; every request still
+    gets all its tokens and the engine's bookkeeping holds after every step."""
+    counts = {}
+    for upgrade in (False, True):
+        policy = _Upgrades(AptServePolicy(chunked_prefill=chunked, upgrade_in_step=upgrade))
+        built = build_engine(EngineConfig(runner="sim", model="opt-13b", hardware="a100-40g", policy=policy,
+                                          num_blocks=40, max_model_len=512))
+        for i in range(16):
+            built.engine.add_request(f"r{i}", list(range(1, 151 + 7 * i)),
+                                     SamplingParams(max_tokens=40, ignore_eos=True))
+        outputs = {}
+        while built.engine.has_unfinished:
+            for out in built.engine.step():
+                if out.finished:
+                    outputs[out.request_id] = len(out.output_token_ids)
+            built.engine.state.check_invariants()
+        assert outputs == {f"r{i}": 40 for i in range(16)}
+        counts[upgrade] = (policy.in_step, policy.preempted)
+    assert counts[False][0] == 0 and counts[False][1] > 0
+    assert counts[True][0] > 0

@@ -1,5 +1,6 @@
 """What the hidden cache costs in the simulator: a step's hidden sequences recompute K/V over
-their whole context (the cost model's `hidden_tokens`), and rho (Apt-Serve's Eq. 6, the
+their past tokens (the cost model's `hidden_tokens`; the step's own tokens are projected as on
+any cache), and rho (Apt-Serve's Eq. 6, the
 view's `hidden_block_cost`) is that projection for one block of rows, from the cost model
 the simulator runs."""
 
@@ -29,14 +30,17 @@ def _batch(hidden: np.ndarray | None) -> Batch:
                  sample=np.ones(3, bool), hidden=hidden)
 
 
-def test_hidden_sequences_recompute_over_their_context() -> None:
+def test_hidden_sequences_recompute_over_their_past_tokens() -> None:
     plain = StepShape.of(_batch(None))
     mixed = StepShape.of(_batch(np.array([True, False, True])))
-    assert (plain.hidden_tokens, mixed.hidden_tokens) == (0, 100 + 11)
+    assert (plain.hidden_tokens, mixed.hidden_tokens) == (0, 99 + 10)
     model = RooflineCostModel(OPT13B, A100)
     assert model.step_time(mixed) > model.step_time(plain)
     assert model.hidden_recompute_time(mixed) == pytest.approx(
-        4 * OPT13B.hidden_size ** 2 * OPT13B.num_layers * 111 / (A100.peak_flops * A100.mfu))
+        4 * OPT13B.hidden_size ** 2 * OPT13B.num_layers * 109 / (A100.peak_flops * A100.mfu))
+    # A hidden prefill has no past: its prompt's K/V are the forward pass's own.
+    prefill = StepShape.of(_batch(np.array([False, True, False])))
+    assert prefill.hidden_tokens == 0 and model.step_time(prefill) == model.step_time(plain)
 
 
 def test_rho_is_one_block_of_projection() -> None:

@@ -16,6 +16,7 @@ from jserve.benchmarking.metrics import (
     e2e,
     effective_throughput,
     format_table,
+    interpolated_crossing,
     vllm_report,
     normalized_latency,
     p99_tbt,
@@ -327,6 +328,16 @@ def test_effective_throughput() -> None:
     assert effective_throughput([1.0, 2.0], [0.8, 0.8], threshold=0.75) == 2.0
     with pytest.raises(ValueError):
         effective_throughput([1, 2], [0.9])
+
+
+def test_interpolated_crossing() -> None:
+    # 90% is crossed a fifth of the way from 3 (0.95) to 4 (0.70): not rounded to 3.
+    assert interpolated_crossing([2, 3, 4], [1.0, 0.95, 0.70], 0.9) == pytest.approx(3.2)
+    assert interpolated_crossing([2, 3], [0.8, 0.5], 0.9) == 0.0  # below the grid
+    assert interpolated_crossing([2, 3], [1.0, 0.95], 0.9) == math.inf  # above it
+    # the first crossing counts; rising values (violations) with `rising`
+    assert interpolated_crossing([1, 2, 3, 4], [1.0, 0.8, 0.95, 0.5], 0.9) == pytest.approx(1.5)
+    assert interpolated_crossing([4, 5, 6], [0.0, 0.05, 0.25], 0.1, rising=True) == pytest.approx(5.25)
 
 
 def test_tail_excess_latency() -> None:

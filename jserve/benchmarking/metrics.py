@@ -41,6 +41,7 @@ statistics) or 0 (for counts and sums), never an exception.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ __all__ = [
     "attach_slos",
     "e2e",
     "effective_throughput",
+    "interpolated_crossing",
     "format_table",
     "normalized_latency",
     "p99_tbt",
@@ -352,6 +354,22 @@ def effective_throughput(
             break
         best = float(rate)
     return best
+
+
+def interpolated_crossing(rates: Sequence[float], values: Sequence[float], level: float,
+                          rising: bool = False) -> float:
+    """The rate where `values` (measured at increasing `rates`) first pass `level`,
+    interpolated linearly between the two rates around it: falling through it (an SLO
+    attainment) or, with `rising`, rising through it (violations). 0 if the lowest rate is
+    past it already, infinity if no measured rate reaches it. Unlike
+    `effective_throughput`, not quantised to the grid."""
+    sign = 1.0 if rising else -1.0
+    if not len(values) or sign * (values[0] - level) >= 0:
+        return 0.0
+    for (r0, v0), (r1, v1) in zip(zip(rates, values), zip(rates[1:], values[1:])):
+        if sign * (v0 - level) < 0 <= sign * (v1 - level):
+            return r0 + (r1 - r0) * (level - v0) / (v1 - v0)
+    return math.inf
 
 
 def tail_excess_latency(ttfts: Iterable[float], threshold: float) -> float:

@@ -37,6 +37,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     # (Table 4) and FCFS instead of adaptive scheduling (Table 5).
     "apt-serve-s": partial(AptServePolicy, name="apt-serve-s", chunked_prefill=True),
     "apt-serve-decay": partial(AptServePolicy, name="apt-serve-decay", decay=PAPER_DECAY),
+    # Ours, not the paper's: a hidden request moved to KV recomputes in the same step.
+    "apt-serve-upgrade": partial(AptServePolicy, name="apt-serve-upgrade", upgrade_in_step=True),
     "apt-serve/hybrid": partial(AptServePolicy, name="apt-serve/hybrid", hybrid=False),
     "apt-serve/adaptive": partial(AptServePolicy, name="apt-serve/adaptive", adaptive=False),
 }

@@ -10,14 +10,16 @@ Each iteration (Section 5):
   engine fits from the runner (the simulator's cost model, or a `jserve profile` with a
   hidden-cache entry). The paper writes t_i = rho * m_i with m_i the KV size; per hidden
   block is the same charge in the unit the pool actually counts.
-- SLO-aware fallback (Section 4.2): a request that has already violated its SLO -- its
-  first token (or its wait for it) past its TTFT SLO, or its wait since its last token past
-  its TBT SLO -- is worth a near-zero constant (`FALLBACK_VALUE`), or with `decay` set its
-  pending time times that factor (the paper's "scheduling*" of Figure 10 uses 0.4,
-  `apt-serve-decay`). The SLOs are the requests' own (`ttft_slo` / `tbt_slo` columns, as
-  LayerKV and CacheOpt read them); a request without one never falls back. Reading taken: the
-  paper's "pending time exceeds the SLO" compares the current wait with the SLO of the token
-  it waits for; a single TBT gap over the P99 TBT SLO counts as a violation.
+- SLO-aware fallback (Section 4.2): a request that has already violated its SLO is worth a
+  near-zero constant (`FALLBACK_VALUE`), or with `decay` set its pending time times that
+  factor (the paper's "scheduling*" of Figure 10 uses 0.4, `apt-serve-decay`). The SLOs are
+  the requests' own (`ttft_slo` / `tbt_slo` columns, as LayerKV and CacheOpt read them); a
+  request without one never falls back. Reading taken (`slo_violated`, the one place it is
+  decided): the paper's "tracked pending time exceeds the latency SLOs", with the TTFT miss
+  kept -- a request is past its SLO when its first token came later than its TTFT SLO or its
+  wait for it already exceeds it (a lost TTFT cannot be won back), or when its current wait
+  since its last token exceeds its TBT SLO. An earlier gap over the TBT SLO is not
+  remembered: the SLO bounds the P99 gap, which one gap need not break.
 - Iteration type (`apt-serve`): prefill or decode, whichever queue has the larger summed
   pending time (raw p_i, before the fallback, as the paper says "cumulative pending time").
   A prefill iteration chooses among waiting requests within the free blocks (the paper's
@@ -44,14 +46,22 @@ Each iteration (Section 5):
   against 0.76 for `apt-serve`), so, as Sarathi's decodes-first and the paper's prefill
   bound M = M~ - sum_R m_i, admissions only take what running requests leave.
 
-What the model does with hidden requests once they decode (measured in the simulator,
-OPT-13B on A100-40G, `bench/reproduce_aptserve.py`): a running request's pending time is
-one step, so p_i - (|W| + |R|) rho h_i is negative for any realistic rho (the cost model's:
-0.72 ms per 32-row block) and the refinement leaves it only its KV cache: it is upgraded
-(discard and recompute) when that fits, else left out. The hidden cache therefore mostly
-buys a long-waiting request its prefill and first token while memory is short, and the
-request re-prefills on KV later -- close to what issue 16 read in the authors' code, which
-preempts every hidden request selected for decode.
+What the model does with hidden requests once they decode (`bench/reproduce_aptserve.py`,
+OPT-13B on A100-40G in the simulator): a running request's pending time is 0 right after
+its decode step (its last token came at the end of the step before this iteration is
+scheduled), so p_i - (|W| + |R|) rho h_i is negative for any positive rho and the
+refinement leaves it only its KV cache: it is upgraded (discard and recompute) when that
+fits, else left out. The hidden cache therefore mostly buys a long-waiting request its
+prefill and first token while memory is short, and the request re-prefills on KV later --
+close to what issue 16 read in the authors' code, which preempts every hidden request
+selected for decode.
+
+- `upgrade_in_step` (off by default, our option, not the paper's): a running hidden request
+  the decode iteration moves to the KV cache recomputes its whole context on KV in the same
+  step (the engine's in-plan switch) instead of being preempted to wait for a later prefill
+  iteration; the recomputes run after the decodes, each only if the token budget left holds
+  its whole context (else it is preempted as before). The paper says a switch "schedules a
+  prefill iteration to recompute", which the default keeps.
 
 The hidden cache is offered only where a block holds more tokens of hidden rows than of
 K/V (`view.hidden_block_tokens > block_size`: MHA models such as OPT and Llama-2, where it
@@ -84,14 +94,19 @@ PAPER_DECAY = 0.4  # Figure 10's decaying factor ("Apt-Serve's scheduling*")
 
 
 def pending_times(view: SchedulerView, rows: np.ndarray) -> np.ndarray:
-    """p_i: since arrival before the first token, since the last token after it."""
+    """p_i: since arrival before the first token, since the last token after it (0 for a
+    request whose decode step has just ended: its token is stamped at the step's end, when
+    the next iteration is scheduled)."""
     r = view.requests
     last = r.last_token_time[rows]
     return view.now - np.where(np.isnan(last), r.arrival_time[rows], last)
 
 
 def slo_violated(view: SchedulerView, rows: np.ndarray) -> np.ndarray:
-    """Requests that already missed an SLO (comparisons with a missing SLO, nan, are False)."""
+    """Requests past their SLO (the module's reading): first token later than the TTFT SLO,
+    or still waiting for it beyond it; or, once started, waiting now since the last token
+    longer than the TBT SLO (earlier gaps are not remembered). A missing SLO (nan) never
+    counts."""
     r = view.requests
     first, arrival = r.first_token_time[rows], r.arrival_time[rows]
     started = ~np.isnan(first)
@@ -110,6 +125,7 @@ class AptServePolicy:
     adaptive: bool = True  # False: FCFS (Table 5)
     decay: float | None = None  # None: the near-zero fallback; else its decaying factor
     watermark: float = 0.01  # vLLM's free blocks kept at admission
+    upgrade_in_step: bool = False  # True: hidden -> KV recomputes in the same step (ours)
 
     @property
     def uses_hidden_cache(self) -> bool:
@@ -193,7 +209,8 @@ class AptServePolicy:
     def _decode(self, view: SchedulerView, running: np.ndarray) -> Plan:
         """Choose among running requests within the blocks they hold plus the free ones:
         kept on their type they compute (decodes first, then prompt chunks, within the
-        budget); left out or switched, preempted by recompute."""
+        budget); left out or switched, preempted by recompute (with `upgrade_in_step`, a
+        hidden request moved to KV recomputes on KV in this step when the budget holds it)."""
         r, lim = view.requests, view.limits
         budget = self._budget(view)
         remaining = (r.num_tokens - r.num_computed)[running]
@@ -218,12 +235,30 @@ class AptServePolicy:
             left -= n
             if need[k] > 0:
                 allocate[seq] = int(need[k])
+        for k in self._upgrades(view, running, switch & (choice == KV), left):
+            seq = int(r.seq_id[running[k]])  # recomputed on KV now, from its first token
+            run[seq], allocate[seq], types[seq] = int(r.num_tokens[running[k]]), int(c.kv_blocks[k]), CacheType.KV
+            switch[k] = False
         for k in np.flatnonzero(switch):  # discard; re-prefilled on the new type when admitted
             seq = int(r.seq_id[running[k]])
             preempt[seq], types[seq] = PreemptMode.RECOMPUTE, CacheType(int(choice[k]))
         for k in np.flatnonzero(choice == NONE):
             preempt[int(r.seq_id[running[k]])] = PreemptMode.RECOMPUTE
         return Plan(run=run, allocate=allocate, preempt=preempt, cache_type=types)
+
+
+    def _upgrades(self, view: SchedulerView, running: np.ndarray, upgrade: np.ndarray, budget: int) -> list[int]:
+        """With `upgrade_in_step`, the hidden requests moved to KV that recompute in this
+        step: in arrival order, each whose whole context fits the token budget left."""
+        if not self.upgrade_in_step:
+            return []
+        lens = view.requests.num_tokens[running]
+        taken = []
+        for k in np.flatnonzero(upgrade).tolist():
+            if lens[k] <= budget:
+                taken.append(k)
+                budget -= int(lens[k])
+        return taken
 
 
 def fcfs_types(view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bounds, hidden: bool) -> np.ndarray:

@@ -79,8 +79,10 @@ class StepShape:
       `swap_blocks`: the blocks they fill (each direction counted), `swap_moves`: the
       requests moved (a swap-out and a swap-in are one each). The fixed costs of the copies
       depend on these (`SwapPath`).
-    - `hidden_tokens`: context tokens (a subset of `kv_read_tokens`) held in Apt-Serve's
-      hidden-state cache, whose K/V are recomputed from the stored layer inputs this step.
+    - `hidden_tokens`: past tokens (`s`, a subset of `kv_read_tokens`) of sequences held in
+      Apt-Serve's hidden-state cache, whose K/V are recomputed from the stored layer inputs
+      this step. The step's own `q` tokens are not counted: their K/V projections are part of
+      every token's forward pass, on either cache type (priced in compute already).
     - `padded_tokens`, `page_walk`: the work of a runner that pads steps to shape buckets
       (the JAX runner): tokens after padding, and padded tokens x the longest cached prefix,
       which the jnp attention walks for every token. Zero when no bucketing is modelled.
@@ -151,8 +153,8 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
-        if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every context row
-            shape = dataclasses.replace(shape, hidden_tokens=int(batch.context_lens[batch.hidden].sum()))
+        if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every past row
+            shape = dataclasses.replace(shape, hidden_tokens=int(batch.start[batch.hidden].sum()))
         if batch.layer_traffic is not None:
             shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
                                                                                bytes_per_block))
@@ -322,7 +324,7 @@ class RooflineCostModel:
       only on sampled rows and the embedding is a lookup; simple, slightly pessimistic for
       prefill) + attention `4 * heads * head_dim * layers` per attended token (QK^T and PV).
     - hidden-cache recompute (Apt-Serve): `2 * 2 * hidden * kv_dim * layers` FLOPs per
-      hidden token (the K and V projections of every context row of a hidden sequence),
+      hidden token (the K and V projections of every past row of a hidden sequence),
       added after the rest: it runs inside the attention, after the layer's weight-bound
       projections, compute-bound on rows the step reads anyway (as the calibrated model
       adds it), so each hidden block costs the step its projection, Eq. 6's linear rho.
