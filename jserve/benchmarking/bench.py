@@ -77,8 +77,8 @@ class BenchConfig:
     # sharegpt-multiturn runs closed-loop conversations (`jserve.benchmarking.conversations`): `rate`
     # new conversations per second, `num_requests` conversations, turns spaced by this
     # process's think times.
-    conversation_process: Literal["birth-death", "think-time", "open-loop"] = "birth-death"
-    turn_rate: float = 0.1  # birth-death: mean of each conversation's turn rate; open-loop: the rate, 1/s
+    conversation_process: Literal["birth-death", "think-time", "open-loop", "exp-think"] = "birth-death"
+    turn_rate: float = 0.1  # birth-death: mean of each conversation's turn rate; open-loop, exp-think: the rate, 1/s
     end_rate: float = 0.05  # birth-death: rate at which a conversation ends, 1/s
     think_time: float = 5.0  # think-time: seconds between a reply and the next turn
 
