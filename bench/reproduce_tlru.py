@@ -346,14 +346,17 @@ def _caps(cmp: dict) -> list[int]:
 
 def share_table(cmp: dict) -> str:
     by, seeds = _by(cmp), _seeds(cmp)
-    lines = [_head(["capacity", *(f"{rule} from cache" for rule in BASELINES), "T-LRU (xi=200ms) from cache",
+    xis = sorted({r["xi"] for r in cmp["runs"] if r["rule"] == "tlru"})
+    lines = [_head(["capacity", *(f"{rule} from cache" for rule in BASELINES),
+                    *(f"T-LRU (xi={1000 * x:.0f}ms) from cache" for x in xis),
                     "LRU largest hit, tokens", "LRU P50/P90/P95 ms"])]
     for cap in _caps(cmp):
         def share(rule, xi):
             v = [by[(s, rule, cap, xi)]["cached_prompt_fraction"] for s in seeds if (s, rule, cap, xi) in by]
             return f"{100 * np.mean(v):.1f}% ({100 * min(v):.1f}-{100 * max(v):.1f})" if v else ""
         lru = [by[(s, "lru", cap, None)] for s in seeds if (s, "lru", cap, None) in by]
-        lines.append(_row([f"{cap:,}", share("lru", None), share("threshold-lru", None), share("tlru", 0.2),
+        lines.append(_row([f"{cap:,}", share("lru", None), share("threshold-lru", None),
+                           *(share("tlru", x) for x in xis),
                            str(max(r["max_cached_tokens"] for r in lru)) if lru else "",
                            "/".join(f"{1000 * np.mean([r[k] for r in lru]):.0f}" for k in PERCENTILES[:3]) if lru else ""]))
     return "\n".join(lines)
