@@ -117,8 +117,8 @@ PERCENTILES = ("ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99")
 # turns, one seed.
 BEFORE = ("roofline, open-loop 2.4/s & 0.1/s, capacity enforced after admission, 2,000 turns, seed 0: "
           "LRU from cache 50% at 1,000 tokens and 51% at 10,000; LRU P50/P90 28/1,355 ms at 10,000; "
-          "T-LRU no worse than LRU in 15/30 cells; best cuts P90 +6.5%, P95 +4.1%; Threshold-LRU "
-          "~60% worse than T-LRU on P90")
+          "T-LRU no worse than LRU in 15/30 cells; best cuts P90 +6.5%, P95 +4.1%; T-LRU's "
+          "P90 ~60% below Threshold-LRU's")
 
 
 # ----------------------------------------------------------------------------- workload
