@@ -104,13 +104,14 @@ def _add_bench_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="output lengths that cacheopt/rlp/s3/layerkv see: draws from the trained "
                         "predictor's error distribution, the true lengths, or none "
                         "(default: noise)")
-    p.add_argument("--conversation-process", choices=["birth-death", "think-time", "open-loop"],
+    p.add_argument("--conversation-process", choices=["birth-death", "think-time", "open-loop", "exp-think"],
                    default="birth-death",
                    help="sharegpt-multiturn: turns come after Exp(own rate) think times and "
                         "chats end at --end-rate (birth-death), or after --think-time, or "
-                        "every turn Exp(--turn-rate) after the previous one's arrival "
-                        "(open-loop, the T-LRU paper's Appendix F) (default: birth-death). --rate is then new conversations/s and "
-                        "--num-requests the number of conversations")
+                        "every turn Exp(--turn-rate) after the previous reply (exp-think, the "
+                        "T-LRU paper's Appendix F) or after the previous turn's arrival "
+                        "(open-loop) (default: birth-death). --rate is then new conversations/s "
+                        "and --num-requests the number of conversations")
     p.add_argument("--turn-rate", type=float, default=0.1,
                    help="birth-death: mean of each conversation's turn rate, 1/s (default: 0.1)")
     p.add_argument("--end-rate", type=float, default=0.05,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from flax import nnx
 
-from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache.prefix import CAPACITY_COUNTS, PrefixCacheConfig
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
@@ -327,8 +327,13 @@ def _add_prefix_cache_args(parser: argparse.ArgumentParser, benchmark: bool) -> 
                              + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
                                 "conversations' future (sharegpt-multiturn only)" if benchmark else ""))
     parser.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
-                        help="most tokens of KV the prefix cache holds, blocks running requests "
-                             "reuse included (default: every block no request uses)")
+                        help="most tokens of idle KV the prefix cache holds, trimmed before "
+                             "each step (default: every block no request uses)")
+    parser.add_argument("--cache-capacity-counts", choices=list(CAPACITY_COUNTS),
+                        default=d.capacity_counts,
+                        help="what --cache-capacity bounds: unreferenced (idle) blocks, the T-LRU "
+                             "paper's reading, or all cached blocks, those running requests reuse "
+                             "too (default: %(default)s)")
     parser.add_argument("--cache-isolation", action="store_true",
                         help="no prefix reuse across conversations (default: shared)")
     parser.add_argument("--host-cache-capacity", type=int, default=d.host_capacity_tokens,
@@ -351,7 +356,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the options of `add_engine_args` describe."""
     cache = None if args.prefix_cache == "none" else PrefixCacheConfig(
         args.prefix_cache, args.cache_capacity, args.cache_isolation, args.tel_threshold,
-        args.host_cache_capacity, q_hat=args.tlru_q_hat, xi_tokens=args.tlru_xi_tokens)
+        args.host_cache_capacity, q_hat=args.tlru_q_hat, xi_tokens=args.tlru_xi_tokens,
+        capacity_counts=args.cache_capacity_counts)
     return EngineConfig(
         model=args.model, weights=args.weights, dtype=args.dtype,
         policy=getattr(args, "policy", EngineConfig.policy),

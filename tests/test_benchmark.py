@@ -141,20 +141,26 @@ def test_oracle_eviction_needs_the_conversations_future() -> None:
 
 
 def test_reproduce_tlru_quick_run(tmp_path) -> None:
-    """The reproduction script's smoke run: three capacities, three xi, tables written."""
+    """The reproduction script's smoke run: each stage on a few turns, tables written."""
     import os
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    out = tmp_path / "t.json"
-    proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "reproduce_tlru.py"), "--quick", "--jobs", "1",
-         "--turns", "60", "--section4", "2", "--output", str(out)],
-        cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True,
-        timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
-    assert len(data["runs"]) == 3 * (2 + 3) and "Table 4 shape" in out.with_suffix(".md").read_text()
-    assert data["goal"]["section4"]["traces"] == 2
+
+    def stage(*argv: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, str(root / "bench" / "reproduce_tlru.py"), *argv, "--turns", "60",
+             "--output-dir", str(tmp_path)],
+            cwd=root, env=os.environ | {"PYTHONPATH": str(root)}, capture_output=True, text=True,
+            timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    stage("select", "--ratios", "5", "--spts", "600")
+    stage("calibrate", "--rates", "1", "--seeds", "0")
+    stage("compare", "--seeds", "0", "--capacities", "1000,10000", "--xis", "0.2")
+    data = json.loads((tmp_path / "tlru_compare.json").read_text())
+    assert len(data["runs"]) == 2 * (2 + 1)
+    text = (tmp_path / "tlru_sharegpt.md").read_text()
+    assert "Table 4" in text and "Served from cache" in text and "The issue's goal" in text

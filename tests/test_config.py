@@ -100,5 +100,5 @@ def test_configs_are_values() -> None:
     assert EngineConfig(prefix_cache="lru").to_dict()["prefix_cache"] == {
         "eviction": "lru", "capacity_tokens": None, "isolation": False, "tel_threshold": 0.2,
         "host_capacity_tokens": 0, "q_hat": 100.0, "xi_tokens": None, "xi_fit": "offline",
-        "prefill_seconds_per_token": None, "capacity_counts": "all", "history_threshold": 1024,
+        "prefill_seconds_per_token": None, "capacity_counts": "unreferenced", "history_threshold": 1024,
         "threshold_soft": False}

@@ -3,6 +3,7 @@ futures, synthetic message ids, and the closed-loop driver on a simulated engine
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -330,3 +331,25 @@ def test_open_loop_turns_follow_the_schedule_or_the_reply_they_answer() -> None:
             assert rec.delayed == (due[k] < prev.finished_time)
             delayed += rec.delayed
     assert 0 < delayed < len(records) - len(schedule)  # both cases occur at these rates
+
+
+def test_exp_think_turns_arrive_an_exponential_think_time_after_the_reply() -> None:
+    """Appendix F as the paper's model reads: every turn runs, Exp(turn_rate) after the
+    reply it answers finished (never before it, never marked delayed); the think times
+    are the open-loop process's gaps, drawn from the same streams."""
+    convs = _varied_conversations()
+    arrivals = ConversationArrivals("exp-think", 20.0, turn_rate=50.0)
+    schedule = schedule_conversations(convs, arrivals, seed=0)
+    open_loop = schedule_conversations(convs, dataclasses.replace(arrivals, process="open-loop"), seed=0)
+    assert all(not c.open_loop and len(c.turns) == len(conv.turns) for c, conv in zip(schedule, convs))
+    assert [[t.think_time for t in c.turns] for c in schedule] == [[t.think_time for t in c.turns] for c in open_loop]
+    engine, clock = _sim_engine()
+    records = run_conversations(engine, schedule, clock, _messages)
+    by_id = {r.record.request_id: r for r in records}
+    for conv in schedule:
+        for k in range(1, len(conv.turns)):
+            rec, prev = by_id[f"{conv.conversation_id}#{k}"], by_id[f"{conv.conversation_id}#{k - 1}"].record
+            assert rec.record.arrival_time == pytest.approx(prev.finished_time + conv.turns[k].think_time, abs=1e-12)
+            assert not rec.delayed
+    thinks = np.array([t.think_time for c in schedule for t in c.turns[1:]])
+    assert thinks.mean() == pytest.approx(1 / 50.0, rel=0.5)

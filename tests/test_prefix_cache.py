@@ -137,7 +137,8 @@ def test_evicting_a_chain_head_orphans_the_rest() -> None:
 def test_evicted_blocks_are_demoted_to_the_host_tier_and_promoted_on_reuse() -> None:
     engine = _engine(capacity=0)  # every unreferenced block is evicted at the next step
     state = engine.state
-    state.prefix.host_capacity_blocks = 2
+    # Room for "a"'s two blocks and "x"'s one, which the next step's trim demotes too.
+    state.prefix.host_capacity_blocks = 3
     engine.add_request("a", list(range(1, 11)), GREEDY)  # two full blocks
     _drain(engine)
     engine.add_request("x", list(range(50, 55)), GREEDY)  # one step in, "a"'s blocks go
@@ -148,7 +149,7 @@ def test_evicted_blocks_are_demoted_to_the_host_tier_and_promoted_on_reuse() -> 
     _drain(engine)
     assert engine.runner.num_promotions == 2  # copied back; the fake runner checked the KV
     # The host tier keeps the most recently demoted blocks when it overflows.
-    assert state.prefix.num_host_entries <= 2
+    assert state.prefix.num_host_entries <= 3
 
 
 def test_one_host_copy_goes_to_the_earliest_of_two_waiting_requests() -> None:
@@ -333,3 +334,55 @@ def test_greedy_outputs_identical_with_the_prefix_cache_on_and_off(tiny_loaded, 
         assert state.prefix.num_host_entries > 0
     state.check_invariants()
     assert state.blocks.num_free + state.blocks.num_evictable == 24
+
+
+def _served_from_cache(eviction: str, capacity: int | None, counts: str) -> tuple[list[int], float]:
+    """Multi-turn chats in the simulator whose next turn arrives the moment its reply
+    ends (think time 0, the case where a released history used to be taken over whole
+    before the capacity was enforced): each turn's cached prompt tokens, and the share
+    of all prompt tokens the cache served."""
+    from jserve.benchmarking.conversations import (
+        ScheduledConversation,
+        ScheduledTurn,
+        conversation_futures,
+        run_conversations,
+        synthetic_message_ids,
+    )
+    from jserve.builder import build_engine
+    from jserve.config import EngineConfig
+
+    rng = np.random.default_rng(0)
+    schedule = [ScheduledConversation(f"c{i}", float(rng.uniform(0, 2)),
+                                      tuple(ScheduledTurn(int(rng.integers(40, 200)), int(rng.integers(20, 120)), 0.0)
+                                            for _ in range(4)))
+                for i in range(12)]
+    cache = PrefixCacheConfig(eviction, capacity, isolation=True, xi_tokens=150.0, q_hat=100.0,
+                              capacity_counts=counts)
+    built = build_engine(EngineConfig(runner="sim", model="vicuna-7b", hardware="a100-80g", policy="vllm",
+                                      max_model_len=4096, prefix_cache=cache),
+                         futures=conversation_futures(schedule))
+    vocab = built.model_config.vocab_size
+    records = run_conversations(built.engine, schedule, built.clock,
+                                lambda cid, k, t: synthetic_message_ids(cid, k, t.new_tokens, vocab))
+    cached = [r.record.num_cached_tokens for r in records]
+    return cached, sum(cached) / sum(r.record.prompt_len for r in records)
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTION_RULES))
+def test_no_turn_reuses_more_than_the_capacity_allows(eviction: str) -> None:
+    """The capacity binds at every step (the T-LRU paper's sum_i X_i <= C): a history a
+    turn releases is trimmed before the next turn, waiting for it, is offered a hit, so
+    no turn starts from more cached tokens than the capacity, whichever blocks it counts."""
+    for counts in ("unreferenced", "all"):
+        for capacity in (0, 256, 512):
+            cached, _ = _served_from_cache(eviction, capacity, counts)
+            assert max(cached) <= capacity, (counts, capacity)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "tlru"])
+def test_the_share_served_from_cache_grows_with_the_capacity(eviction: str) -> None:
+    shares = [_served_from_cache(eviction, capacity, "unreferenced")[1]
+              for capacity in (0, 512, 1024, 2048, None)]
+    assert shares[0] == 0.0 and shares[-1] > 0.3
+    assert all(a <= b + 1e-9 for a, b in zip(shares, shares[1:])), shares
+    assert shares[1] < shares[-1], shares

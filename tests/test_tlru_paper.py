@@ -1,7 +1,8 @@
-"""The T-LRU paper's own model, driven through jserve's eviction rules: one request at a
-time, no queueing, TTFT linear in uncached tokens (so TEL counts uncached tokens past xi),
-every conversation's whole history cached after its turn and then trimmed to the capacity
-(sum_i X_i <= C, Algorithm 1). Block size 1, so blocks are tokens.
+"""The T-LRU paper's own model (`jserve.benchmarking.paper_cache.PaperCache`), driven
+through jserve's eviction rules: one request at a time, no queueing, TTFT linear in
+uncached tokens (so TEL counts uncached tokens past xi), every conversation's whole history
+cached after its turn and then trimmed to the capacity (sum_i X_i <= C, Algorithm 1).
+Block size 1, so blocks are tokens.
 
 - Figure 1: two conversations, capacity 100. LRU evicts all of A after step 2, so a third
   turn from A computes 200 tokens; T-LRU (xi = 150, Q_hat = 100) keeps 50 of each, so
@@ -14,60 +15,11 @@ every conversation's whole history cached after its turn and then trimmed to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jserve.cache.prefix import CachedBlocks, CacheSnapshot, Conversations
+from jserve.benchmarking.paper_cache import PaperCache
 from jserve.policies.tail_optimized_lru import make_eviction_rule
-
-
-@dataclass
-class PaperCache:
-    """Algorithm 1's state: per conversation its history L_i, cached prefix X_i and last
-    turn's time; `evict` asks a jserve rule which blocks go."""
-
-    capacity: int
-    rule: object
-    history: dict[str, int] = field(default_factory=dict)
-    cached: dict[str, int] = field(default_factory=dict)
-    last: dict[str, float] = field(default_factory=dict)
-    num_turns: dict[str, int] = field(default_factory=dict)
-    evicted: list[tuple[str, int]] = field(default_factory=list)  # (conversation, depth) of the last trim
-
-    def turn(self, cid: str, prompt: int, response: int, now: float) -> int:
-        """Serve one turn; returns the tokens it computes (history + prompt - cached)."""
-        uncached = self.history.get(cid, 0) + prompt - self.cached.get(cid, 0)
-        self.history[cid] = self.history.get(cid, 0) + prompt + response
-        self.cached[cid] = self.history[cid]  # X_theta <- L_theta
-        self.last[cid] = now
-        self.num_turns[cid] = self.num_turns.get(cid, 0) + 1
-        self._trim(now)
-        return uncached
-
-    def _trim(self, now: float) -> None:
-        ids = tuple(c for c in self.cached if self.cached[c] > 0)
-        n = sum(self.cached[c] for c in ids) - self.capacity
-        self.evicted = []
-        if n <= 0:
-            return
-        conv = np.repeat(np.arange(len(ids)), [self.cached[c] for c in ids])
-        depth = np.concatenate([np.arange(self.cached[c]) for c in ids])
-        snap = CacheSnapshot(
-            now=now, block_size=1,
-            blocks=CachedBlocks(block=np.arange(len(conv), dtype=np.int32), depth=depth.astype(np.int32),
-                                last_access=np.array([self.last[ids[i]] for i in conv]),
-                                conversation=conv.astype(np.int32)),
-            conversations=Conversations(ids, np.array([self.history[c] for c in ids], np.int64),
-                                        np.array([self.num_turns[c] for c in ids], np.int32),
-                                        np.array([self.last[c] for c in ids])),
-            prefill_rate=0.0, mean_new_prompt_len=0.0)
-        gone = self.rule.evict(snap, n)
-        self.evicted = sorted((ids[conv[b]], int(depth[b])) for b in gone)
-        for b in gone:
-            self.cached[ids[conv[b]]] -= 1
 
 
 def figure1(rule_name: str) -> PaperCache:

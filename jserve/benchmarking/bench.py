@@ -77,10 +77,11 @@ class BenchConfig:
     # sharegpt-multiturn runs closed-loop conversations (`jserve.benchmarking.conversations`): `rate`
     # new conversations per second, `num_requests` conversations, turns spaced by this
     # process's think times.
-    conversation_process: Literal["birth-death", "think-time", "open-loop"] = "birth-death"
-    turn_rate: float = 0.1  # birth-death: mean of each conversation's turn rate; open-loop: the rate, 1/s
+    conversation_process: Literal["birth-death", "think-time", "open-loop", "exp-think"] = "birth-death"
+    turn_rate: float = 0.1  # birth-death: mean of each conversation's turn rate; open-loop, exp-think: the rate, 1/s
     end_rate: float = 0.05  # birth-death: rate at which a conversation ends, 1/s
     think_time: float = 5.0  # think-time: seconds between a reply and the next turn
+    conversation_min_turns: int = 2  # only ShareGPT conversations with at least this many turns
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine.policy, str):
@@ -243,7 +244,8 @@ def conversation_schedule(cfg: BenchConfig) -> list[ScheduledConversation]:
     `rate` per second, with the config's think-time process."""
     arrivals = ConversationArrivals(cfg.conversation_process, cfg.rate, turn_rate=cfg.turn_rate,
                                     end_rate=cfg.end_rate, think_time=cfg.think_time)
-    chats = multiturn_conversations(cfg.num_requests, cfg.seed, cfg.max_total_len)
+    chats = multiturn_conversations(cfg.num_requests, cfg.seed, cfg.max_total_len,
+                                    min_turns=cfg.conversation_min_turns)
     return schedule_conversations(chats, arrivals, cfg.seed)
 
 

@@ -8,15 +8,21 @@ is its own driver rather than a `Trace` for `jserve.benchmarking.replay.replay` 
 between two turns of one conversation, which is what decides whether its history is still
 cached, depends on how fast the engine answered.
 
-Three arrival processes (`ConversationArrivals`); in all, conversations start as a Poisson
+Four arrival processes (`ConversationArrivals`); in all, conversations start as a Poisson
 process of rate ``conversation_rate`` (lambda):
 
-- ``"open-loop"``: the T-LRU paper's Appendix F (ShareGPT with synthetic timestamps).
-  Every conversation runs all its ShareGPT turns; the gap between one turn's *arrival* and
-  the next one's is Exp(``turn_rate``), drawn in advance, so arrivals do not wait for the
-  engine. One exception keeps the chat a chat: a turn's prompt holds the previous reply,
-  so a turn due before that reply has finished arrives when it finishes (the driver
-  counts these in ``ConversationRecord.delayed``).
+- ``"exp-think"``: the T-LRU paper's Appendix F as its model reads (ShareGPT with
+  synthetic timestamps, Section 5's conversations): every conversation runs all its
+  ShareGPT turns, each an Exp(``turn_rate``) think time after the previous *reply*. In the
+  paper's model a reply joins the history at once, so a gap from the reply and a gap from
+  the previous arrival are the same thing there; on a server that takes seconds to answer
+  only the first keeps the user reading the reply before typing.
+- ``"open-loop"``: the same gaps drawn from the previous turn's *arrival*, in advance, so
+  arrivals do not wait for the engine (jserve's first reading of Appendix F). One
+  exception keeps the chat a chat: a turn's prompt holds the previous reply, so a turn due
+  before that reply has finished arrives when it finishes (the driver counts these in
+  ``ConversationRecord.delayed``); on a loaded server most turns then arrive the moment
+  their history is released.
 
 - ``"birth-death"``: the stochastic model of the Tail-Optimized LRU paper. Conversation i
   draws its own turn rate r_i ~ Exp(mean ``turn_rate``). After each reply it ends at rate
@@ -76,8 +82,8 @@ __all__ = [
     "synthetic_message_ids",
 ]
 
-ArrivalProcess = Literal["birth-death", "think-time", "open-loop"]
-PROCESSES: tuple[str, ...] = ("birth-death", "think-time", "open-loop")
+ArrivalProcess = Literal["birth-death", "think-time", "open-loop", "exp-think"]
+PROCESSES: tuple[str, ...] = ("birth-death", "think-time", "open-loop", "exp-think")
 
 # Sub-stream of a seed for the per-conversation draws (turn rate, continuations, think
 # times), so they are independent of the start times and of each other: conversation i
@@ -100,7 +106,8 @@ def _is_count(x: Any, least: int) -> bool:
 class ConversationArrivals:
     """How conversations start and how their turns follow each other (module docstring).
 
-    Rates are per second. ``turn_rate`` is read by ``"birth-death"`` and ``"open-loop"``,
+    Rates are per second. ``turn_rate`` is read by ``"birth-death"``, ``"open-loop"`` and
+    ``"exp-think"``,
     ``end_rate`` by ``"birth-death"`` only, ``think_time`` by ``"think-time"`` only; all
     are validated either way.
     ``conversation_rate=inf`` starts every conversation at t=0.
@@ -108,7 +115,7 @@ class ConversationArrivals:
 
     process: ArrivalProcess
     conversation_rate: float  # lambda: new conversations per second (Poisson)
-    turn_rate: float = 0.1  # birth-death: mean of the turn rates r_i ~ Exp; open-loop: the rate
+    turn_rate: float = 0.1  # birth-death: mean of the turn rates r_i ~ Exp; open-loop, exp-think: the rate
     end_rate: float = 0.05  # mu: rate at which a conversation ends after a reply
     think_time: float = 5.0  # seconds between a reply and the next turn (think-time)
 
@@ -224,7 +231,7 @@ def schedule_conversations(
         rng = np.random.default_rng([int(seed), _STREAM_TURNS, i])
         if arrivals.process == "birth-death":
             thinks = _birth_death_think_times(rng, len(conv.turns), arrivals.turn_rate, arrivals.end_rate)
-        elif arrivals.process == "open-loop":
+        elif arrivals.process in ("open-loop", "exp-think"):
             thinks = rng.exponential(1.0 / arrivals.turn_rate, len(conv.turns) - 1).tolist()
         else:
             thinks = [arrivals.think_time] * (len(conv.turns) - 1)

@@ -122,10 +122,13 @@ class PrefixCacheConfig:
     # (jserve's earlier variant; queueing enters it).
     xi_fit: str = "offline"
     prefill_seconds_per_token: float | None = None
-    # "all": the capacity bounds every cached block, those running requests reuse too (the
-    # paper's sum_i X_i <= C); "unreferenced": only blocks no request holds (the earlier
-    # variant, under which in-flight histories sit on top of the capacity).
-    capacity_counts: str = "all"
+    # "unreferenced": the capacity bounds the idle cached blocks, those no request holds
+    # (the paper's sum_i X_i <= C: its model serves a turn at once, so every cached history
+    # is idle); "all": every cached block, those running requests reuse too, which no rule
+    # can evict (so a busy server can be over its capacity with nothing left to trim).
+    # Either way the engine trims the cache before each step's snapshot, so a history a
+    # turn just released is cut to the capacity before the next turn can take it over.
+    capacity_counts: str = "unreferenced"
     # Threshold-LRU: conversations whose history is at most this many tokens are not cached
     # at all (the paper's all-or-nothing rule), unless `threshold_soft`, where they are
     # cached but evicted first (the earlier variant).

@@ -48,8 +48,9 @@ class EngineStats:
 class Engine:
     """`snapshot -> schedule -> evict -> apply -> execute -> commit`, once per `step()`.
 
-    With a prefix cache, the eviction rule is a second pure function: once the policy has
-    planned, the state says how many cached blocks the plan needs freed and hands the rule
+    With a prefix cache, the eviction rule is a second pure function: before the snapshot
+    it trims the cache to its capacity (so no waiting request is offered more than the
+    capacity keeps), and once the policy has planned, the state says how many cached blocks the plan needs freed and hands the rule
     a snapshot of the candidates; its choice joins the plan, and `apply` checks it too.
     """
 
@@ -99,7 +100,10 @@ class Engine:
         They are the steps, tokens and times that as many `step()`s would give; only the
         Python per step is saved. The serving loops never pass it (their arrivals are not
         known in advance) and so run one step per call."""
-        view = self.state.snapshot(self.clock())
+        now = self.clock()
+        if self.eviction is not None:
+            self._trim_to_capacity(now)
+        view = self.state.snapshot(now)
         plan = self.policy.schedule(view)
         if self.eviction is not None:
             plan = self._with_evictions(plan, view.now)
@@ -136,6 +140,18 @@ class Engine:
         self.stats.num_steps += done.num_steps
         self.stats.num_batched_tokens += batch.num_tokens * done.num_steps
         return self.state.commit_repeated(batch, done, started)
+
+    def _trim_to_capacity(self, now: float) -> None:
+        """Bring the prefix cache within its capacity before the snapshot offers waiting
+        requests their hits: a history a turn released in the last step is trimmed by the
+        eviction rule first, so no turn can take over more than the capacity keeps."""
+        need = self.state.capacity_request(now)
+        if need is None:
+            return
+        n, snapshot = need
+        evict = self.eviction.evict(snapshot, n)
+        self.stats.num_evicted_blocks += len(evict)
+        self.state.trim(evict.tolist())
 
     def _with_evictions(self, plan: Plan, now: float) -> Plan:
         need = self.state.eviction_request(plan, now)

@@ -31,9 +31,9 @@ class PrefixReuse:
     def __init__(self, index: PrefixIndex, live: LiveRequests, blocks: BlockManager,
                  capacity_blocks: int | None, *, count_referenced: bool = False,
                  min_history: int = -1) -> None:
-        """`capacity_blocks`: most unreferenced blocks the cache keeps (None: every block
-        no request uses, as vLLM), or with `count_referenced` most cached blocks, those
-        running requests hold included; `min_history`: a turn whose history is at most
+        """`capacity_blocks`: most idle (unreferenced) blocks the cache keeps (None: every
+        block no request uses, as vLLM), or with `count_referenced` most cached blocks,
+        those running requests hold included; `min_history`: a turn whose history is at most
         this many tokens leaves nothing cached."""
         self.index = index
         self.live = live
@@ -147,15 +147,36 @@ class PrefixReuse:
         self._chains.pop(req.seq_id, None)
         self._hits.pop(req.seq_id, None)
 
+    def over_capacity(self, released: int = 0) -> int:
+        """Cached blocks past the capacity (<= 0: within it): idle blocks, as the T-LRU
+        paper's cache holds only histories no request is using, plus `released` blocks a
+        plan's preemptions would idle; or with `count_referenced` every cached block."""
+        if self.capacity_blocks is None:
+            return 0
+        held = self.index.num_cached if self.count_referenced else self.blocks.num_evictable + released
+        return held - self.capacity_blocks
+
+    def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:
+        """How many idle cached blocks must go for the cache to be within its capacity
+        now, and the snapshot of all idle blocks an eviction rule picks them from. The
+        engine asks before any waiting turn is offered a hit, so a history a turn has
+        just released is trimmed (Algorithm 1: X <- L, then trim to C) before the next
+        turn can take it over. None when the cache is within its capacity."""
+        n = self.over_capacity()
+        if n <= 0:
+            return None
+        candidates = self.blocks.evictable()
+        n = min(n, len(candidates))
+        return (n, self.index.snapshot(candidates, now, self.ttft_model())) if n > 0 else None
+
     def eviction_request(self, shortfall: int, released: np.ndarray, hits: dict[int, PrefixHit],
                          now: float) -> tuple[int, CacheSnapshot] | None:
         """How many cached blocks must go (the plan's `shortfall` of free blocks, and
-        enough for the cache to stay within its capacity), and the snapshot an eviction
-        rule picks them from: every block that will be unreferenced once the plan's
-        preemptions have `released` theirs, less those the plan's `hits` take over. None
-        when nothing needs evicting."""
-        if shortfall <= 0 and (self.capacity_blocks is None or (
-                self.count_referenced and self.index.num_cached <= self.capacity_blocks)):
+        enough for the cache to stay within its capacity once preemptions have idled
+        theirs), and the snapshot an eviction rule picks them from: every block that
+        will be unreferenced once the plan's preemptions have `released` theirs, less
+        those the plan's `hits` take over. None when nothing needs evicting."""
+        if shortfall <= 0 and self.over_capacity(len(released)) <= 0:
             return None  # the common step: nothing to free, the capacity kept
         candidates = np.union1d(self.blocks.evictable(), released[self.index.cached[released]])
         pinned = [b for hit in hits.values() for b in hit.device]

@@ -18,13 +18,14 @@ together and calls in the loop's order:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixIndex
 from jserve.engine.admission import Admission, RequestOptions
-from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
+from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
 from jserve.engine.layer_residency import LayerResidency
@@ -70,9 +71,10 @@ class EngineState:
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
         blocks for later prompts that start the same way; `cache_isolation` keys them by
         conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
-        cached (None: every block no request uses, as vLLM), or with `cache_count_referenced`
-        how many blocks the cache holds, those running requests reuse included (the T-LRU
-        paper's sum_i X_i <= C); a finished turn whose history is at most `cache_min_history`
+        cached (None: every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C
+        over idle histories), or with `cache_count_referenced` how many blocks the cache
+        holds, those running requests reuse included; the engine trims the cache to it
+        before each snapshot (`capacity_request`, `trim`); a finished turn whose history is at most `cache_min_history`
         tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
         tier that evicted blocks are demoted to and promoted back from (0: none).
         `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
@@ -122,6 +124,7 @@ class EngineState:
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
         self._applied: CheckedPlan | None = None
         self._moves: Moves = NO_MOVES
+        self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
         self._applied_at = 0.0
 
     @property
@@ -178,11 +181,30 @@ class EngineState:
             hidden_block_cost=self.hidden_block_cost,
         )
 
+    def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:
+        """How many idle cached blocks must go for the prefix cache to be within its
+        capacity, and the snapshot an eviction rule picks them from; asked before the
+        snapshot offers waiting requests their hits. None when nothing needs evicting
+        (always, without a prefix cache or a capacity)."""
+        return None if self._reuse is None else self._reuse.capacity_request(now)
+
+    def trim(self, evict: Sequence[int]) -> None:
+        """Evict these idle cached blocks now, outside any plan (the capacity trim); their
+        host-tier copies, if any, are made by the next step's batch, before its
+        allocations can reuse the blocks. `PlanError` if one is not an idle cached block."""
+        if self._reuse is None:
+            raise PlanError("trim() without a prefix cache")
+        self._trim_moves += self._reuse.evict(sorted(int(b) for b in evict), {})
+
     def apply(self, plan: Plan, now: float) -> None:
         """Carry the plan out, or raise `PlanError` and change nothing: a plan the state
         cannot honour is a policy bug, never trimmed."""
         checked = self._checker.check(plan)
         self._moves = self._applier.apply(checked, now)
+        if self._trim_moves:
+            self._moves = dataclasses.replace(
+                self._moves, swap_out=(*self._trim_moves, *self._moves.swap_out))
+            self._trim_moves = []
         self._applied = checked
         self._applied_at = now
 

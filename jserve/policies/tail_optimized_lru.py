@@ -36,7 +36,7 @@ earlier jserve variants as options:
 | Threshold-LRU | caches a conversation only if its length exceeds 1,024 tokens (all or nothing) | a turn whose history is <= 1,024 tokens leaves nothing cached | cached, but evicted first (`threshold_soft`) |
 | a hit | X_theta reused, then X_theta <- L_theta, timestamp now | reused blocks are held while the turn runs; at its end every full block is cached, stamped now, and the budget follows the new history | same |
 | order | surplus of every conversation first, then LRU | surplus first (LRU among it), then LRU; deepest first within a chain | same |
-| capacity | sum_i X_i <= C over every cached history | every cached block counts, those running turns reuse too (`capacity_counts="all"`) | only unreferenced blocks (`"unreferenced"`) |
+| capacity | sum_i X_i <= C over every cached history, at every moment (trim right after X_theta <- L_theta) | idle (unreferenced) blocks, trimmed before each snapshot so a released history is cut before the next turn matches it (`capacity_counts="unreferenced"`) | every cached block, those running turns reuse too (`"all"`) |
 
 Where the text is ambiguous, our reading: L_i is the history after the turn's reply
 (prompt + reply, Appendix C's forced caching), trimming happens after the turn instead of at
