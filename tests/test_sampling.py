@@ -207,3 +207,96 @@ def test_empirical_distribution_matches_softmax():
         chi2 = ((counts - expected) ** 2 / expected).sum()
         # 7 degrees of freedom: P(chi2 > 30) ~ 1e-4; a wrong temperature or bias gives hundreds
         assert chi2 < 30, (temperature, chi2, counts, expected.round())
+
+
+def _exact(logits, temperature, top_k, top_p):
+    """The distribution sampling must follow, in float64 from a full sort: softmax of the
+    logits / temperature over the top-k tokens (ties kept), cut to the shortest prefix
+    reaching top_p of that renormalised distribution."""
+    z = logits.astype(np.float64) / temperature
+    desc = np.sort(z)[::-1]
+    kth = desc[top_k - 1] if top_k else -np.inf
+    keep = z >= kth
+    if top_p < 1:
+        p = np.exp(desc - desc[0]) * (desc >= kth)
+        cum = np.cumsum(p / p.sum())
+        keep &= z >= desc[np.searchsorted(cum, top_p)]
+    p = np.exp(z - z.max()) * keep
+    return p / p.sum()
+
+
+# (vocab, temperature, top_k, top_p): a vocabulary of several BLOCKs with a partial last
+# one; cutoffs found among the candidates, and ones that need the full sort (top_k above
+# CANDIDATES, a near-flat row whose nucleus is wider than the candidates)
+CHI2_CASES = [
+    (40, 0.7, 5, 1.0),
+    (40, 1.3, 0, 0.8),
+    (40, 1.0, 12, 0.9),
+    (600, 1.0, 0, 1.0),
+    (600, 0.5, 0, 0.7),
+    (600, 1.0, 300, 1.0),
+    (600, 4.0, 0, 0.95),
+]
+
+
+@pytest.mark.parametrize("vocab,temperature,top_k,top_p", CHI2_CASES)
+def test_draws_follow_the_exact_distribution(vocab, temperature, top_k, top_p):
+    """Pearson's chi-square of 10,000 draws against the float64 distribution, tokens of
+    small expected count pooled into one cell; P(fail) under the right distribution ~1e-4,
+    while a wrong cutoff, temperature or block weighting gives thousands."""
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(vocab + top_k)
+    logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    n = 10_000
+    tokens = draws(logits, n, temperature=temperature, top_k=top_k, top_p=top_p, seeds=31)
+    p = _exact(logits, temperature, top_k, top_p)
+    counts = np.bincount(tokens, minlength=vocab)
+    assert counts[p == 0].sum() == 0, "drew a token outside the top-k / nucleus"
+    big = n * p >= 5
+    observed = np.r_[counts[big], counts[~big].sum()]
+    expected = np.r_[n * p[big], n * p[~big].sum()]
+    if expected[-1] < 5:  # nothing worth a cell of its own: fold it into the smallest
+        observed, expected = observed[:-1], expected[:-1]
+        observed[-1] += counts[~big].sum()
+        expected[-1] += n * p[~big].sum()
+    stat = ((observed - expected) ** 2 / expected).sum()
+    assert stat < chi2.ppf(1 - 1e-4, len(observed) - 1), (stat, len(observed))
+
+
+def test_candidate_cutoffs_equal_sorted_ones():
+    """The cutoff found among the largest CANDIDATES logits is the full sort's, on rows
+    where it lies there; a batch with one row where it does not falls back for all."""
+    from jserve.runners.sampling import CANDIDATES, _cutoffs, _sorted_cutoffs
+
+    rng = np.random.default_rng(8)
+    rows, vocab = 64, 2000
+    x = jnp.asarray(_logits(rng, rows, vocab, scale=4.0))
+    k = jnp.asarray(np.where(rng.random(rows) < 0.5, vocab, rng.integers(1, CANDIDATES + 1, rows)))
+    top_p = jnp.asarray(rng.choice([1.0, 0.5, 0.8, 0.9], rows).astype(np.float32))
+    cut = jnp.ones(rows, bool)
+    want = np.asarray(jax.jit(_sorted_cutoffs)(x, k, top_p))
+    np.testing.assert_array_equal(np.asarray(jax.jit(_cutoffs)(x, k, top_p, cut)), want)
+    # row 0 flat with top_p 0.99: its nucleus is ~1980 tokens, beyond the candidates
+    flat = x.at[0].set(0.01 * x[0])
+    top_p = top_p.at[0].set(0.99)
+    k = k.at[0].set(vocab)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_cutoffs)(flat, k, top_p, cut)),
+                                  np.asarray(jax.jit(_sorted_cutoffs)(flat, k, top_p)))
+
+
+def test_seeded_draws_repeat_exactly():
+    """Same seeds and output indices, same tokens: with top-k and top-p rows, and when a
+    row that needs the full sort joins the batch."""
+    rng = np.random.default_rng(9)
+    rows, vocab = 16, 700
+    logits = _logits(rng, rows, vocab)
+    kw = dict(temperature=np.resize([0.8, 1.0, 1.5], rows), top_k=np.resize([0, 20, 0, 100], rows),
+              top_p=np.resize([1.0, 1.0, 0.9, 0.7], rows), seeds=np.arange(rows) * 7 + 1,
+              output_index=np.arange(rows))
+    first, _ = sample(logits, **kw)
+    np.testing.assert_array_equal(sample(logits, **kw)[0], first)
+    flat = np.concatenate([logits, 0.001 * logits[:1]])
+    wide = {name: np.r_[v, v[0]] for name, v in kw.items()}
+    wide["top_p"][-1] = 0.999
+    np.testing.assert_array_equal(sample(flat, **wide)[0][:rows], first)
