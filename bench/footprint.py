@@ -5,8 +5,9 @@ host KV pool, compiling, and the rest.
 The server runs in a child with its defaults (plus `--serve-args`), with the functions that
 do each stage wrapped so the child records its resident set (VmRSS) before and after each:
 loading the model (weights), the runner's set-up (the KV cache, and the LayerKV host pool
-where the policy has one), the warm-up (compiling the step buckets or loading them from the
-compile cache, `--compile-cache` empty by default, as on a first start). The parent waits
+where the policy has one), the warm-up (compiling the step buckets into an empty compile
+cache, as on a first start; in the foreground, `--no-background-compile`, so that all of
+compiling's growth falls inside the warm-up: a background warm-up ends with the same steps). The parent waits
 for `/health`, sends `--requests` completions (greedy and sampled, concurrently), and reads
 the child's VmRSS and its peak (VmHWM) from /proc at ready and after the requests. "Other"
 is what the stages do not account for: Python, the imports, the server, and what serving
@@ -114,7 +115,9 @@ def _complete(base: str, model: str, i: int) -> None:
 def measure(tree: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = ["--port", str(port), "--model", args.model, *shlex.split(args.serve_args)]
+    # Compiling in the foreground, so the warm-up's RSS growth is all of compiling's.
+    foreground = ["--no-background-compile"] if (tree / "jserve/runners/executables.py").exists() else []
+    argv = ["--port", str(port), "--model", args.model, *foreground, *shlex.split(args.serve_args)]
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", *argv]
     stages: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="footprint-cc-") as cache, \
@@ -124,7 +127,7 @@ def measure(tree: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
         try:
             t0 = time.perf_counter()
             while _get(f"{base}/health")[0] != 200:
-                if proc.poll() is not None or time.perf_counter() - t0 > 900:
+                if proc.poll() is not None or time.perf_counter() - t0 > 3600:
                     log.seek(0)
                     raise RuntimeError(f"server never got ready:\n{log.read()[-3000:]}")
                 time.sleep(0.1)
@@ -136,17 +139,21 @@ def measure(tree: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             proc.send_signal(signal.SIGINT)
             out, _ = proc.communicate(timeout=120)
-    for line in out.splitlines():
+    for line in out.splitlines():  # warm-up runs twice in a server (LLM's, then serve's)
         if line.startswith(REPORT):
             record = json.loads(line[len(REPORT):])
-            stages[record.pop("stage")] = record
+            label = record.pop("stage")
+            if "before" in record:
+                record["delta"] = record["after"] - record["before"]
+                record["delta"] += stages.get(label, {}).get("delta", 0)
+            stages[label] = record
     return {"ready": ready, "served": served, "stages": stages}
 
 
 def breakdown(m: dict[str, Any]) -> dict[str, int]:
     """Bytes per component, summing to the RSS after serving."""
     s = m["stages"]
-    delta = {k: v["after"] - v["before"] for k, v in s.items() if "before" in v}
+    delta = {k: v["delta"] for k, v in s.items() if "delta" in v}
     runner = s["runner set-up (KV cache, host pool)"]
     host_pool = min(runner["host_pool_nbytes"], delta["runner set-up (KV cache, host pool)"])
     parts = {
