@@ -133,7 +133,7 @@ def measure(tree: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.1)
             ready = rss(proc.pid)
             models = json.loads(_get(f"{base}/v1/models")[1])["data"]
-            with concurrent.futures.ThreadPoolExecutor(args.requests) as pool:
+            with concurrent.futures.ThreadPoolExecutor(max(1, args.requests)) as pool:
                 list(pool.map(lambda i: _complete(base, models[0]["id"], i), range(args.requests)))
             served = rss(proc.pid)
         finally:
@@ -153,7 +153,7 @@ def measure(tree: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
 def breakdown(m: dict[str, Any]) -> dict[str, int]:
     """Bytes per component, summing to the RSS after serving."""
     s = m["stages"]
-    delta = {k: v["delta"] for k, v in s.items() if "delta" in v}
+    delta = {label: s.get(label, {}).get("delta", 0) for label, _, _ in STAGES}
     runner = s["runner set-up (KV cache, host pool)"]
     host_pool = min(runner["host_pool_nbytes"], delta["runner set-up (KV cache, host pool)"])
     parts = {

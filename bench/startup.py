@@ -227,8 +227,10 @@ def _serve_start(args: argparse.Namespace, tree: pathlib.Path, cache_dir: str) -
                     raise RuntimeError(f"jserve serve never got ready:\n{log.read()[-3000:]}")
                 time.sleep(0.05)
             ready = time.perf_counter() - t0
+            print(f"  [{tree}] /health answered after {ready:.1f} s", flush=True)
             _first_answer(base)
             first_answer = time.perf_counter() - t0
+            print(f"  [{tree}] first completion answered after {first_answer:.1f} s", flush=True)
             all_compiled = None
             # A checkout that compiles in the background says so in its log when it is done.
             if ((tree / "jserve" / "runners" / "executables.py").exists()

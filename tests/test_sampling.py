@@ -264,10 +264,23 @@ def test_draws_follow_the_exact_distribution(vocab, temperature, top_k, top_p):
     assert stat < chi2.ppf(1 - 1e-4, len(observed) - 1), (stat, len(observed))
 
 
-def test_candidate_cutoffs_equal_sorted_ones():
-    """The cutoff found among the largest CANDIDATES logits is the full sort's, on rows
-    where it lies there; a batch with one row where it does not falls back for all."""
-    from jserve.runners.sampling import CANDIDATES, _cutoffs, _sorted_cutoffs
+def _sorted_cutoffs(x, k, top_p):
+    """The cutoffs as the sampler found them before issue 30, from the whole row sorted."""
+    vocab = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)
+    kth = jnp.where(k < vocab, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+    desc = jnp.where(desc < kth[:, None], -jnp.inf, desc)
+    cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+    last = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), k - 1)
+    nucleus = jnp.maximum(jnp.take_along_axis(desc, last[:, None], axis=-1)[:, 0], kth)
+    return jnp.where(top_p < 1, nucleus, kth)
+
+
+def test_cutoffs_equal_those_of_the_sorted_rows():
+    """The cutoff found among the largest CANDIDATES logits, and by bisection, is the full
+    sort's: a batch whose rows all have theirs among the candidates, one with a row whose
+    nucleus is wider (it falls back to bisecting), and top-k above CANDIDATES."""
+    from jserve.runners.sampling import CANDIDATES, _bisected_cutoffs, _cutoffs
 
     rng = np.random.default_rng(8)
     rows, vocab = 64, 2000
@@ -275,14 +288,19 @@ def test_candidate_cutoffs_equal_sorted_ones():
     k = jnp.asarray(np.where(rng.random(rows) < 0.5, vocab, rng.integers(1, CANDIDATES + 1, rows)))
     top_p = jnp.asarray(rng.choice([1.0, 0.5, 0.8, 0.9], rows).astype(np.float32))
     cut = jnp.ones(rows, bool)
-    want = np.asarray(jax.jit(_sorted_cutoffs)(x, k, top_p))
-    np.testing.assert_array_equal(np.asarray(jax.jit(_cutoffs)(x, k, top_p, cut)), want)
+    sort, candidates, bisect = jax.jit(_sorted_cutoffs), jax.jit(_cutoffs), jax.jit(_bisected_cutoffs)
+    want = np.asarray(sort(x, k, top_p))
+    np.testing.assert_array_equal(np.asarray(candidates(x, k, top_p, cut)), want)
+    np.testing.assert_array_equal(np.asarray(bisect(x, k, top_p)), want)
     # row 0 flat with top_p 0.99: its nucleus is ~1980 tokens, beyond the candidates
     flat = x.at[0].set(0.01 * x[0])
     top_p = top_p.at[0].set(0.99)
     k = k.at[0].set(vocab)
-    np.testing.assert_array_equal(np.asarray(jax.jit(_cutoffs)(flat, k, top_p, cut)),
-                                  np.asarray(jax.jit(_sorted_cutoffs)(flat, k, top_p)))
+    np.testing.assert_array_equal(np.asarray(candidates(flat, k, top_p, cut)),
+                                  np.asarray(sort(flat, k, top_p)))
+    wide_k = jnp.asarray(rng.integers(CANDIDATES + 1, vocab, rows))
+    np.testing.assert_array_equal(np.asarray(candidates(x, wide_k, top_p, cut)),
+                                  np.asarray(sort(x, wide_k, top_p)))
 
 
 def test_seeded_draws_repeat_exactly():

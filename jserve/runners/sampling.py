@@ -13,12 +13,14 @@ vocabulary entry per row. Instead:
   cutoff is found among the `CANDIDATES` largest logits (`lax.top_k`) when it provably lies
   there: top_k <= CANDIDATES, and the candidates' mass reaches top_p (the nucleus is the
   shortest prefix of the sorted row reaching top_p, so it then ends inside them). Otherwise
-  the batch falls back to the full sort, which gives the same cutoff (`_sorted_cutoffs`);
+  the batch bisects for the same cutoff over the whole row (`_bisected_cutoffs`);
 - neither is done for a batch that does not need it (`lax.cond`): an all-greedy batch only
   takes argmaxes, and plain temperature sampling never looks for a cutoff.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +68,7 @@ def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array) -> ja
     """Per row, the smallest logit kept by its top-k (`k` tokens, ties kept) and top-p
     (the shortest prefix of the row sorted down whose mass, renormalised over the top-k
     tokens, reaches top_p; always >= 1 token): from the `CANDIDATES` largest logits where
-    every row in `cut` provably has its cutoff among them, else from the sorted rows."""
+    every row in `cut` provably has its cutoff among them, else by bisection."""
     vocab = x.shape[-1]
     c = min(CANDIDATES, vocab)
     # The barrier keeps XLA from folding the reads of `top` below into its sort-and-slice
@@ -81,16 +83,47 @@ def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array) -> ja
     cutoff = _cutoff(top, cum, k, kth, top_p)
     found = ((k <= c) | (k == vocab)) & ((top_p >= 1) | (cum[:, -1] >= top_p))
     return jax.lax.cond(jnp.all(found | ~cut), lambda: cutoff,
-                        lambda: _sorted_cutoffs(x, k, top_p))
+                        lambda: _bisected_cutoffs(x, k, top_p))
 
 
-def _sorted_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`_cutoffs` from the whole row sorted: exact for any top_k and top_p."""
-    desc = -jnp.sort(-x, axis=-1)
-    kth = jnp.where(k < x.shape[-1], jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)[:, 0],
-                    -jnp.inf)
-    desc = jnp.where(desc < kth[:, None], -jnp.inf, desc)
-    return _cutoff(desc, jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1), k, kth, top_p)
+def _bisected_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_cutoffs` for any top_k and top_p without sorting: the k-th largest logit is the
+    largest t with at least k logits >= t, the nucleus's last the largest t whose tokens
+    >= t (within the top-k) hold top_p of the mass; each found by bisecting over the
+    32-bit keys of float32 values (`_largest`), one pass over the row per bisection step.
+    A full sort of SmolLM2's 49,152 logits cost 38 ms a row on this CPU."""
+    lo, hi = _key(jnp.min(x, axis=-1)), _key(jnp.max(x, axis=-1)) + 1
+    kth = jnp.where(k < x.shape[-1],
+                    _largest(lambda t: jnp.sum(x >= t[:, None], axis=-1) >= k, lo, hi), -jnp.inf)
+    p = jnp.where(x >= kth[:, None], jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)
+    target = top_p * jnp.sum(p, axis=-1)
+    nucleus = _largest(lambda t: jnp.sum(jnp.where(x >= t[:, None], p, 0.0), axis=-1) >= target,
+                       lo, hi)
+    return jnp.where(top_p < 1, jnp.maximum(nucleus, kth), kth)
+
+
+def _key(v: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    return jnp.where(bits >> 31 == 0, bits | jnp.uint32(0x80000000), ~bits)
+
+
+def _value(key: jax.Array) -> jax.Array:
+    """The inverse of `_key`."""
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest(holds: Callable[[jax.Array], jax.Array], lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the largest value t in [value(lo), value(hi)) for which `holds(t)`, where
+    `holds` is true at `lo`, false at `hi` and monotone between: 32 halvings of the keys."""
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = holds(_value(mid)) & (hi - lo > 1)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (hi - lo <= 1), hi, mid)
+
+    return _value(jax.lax.fori_loop(0, 32, halve, (lo, hi))[0])
 
 
 def _cutoff(desc: jax.Array, cum: jax.Array, k: jax.Array, kth: jax.Array,
