@@ -173,7 +173,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
     )
     if config.warmup:
-        runner.warmup(progress=True)
+        runner.warmup(progress=True, background=config.background_compile)
     return BuiltEngine(engine, clock, model, loaded)
 
 

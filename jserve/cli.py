@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
     add_server_args(s)
     add_engine_args(s)
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, background_compile=True)  # answer early (README, "Start-up")
 
     b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "
                                      "or a running server")

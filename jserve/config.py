@@ -89,6 +89,11 @@ class EngineConfig:
         attention: 'auto' (Pallas kernels on GPU, jnp reference on CPU), 'reference',
             'pallas', or 'pallas-interpret' (the kernels interpreted, for checking).
         warmup: compile the step's shape buckets at start-up rather than on first use.
+        background_compile: with warmup, compile only the buckets one short request needs
+            before returning (`jax_runner.first_shapes`) and the rest on a background thread,
+            smallest first; a step that meets a bucket not built yet builds it (or waits for
+            it) first. Every bucket warm-up covers is compiled once that thread ends. On by
+            default in `jserve serve`, so the server answers early.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
         cost_model: how the simulator prices a step when no `profile` is given: 'measured'
@@ -122,6 +127,7 @@ class EngineConfig:
     runner: Runner = "real"
     attention: str = "auto"
     warmup: bool = True
+    background_compile: bool = False
     hardware: str = "a100-80g"
     profile: str | None = None
     cost_model: str = DEFAULT_COST_MODEL
@@ -298,6 +304,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
                         help="compile every step shape at start-up; --no-warmup starts at once "
                              "and compiles shapes on first use (default: %(default)s)")
+    parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction,
+                        default=d.background_compile,
+                        help="with --warmup, compile what a short request needs first and the "
+                             "other shapes in the background (default: on for serve, off "
+                             "otherwise)")
     if benchmark:
         parser.add_argument("--engine", dest="runner", choices=RUNNERS, default="sim",
                             help="real: run the model here; sim: same engine loop, steps charged "
@@ -366,7 +377,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
-        attention=args.attention, warmup=args.warmup, hardware=args.hardware, profile=args.profile,
+        attention=args.attention, warmup=args.warmup,
+        background_compile=args.background_compile, hardware=args.hardware, profile=args.profile,
         cost_model=args.cost_model, tensor_parallel_size=args.tensor_parallel_size,
     )
 

@@ -126,3 +126,19 @@ def test_real_engine_reads_apt_serve_rho_only_from_a_profile(profile: str, tmp_p
     state = build_engine(dataclasses.replace(cfg, profile=str(with_hidden))).engine.state
     assert state.hidden_block_cost == pytest.approx(entry.block_cost(state.hidden_block_tokens))
     assert entry.per_row == pytest.approx(1.5e-3 / 960, rel=0.05)
+
+
+@pytest.mark.parametrize("policy,swap_space,pooled", [("vllm", 4.0, False), ("vllm-swap", 4.0, False),
+                                                       ("layerkv", 4.0, True), ("layerkv", 0.0, False)])
+def test_host_memory_is_paid_for_only_where_the_policy_keeps_layers_there(
+        policy: str, swap_space: float, pooled: bool) -> None:
+    """The per-layer host pool (mapped when made) exists only for a policy that offloads
+    layers (LayerKV) with swap space; swap preemption holds each swapped request's blocks
+    in a buffer of its own, so no host memory is held before a swap."""
+    built = build_engine(dataclasses.replace(TINY, policy=policy, swap_space=swap_space))
+    runner = built.engine.runner
+    assert (runner.layer_pool is not None) == pooled
+    assert len(runner.host_kv) == 0
+    if pooled:
+        host_blocks = built.engine.state.host_blocks.num_blocks
+        assert runner.layer_pool.k[0].shape[0] == host_blocks > 0

@@ -68,12 +68,14 @@ def test_every_option_maps_onto_its_field(tmp_path) -> None:
         model="tiny-llama", weights="dummy", dtype="float32", policy="sarathi", max_model_len=128,
         max_num_seqs=4, max_num_batched_tokens=256, block_size=8, num_blocks=64,
         gpu_memory_utilization=0.5, swap_space=1.0, runner="real", attention="reference",
-        warmup=False, hardware="h100", profile="p.json",
+        warmup=False, background_compile=True, hardware="h100", profile="p.json",
         prefix_cache=PrefixCacheConfig("tlru", 100, True, 0.1, 64))
+    assert not engine_config_from_args(parse("serve", "--no-background-compile")).background_compile
 
 
 def test_option_defaults_are_the_config_defaults() -> None:
-    assert engine_config_from_args(parse("serve")) == EngineConfig()
+    # the server compiles in the background by default, so it answers early
+    assert engine_config_from_args(parse("serve")) == EngineConfig(background_compile=True)
     assert engine_config_from_args(parse("generate", "hi")) == EngineConfig(warmup=False)
     assert engine_config_from_args(parse("bench")) == EngineConfig(runner="sim")
     assert engine_config_from_args(parse("bench", "--engine", "real")) == EngineConfig()

@@ -207,3 +207,114 @@ def test_empirical_distribution_matches_softmax():
         chi2 = ((counts - expected) ** 2 / expected).sum()
         # 7 degrees of freedom: P(chi2 > 30) ~ 1e-4; a wrong temperature or bias gives hundreds
         assert chi2 < 30, (temperature, chi2, counts, expected.round())
+
+
+def _exact(logits, temperature, top_k, top_p):
+    """The distribution sampling must follow, in float64 from a full sort: softmax of the
+    logits / temperature over the top-k tokens (ties kept), cut to the shortest prefix
+    reaching top_p of that renormalised distribution."""
+    z = logits.astype(np.float64) / temperature
+    desc = np.sort(z)[::-1]
+    kth = desc[top_k - 1] if top_k else -np.inf
+    keep = z >= kth
+    if top_p < 1:
+        p = np.exp(desc - desc[0]) * (desc >= kth)
+        cum = np.cumsum(p / p.sum())
+        keep &= z >= desc[np.searchsorted(cum, top_p)]
+    p = np.exp(z - z.max()) * keep
+    return p / p.sum()
+
+
+# (vocab, temperature, top_k, top_p): a vocabulary of several BLOCKs with a partial last
+# one; cutoffs found among the candidates, and ones that need the full sort (top_k above
+# CANDIDATES, a near-flat row whose nucleus is wider than the candidates)
+CHI2_CASES = [
+    (40, 0.7, 5, 1.0),
+    (40, 1.3, 0, 0.8),
+    (40, 1.0, 12, 0.9),
+    (600, 1.0, 0, 1.0),
+    (600, 0.5, 0, 0.7),
+    (600, 1.0, 300, 1.0),
+    (600, 4.0, 0, 0.95),
+]
+
+
+@pytest.mark.parametrize("vocab,temperature,top_k,top_p", CHI2_CASES)
+def test_draws_follow_the_exact_distribution(vocab, temperature, top_k, top_p):
+    """Pearson's chi-square of 10,000 draws against the float64 distribution, tokens of
+    small expected count pooled into one cell; P(fail) under the right distribution ~1e-4,
+    while a wrong cutoff, temperature or block weighting gives thousands."""
+    from scipy.stats import chi2
+
+    rng = np.random.default_rng(vocab + top_k)
+    logits = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    n = 10_000
+    tokens = draws(logits, n, temperature=temperature, top_k=top_k, top_p=top_p, seeds=31)
+    p = _exact(logits, temperature, top_k, top_p)
+    counts = np.bincount(tokens, minlength=vocab)
+    assert counts[p == 0].sum() == 0, "drew a token outside the top-k / nucleus"
+    big = n * p >= 5
+    observed = np.r_[counts[big], counts[~big].sum()]
+    expected = np.r_[n * p[big], n * p[~big].sum()]
+    if expected[-1] < 5:  # nothing worth a cell of its own: fold it into the smallest
+        observed, expected = observed[:-1], expected[:-1]
+        observed[-1] += counts[~big].sum()
+        expected[-1] += n * p[~big].sum()
+    stat = ((observed - expected) ** 2 / expected).sum()
+    assert stat < chi2.ppf(1 - 1e-4, len(observed) - 1), (stat, len(observed))
+
+
+def _sorted_cutoffs(x, k, top_p):
+    """The cutoffs as the sampler found them before issue 30, from the whole row sorted."""
+    vocab = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)
+    kth = jnp.where(k < vocab, jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+    desc = jnp.where(desc < kth[:, None], -jnp.inf, desc)
+    cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+    last = jnp.minimum(jnp.sum(cum < top_p[:, None], axis=-1), k - 1)
+    nucleus = jnp.maximum(jnp.take_along_axis(desc, last[:, None], axis=-1)[:, 0], kth)
+    return jnp.where(top_p < 1, nucleus, kth)
+
+
+def test_cutoffs_equal_those_of_the_sorted_rows():
+    """The cutoff found among the largest CANDIDATES logits, and by bisection, is the full
+    sort's: a batch whose rows all have theirs among the candidates, one with a row whose
+    nucleus is wider (it falls back to bisecting), and top-k above CANDIDATES."""
+    from jserve.runners.sampling import CANDIDATES, _bisected_cutoffs, _cutoffs
+
+    rng = np.random.default_rng(8)
+    rows, vocab = 64, 2000
+    x = jnp.asarray(_logits(rng, rows, vocab, scale=4.0))
+    k = jnp.asarray(np.where(rng.random(rows) < 0.5, vocab, rng.integers(1, CANDIDATES + 1, rows)))
+    top_p = jnp.asarray(rng.choice([1.0, 0.5, 0.8, 0.9], rows).astype(np.float32))
+    cut = jnp.ones(rows, bool)
+    sort, candidates, bisect = jax.jit(_sorted_cutoffs), jax.jit(_cutoffs), jax.jit(_bisected_cutoffs)
+    want = np.asarray(sort(x, k, top_p))
+    np.testing.assert_array_equal(np.asarray(candidates(x, k, top_p, cut)), want)
+    np.testing.assert_array_equal(np.asarray(bisect(x, k, top_p)), want)
+    # row 0 flat with top_p 0.99: its nucleus is ~1980 tokens, beyond the candidates
+    flat = x.at[0].set(0.01 * x[0])
+    top_p = top_p.at[0].set(0.99)
+    k = k.at[0].set(vocab)
+    np.testing.assert_array_equal(np.asarray(candidates(flat, k, top_p, cut)),
+                                  np.asarray(sort(flat, k, top_p)))
+    wide_k = jnp.asarray(rng.integers(CANDIDATES + 1, vocab, rows))
+    np.testing.assert_array_equal(np.asarray(candidates(x, wide_k, top_p, cut)),
+                                  np.asarray(sort(x, wide_k, top_p)))
+
+
+def test_seeded_draws_repeat_exactly():
+    """Same seeds and output indices, same tokens: with top-k and top-p rows, and when a
+    row that needs the full sort joins the batch."""
+    rng = np.random.default_rng(9)
+    rows, vocab = 16, 700
+    logits = _logits(rng, rows, vocab)
+    kw = dict(temperature=np.resize([0.8, 1.0, 1.5], rows), top_k=np.resize([0, 20, 0, 100], rows),
+              top_p=np.resize([1.0, 1.0, 0.9, 0.7], rows), seeds=np.arange(rows) * 7 + 1,
+              output_index=np.arange(rows))
+    first, _ = sample(logits, **kw)
+    np.testing.assert_array_equal(sample(logits, **kw)[0], first)
+    flat = np.concatenate([logits, 0.001 * logits[:1]])
+    wide = {name: np.r_[v, v[0]] for name, v in kw.items()}
+    wide["top_p"][-1] = 0.999
+    np.testing.assert_array_equal(sample(flat, **wide)[0][:rows], first)

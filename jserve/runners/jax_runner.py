@@ -47,6 +47,7 @@ from jserve.cache.sizing import hidden_rows_per_page
 from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
+from jserve.runners.executables import Executables
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
@@ -63,6 +64,10 @@ log = logging.getLogger(__name__)
 # Threads that compile or load warm-up buckets beside the one lowering them: XLA releases the
 # GIL, and loading 14 cached steps took 5.7 s with two threads on two cores, 8.3 s with one.
 COMPILE_THREADS = min(4, os.cpu_count() or 1)
+
+# Prompts up to this many tokens (a chat turn) and up to 8 decoding sequences run on the
+# buckets a background warm-up builds before the server answers: 4 of SmolLM2's 14 on CPU.
+FIRST_TOKENS = 64
 
 # A compiled step's key: tokens T, sequences S, whether it is an all-decode step, whether
 # its layers have tables of their own (LayerKV), and whether some sequence is on the hidden
@@ -136,6 +141,14 @@ class Buckets:
         tokens = sorted({self.tokens(2**i) for i in range(3, 20)})
         seqs = sorted({min(2**i, self.max_seqs) for i in range(3, 20)})
         return [(t, s) for t in tokens for s in seqs if s <= t and self.seqs(s, t) == s]
+
+
+def first_shapes(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of `shapes`, those one short request meets: prefills of up to `FIRST_TOKENS` tokens
+    and decodes, at the smallest sequence bucket. A background warm-up builds these before
+    the server answers, the rest after."""
+    smallest = min(s for _, s in shapes)
+    return [(t, s) for t, s in shapes if t <= FIRST_TOKENS and s == smallest]
 
 
 def _shape_of(x: StepInputs) -> Shape:
@@ -323,11 +336,16 @@ class JaxRunner:
         self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,),
                                            **placed)
         self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
-        self._executables: dict[Shape, jax.stages.Compiled] = {}
-        self.warmed_up = False
+        self._executables = Executables()
+        # What the step is lowered for: the cache's shapes, not its arrays, which the engine
+        # thread donates to each step while a background compile lowers other buckets.
+        self._cache_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache)
+        self._warmup_started = False
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False, shapes: list[tuple[int, int]] | None = None) -> float:
+    def warmup(self, progress: bool = False, shapes: list[tuple[int, int]] | None = None,
+               background: bool = False) -> float:
         """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses), or
         load them from the persistent compile cache; returns the seconds it took.
 
@@ -335,12 +353,18 @@ class JaxRunner:
         LayerKV's layer copies (small jits, one per padded size) do run, on the scratch block.
         Tracing and lowering (Python) happen here while worker threads compile or load the
         buckets already lowered (XLA, which releases the GIL), so they overlap.
+
+        `background`: compile only what one short request needs now (`first_shapes`) and
+        the rest on a thread of its own, smallest first, so a server answers early; a step
+        that meets a bucket not built yet builds it (or waits for the background's build)
+        first. `warmed_up` turns true, and `wait_warmup()` returns, once all are built.
         """
         shapes = self.buckets.warmup_shapes() if shapes is None else shapes
+        first = first_shapes(shapes) if background else shapes
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
-            for variant in self._variants(shapes):
+            for variant in self._variants(first):
                 x = self._padding_inputs(*variant)
                 shape = _shape_of(x)
                 if shape not in self._executables and shape not in pending:
@@ -352,11 +376,26 @@ class JaxRunner:
                 done = tqdm(done, total=len(pending), desc="compiling step buckets", unit="shape")
             for _ in done:
                 pass
-        self._executables.update((shape, f.result()) for shape, f in pending.items())
+        for shape, f in pending.items():
+            self._executables.put(shape, f.result())
         if self.layer_pool is not None:
             self.cache = self.layer_pool.warm_up(self.cache)
-        self.warmed_up = True
+        rest = [self._padding_inputs(*v) for v in self._variants(sorted(set(shapes) - set(first)))]
+        rest = [(_shape_of(x), lambda x=x: self._lower(x).compile()) for x in rest
+                if _shape_of(x) not in self._executables]
+        if rest:
+            self._executables.build_in_background(rest)
+        self._warmup_started = True
         return time.perf_counter() - t0
+
+    @property
+    def warmed_up(self) -> bool:
+        """Warm-up has run, its background compiles (if any) included."""
+        return self._warmup_started and not self._executables.building_in_background
+
+    def wait_warmup(self) -> None:
+        """Until a background warm-up has compiled every bucket."""
+        self._executables.wait()
 
     def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
         """The steps each (T, S) bucket serves, as (T, S, decode_only, layered, hidden): with
@@ -373,17 +412,16 @@ class JaxRunner:
                 for h in (hidden if not lay else (False,))]
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
-        return self._step.lower(self._weights, self.cache, x)
+        return self._step.lower(self._weights, self._cache_spec, x)
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
-        """The compiled step for `x`'s bucket, built ahead of time on its first use."""
+        """The compiled step for `x`'s bucket, built ahead of time on its first use (or
+        waited for, where a background warm-up is building it)."""
         shape = _shape_of(x)
-        exe = self._executables.get(shape)
-        if exe is None:
-            if self.warmed_up:
-                log.warning("compiling step for new bucket (T, S, decode_only, layered, hidden)=%s "
-                            "while serving", shape)
-            exe = self._executables[shape] = self._lower(x).compile()
+        exe, built = self._executables.get(shape, lambda: self._lower(x).compile())
+        if built and self.warmed_up:
+            log.warning("compiled step for new bucket (T, S, decode_only, layered, hidden)=%s "
+                        "while serving", shape)
         return exe
 
     def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False,

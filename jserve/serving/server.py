@@ -498,8 +498,10 @@ def warm_every_bucket(llm: LLM) -> None:
     """Compile every (tokens, sequences) bucket a schedule can meet under the engine's limits
     (`Buckets.all_shapes`), beyond the few `LLM` warms for offline use, so no request of a
     burst waits on a compile. Left to first use: the log-probability variants of the step."""
-    if llm.engine_config.warmup:
-        llm.runner.warmup(progress=True, shapes=llm.runner.buckets.all_shapes())
+    config = llm.engine_config
+    if config.warmup:
+        llm.runner.warmup(progress=True, shapes=llm.runner.buckets.all_shapes(),
+                          background=config.background_compile)
 
 
 def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None) -> None:

@@ -1,0 +1,63 @@
+"""Background warm-up (`background_compile`): the first buckets are built before `LLM(...)`
+returns, the rest on a thread; steps meanwhile give the same tokens, and once the thread
+ends every bucket a synchronous warm-up builds is built, each once."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from jserve import LLM, SamplingParams
+from jserve.models.loading import LoadedModel
+from jserve.runners.executables import Executables
+from jserve.runners.jax_runner import first_shapes
+
+
+def test_each_step_is_built_once_whichever_thread_asks_first() -> None:
+    exes = Executables()
+    started, release = threading.Event(), threading.Event()
+    builds = []
+
+    def slow_build():
+        builds.append(1)
+        started.set()
+        release.wait(10)
+        return "exe"
+
+    exes.build_in_background([("a", slow_build), ("b", lambda: "exe-b")])
+    started.wait(10)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(exes.get("a", slow_build)))
+    waiter.start()
+    assert exes.building_in_background and "a" not in exes
+    release.set()
+    waiter.join(10)
+    exes.wait()
+    assert got == [("exe", False)] and len(builds) == 1
+    assert exes.get("b", lambda: "again") == ("exe-b", False)
+    assert exes.get("c", lambda: "exe-c") == ("exe-c", True)
+    assert not exes.building_in_background and set(exes) == {"a", "b", "c"}
+
+
+def test_first_shapes_are_short_prompts_at_the_smallest_sequence_bucket() -> None:
+    shapes = [(8, 8), (16, 8), (64, 8), (128, 8), (256, 16), (16, 16), (64, 64)]
+    assert first_shapes(shapes) == [(8, 8), (16, 8), (64, 8)]
+
+
+def test_background_warm_up_serves_the_same_tokens_and_ends_with_every_bucket(
+        tiny_loaded: LoadedModel) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 90, 200, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    options = dict(num_blocks=128, max_model_len=256, max_num_seqs=16)
+    eager = LLM(tiny_loaded, warmup=True, **options)
+    early = LLM(tiny_loaded, warmup=True, background_compile=True, **options)
+    first = {s[:2] for s in early.runner._executables}
+    assert first >= set(first_shapes(early.runner.buckets.warmup_shapes()))
+    outs = early.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    want = eager.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    early.runner.wait_warmup()
+    assert early.runner.warmed_up
+    assert set(early.runner._executables) == set(eager.runner._executables)
