@@ -140,8 +140,11 @@ def test_oracle_eviction_needs_the_conversations_future() -> None:
         run_benchmark(_sim(dict(prefix_cache="tbelady")), progress=False)
 
 
+@pytest.mark.slow
 def test_reproduce_tlru_quick_run(tmp_path) -> None:
-    """The reproduction script's smoke run: each stage on a few turns, tables written."""
+    """The reproduction script's smoke run: each stage on a few turns, tables written (a
+    minute of subprocesses: `bench/nightly.sh` runs it; tests/test_tlru_paper.py and
+    tests/test_prefix_cache.py check Algorithm 1's model and the capacity in every run)."""
     import os
     import pathlib
     import subprocess

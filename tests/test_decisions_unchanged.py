@@ -308,8 +308,11 @@ def run_case(case: str) -> dict:
     return drive(engine, clock, work.first_turns(), follow=work.next_turn)
 
 
+# Seed 2's open traces take the same code paths as seed 1's with other numbers: they run in
+# `bench/nightly.sh` (the `slow` mark), seed 1 in every test run, to keep the suite short.
 CASES = (
-    [f"open:{p}:{s}" for p in POLICIES for s in (1, 2)]
+    [f"open:{p}:1" for p in POLICIES]
+    + [pytest.param(f"open:{p}:2", marks=pytest.mark.slow) for p in POLICIES]
     + [f"stops:{p}" for p in ("vllm", "sarathi", "fastgen", "cacheopt")]
     + [f"prefix:{r}:{name}" for r in EVICTION_RULES for name in PREFIX]
 )
@@ -353,4 +356,4 @@ def test_the_traces_exercise_what_they_must(golden: dict) -> None:
     assert all(t["partial_chunks"] > 0 for c, t in totals.items() if c.startswith("open:sarathi"))
     reasons = {r[4] for g in golden.values() for r in g["requests"].values()}
     assert reasons == {"stop", "length", "abort"}
-    assert set(golden) == set(CASES)
+    assert set(golden) == {c.values[0] if hasattr(c, "values") else c for c in CASES}
