@@ -245,9 +245,15 @@ def test_http_bench_replays_a_trace_and_slos_reach_the_policy(tiny: Served, tmp_
 
 
 def test_predictions_reach_the_policy(tiny: Served) -> None:
+    """The server's predictor reaches the policy where the request leaves its length open
+    (EOS allowed, max_tokens above the guess); a request with ignore_eos and a max_tokens
+    that fits tells its length, which comes before any guess."""
     tiny.client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9, 10, 11],
-                                   max_tokens=2, extra_body=NO_EOS)
+                                   max_tokens=16)
     assert (7, 10, 1) in tiny.llm.policy.predictions
+    tiny.client.completions.create(model="tiny-llama", prompt=[5, 6, 7, 8, 9, 10, 11, 12],
+                                   max_tokens=2, extra_body=NO_EOS)
+    assert (8, 2, 0) in tiny.llm.policy.predictions
     wait_until_idle(tiny)
 
 
