@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
-import jax
+# Compile tests' steps without LLVM's optimisations: compiling, not running, is most of what a
+# CPU test of a small model spends (a tiny-llama preemption test: 16.1 s of its 17.2 s in XLA;
+# 9.7 s at level 0), and each test builds engines of its own shapes. Every comparison in the
+# suite runs its engine and its oracle in one process, so both see the same code; the golden
+# files were checked to hold at this level. Set before JAX starts its CPU backend.
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAGS}".strip()
+
+import jax  # noqa: E402
 import pytest
 
 from jserve.models.config import ModelConfig
 from jserve.models.loading import LoadedModel, load_model
 from jserve.models.gguf_loader import LlamaWeights, gguf_path_for_default, load_llama_gguf
 from jserve.models.tokenizer import Tokenizer
+
+
+
+def forced_cpu_devices_env(count: int) -> dict[str, str]:
+    """The environment of a subprocess whose JAX sees `count` CPU devices (JAX fixes its
+    devices at start-up), with the tests' compile flags."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={count} {CPU_TEST_XLA_FLAGS}"}
+
 
 if jax.default_backend() == "gpu":
     # XLA:GPU runs float32 matmuls as TF32 unless told otherwise; the jnp references and the

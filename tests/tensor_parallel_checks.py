@@ -1,13 +1,15 @@
 """Tensor-parallel checks, run in a process of its own with forced CPU devices (JAX fixes the
 device count when it starts, so the pytest process, with one, cannot run them):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/tensor_parallel_checks.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/tensor_parallel_checks.py [MODEL ...]
 
+Models default to all of `MODELS`.
 With `--across-processes`, one of two processes of the same check across processes
 (`across_processes`). Prints one JSON object: per model, tensor-parallel size and cache pressure (recompute
 preemptions, swaps), whether greedy ids equal the single-device roomy run's, the
 preemption and swap counts, and the collectives in each compiled step's HLO.
-`tests/test_tensor_parallel.py` runs it once and asserts on the result.
+`tests/test_tensor_parallel.py` runs it once per model its selected tests need and asserts on
+the result.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ def layerkv(loaded, ps: list[list[int]]) -> dict:
                 attention="reference", identical=True, moved=moved, collectives=collectives(llm))
 
 
-def main() -> None:
+def main(models: list[str]) -> None:
     results = []
-    for name in MODELS:
+    for name in models:
         loaded = load_model(name, seed=0)
         ps = prompts(loaded.config.vocab_size)
         roomy = greedy(LLM(loaded, num_blocks=512, warmup=False), ps)
@@ -115,4 +117,4 @@ def across_processes() -> None:
 
 
 if __name__ == "__main__":
-    across_processes() if sys.argv[1:] == ["--across-processes"] else main()
+    across_processes() if sys.argv[1:] == ["--across-processes"] else main(sys.argv[1:] or list(MODELS))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from jserve.models.loading import LoadedModel, load_model
 from jserve.models.registry import HF_REPOS, MODELS, get_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from conftest import forced_cpu_devices_env
 from tiny_checkpoints import CONFIGS, GOLDEN, NEW_TOKENS, jserve_greedy, prompts, write_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -92,10 +92,9 @@ def test_sharded_loading_over_four_devices(checkpoints, golden) -> None:
     start): the same greedy ids, every split parameter in four equal shards, KV heads
     repeated to 4 where the checkpoint has 2, and no split tensor ever read whole."""
     names = ["qwen2", "opt"]  # GQA repeated to 4 KV heads, biases split with their columns; MHA
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("checkpoint_sharding_checks.py")),
                           *(str(checkpoints[n]) for n in names)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=forced_cpu_devices_env(4), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for name in names:

@@ -12,6 +12,7 @@ import pytest
 from hidden_cache_policy import ForcedHiddenCache, all_hidden, every_other
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 
 from jserve.engine.batch import StepOutput
@@ -29,7 +30,7 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_with_both_types(name: str, data: st.DataObject) -> None:
     cfg = data.draw(configs(block_sizes=st.integers(1, 16), hidden=True), label="config")

@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from policy_harness import (
     Harness,
     PlanCheck,
@@ -147,7 +148,7 @@ def policy_configs(policy: Policy) -> st.SearchStrategy[dict]:
 
 
 # --------------------------------------------------------------------------- random traces
-PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("policy", _cases())
@@ -163,7 +164,7 @@ def test_random_traces_keep_invariants_and_outputs(policy: Policy, data: st.Data
     event(f"prompt chunked: {h.policy.num_partial_chunks > 0}")
 
 
-ABLATION_PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ABLATION_PROPERTY = settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("policy", _cases(ablations=True))
@@ -193,7 +194,7 @@ def test_random_aborts_free_blocks_and_end_requests(policy: Policy, data: st.Dat
 
 
 @pytest.mark.parametrize("policy", _cases())
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_schedule_is_pure_and_state_accepts_plan(policy: Policy, data: st.DataObject) -> None:
     """At a random point of a trace: scheduling twice on one view (and on a fresh copy of the

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from policy_harness import FakeClock, FakeRunner, Harness, Spec, configs
 
 from jserve.builder import assemble_engine
@@ -209,7 +210,7 @@ def _policies() -> list[str]:
 
 
 @pytest.mark.parametrize("policy", _policies())
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_shared_prefix_traces_keep_invariants_and_outputs(policy: str, data: st.DataObject) -> None:
     """Every policy with a prefix cache (any eviction rule, capacity and isolation): the

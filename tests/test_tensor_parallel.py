@@ -5,7 +5,7 @@ and LayerKV's layer offload (tiny Llama over 4 devices), and each compiled step 
 two all-reduces per layer and no other collective; across two processes (multi-host as on
 several machines, here local), the same ids.
 
-The checks run once, in a subprocess started with
+The checks run in a subprocess per model, started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` (`tensor_parallel_checks.py`; JAX fixes
 its devices at start-up); these tests read its results. The multi-process check starts two
 more. Mapping sharding specs by parameter path is checked here, in-process.
@@ -14,10 +14,10 @@ more. Mapping sharding specs by parameter path is checked here, in-process.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -31,46 +31,61 @@ from jserve.models.registry import get_config
 
 CHECKS = Path(__file__).with_name("tensor_parallel_checks.py")
 sys.path.insert(0, str(CHECKS.parent))
+from conftest import forced_cpu_devices_env
 from tensor_parallel_checks import ACROSS_TOKENS, across_processes_prompts, greedy
 
 
+# tiny-llama carries every kind of check (GQA with KV heads repeated, the Pallas kernels per
+# shard, LayerKV); MHA and OPT repeat the greedy and collective checks on their shapes, in
+# `bench/nightly.sh` (about two minutes of compiling in the subprocess).
+MODELS = ["tiny-llama", pytest.param("tiny-llama-mha", marks=pytest.mark.slow),
+          pytest.param("tiny-opt", marks=pytest.mark.slow)]
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run([sys.executable, str(CHECKS)], check=False, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def results() -> Callable[[str], list[dict]]:
+    """One model's checks, run on first request: a process per model, so that the tests
+    selected pay only for the models they read."""
+    runs: dict[str, list[dict]] = {}
+
+    def of(model: str) -> list[dict]:
+        if model not in runs:
+            run = subprocess.run([sys.executable, str(CHECKS), model], check=False,
+                                 env=forced_cpu_devices_env(4), capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr[-4000:]
+            runs[model] = json.loads(run.stdout.strip().splitlines()[-1])
+        return runs[model]
+
+    return of
 
 
-def _runs(results: list[dict], model: str) -> list[dict]:
-    runs = [r for r in results if r["model"] == model and r["policy"] != "layerkv"]
+@pytest.mark.parametrize("model", MODELS)
+def test_greedy_ids_identical_to_one_device_under_preemption_and_swap(results: Callable[[str], list[dict]],
+                                                                      model: str) -> None:
+    runs = [r for r in results(model) if r["policy"] != "layerkv"]
     assert {r["tp"] for r in runs} == {2, 4}
-    return runs
-
-
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-llama-mha", "tiny-opt"])
-def test_greedy_ids_identical_to_one_device_under_preemption_and_swap(results: list[dict], model: str) -> None:
-    for r in _runs(results, model):
+    for r in runs:
         assert r["identical"], r
         assert r["preemptions"] > 0 and r["all_freed"], r
         assert (r["swaps"] == r["preemptions"]) if r["policy"] == "vllm-swap" else r["swaps"] == 0, r
 
 
-def test_pallas_kernels_run_per_shard(results: list[dict]) -> None:
-    [r] = [r for r in results if r["attention"] == "pallas-interpret"]
+def test_pallas_kernels_run_per_shard(results: Callable[[str], list[dict]]) -> None:
+    [r] = [r for r in results("tiny-llama") if r["attention"] == "pallas-interpret"]
     assert r["identical"] and r["swaps"] > 0 and r["tp"] == 4
 
 
-def test_layerkv_offloads_and_brings_back_sharded_layers(results: list[dict]) -> None:
-    [r] = [r for r in results if r["policy"] == "layerkv"]
+def test_layerkv_offloads_and_brings_back_sharded_layers(results: Callable[[str], list[dict]]) -> None:
+    [r] = [r for r in results("tiny-llama") if r["policy"] == "layerkv"]
     assert r["identical"] and r["moved"]["prefills"] and r["moved"]["to_device"], r
 
 
-def test_each_step_has_two_all_reduces_per_layer_and_nothing_else(results: list[dict]) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_each_step_has_two_all_reduces_per_layer_and_nothing_else(results: Callable[[str], list[dict]],
+                                                                  model: str) -> None:
     """After attention's output projection and after the MLP's down projection; the logits
     need none (embeddings and LM head replicated)."""
-    for r in results:
+    for r in results(model):
         assert r["collectives"], r
         for ops in r["collectives"]:
             assert ops == {"all-reduce": 2 * r["layers"]}, r
@@ -85,8 +100,7 @@ def test_across_two_processes_identical_to_one_device(tiny_loaded: LoadedModel) 
         port = s.getsockname()[1]
     procs = [subprocess.Popen(
         [sys.executable, str(CHECKS), "--across-processes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                        "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+        text=True, env={**forced_cpu_devices_env(2), "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
                         "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):

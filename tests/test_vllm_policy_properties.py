@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from policy_harness import (
     FakeClock,
     FakeRunner,
@@ -112,7 +113,7 @@ def padding_check(policy: VLLMPolicy):
 
 
 # --------------------------------------------------------------------------- random traces
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY
@@ -125,7 +126,7 @@ def test_random_traces_keep_invariants_and_outputs(data: st.DataObject) -> None:
     event(f"preempted: {h.engine.stats.num_preemptions > 0}")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_padded_prompt_batches_keep_invariants(data: st.DataObject) -> None:
     """`vllm-0.2.3`: the same checks, and every prompt batch within its padding limits."""
@@ -276,7 +277,7 @@ def test_preempted_requests_are_readmitted_in_arrival_order() -> None:
 
 
 # --------------------------------------------------------------------------- pure policy
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_schedule_is_pure_and_state_accepts_plan(data: st.DataObject) -> None:
     """Drive to a random point, then: schedule twice on one view -> same plan, view untouched,
