@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # The tests CI leaves out (marked `slow`: the HTTP load test, 500 streaming requests through
-# `jserve serve`; SmolLM2 through its GGUF and its Hugging Face checkpoint; the golden
-# decisions of the second seed's open traces; reproduce_tlru.py's stages), for a nightly job
-# or before a release. Run from anywhere in the checkout.
+# `jserve serve`; SmolLM2 through its GGUF and its Hugging Face checkpoint; SmolLM2 against the
+# dense oracle, on the hidden cache, with layers offloaded and under LayerKV; the MHA models
+# all hidden; tensor parallelism on tiny-llama-mha and tiny-opt; the golden decisions of the
+# second seed's open traces; reproduce_tlru.py's stages), for a nightly job or before a
+# release. Each has a faster test in CI over the same property. Run from anywhere in the
+# checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pytest -q -m slow "$@"
+# The property tests CI runs with a fifth of their examples (tests/property_examples.py), with
+# all of them.
+JSERVE_PROPERTY_EXAMPLES=full python -m pytest -q -m "not slow" "$@" \
+  tests/test_policy_properties.py tests/test_vllm_policy_properties.py \
+  tests/test_prefix_cache.py tests/test_hidden_cache_bookkeeping.py
 # jserve against Hugging Face transformers, live (needs torch and transformers, which CI does
 # not install; CI compares with the golden file this script records).
 python bench/hf_reference.py

@@ -89,6 +89,7 @@ def _chat_prompts(loaded: LoadedModel) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHATS]
 
 
+@pytest.mark.slow  # 80-150 s; CI: test_paris (SmolLM2's ids), the tiny models' oracle tests above
 def test_smollm2_matches_dense_oracle_and_survives_preemption(smollm2_loaded: LoadedModel) -> None:
     prompts = _chat_prompts(smollm2_loaded)
     expected = _oracle(smollm2_loaded, prompts, 20)

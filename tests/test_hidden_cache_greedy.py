@@ -48,10 +48,13 @@ def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[lis
     return hidden
 
 
+# "mixed, switching" batches hidden and KV requests together, each switching type at its third
+# token (so half decode on the hidden cache to the end); "all hidden" (no KV request in any
+# batch) runs in nightly.
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
-@pytest.mark.parametrize("policy", [ForcedHiddenCache(all_hidden),
-                                    ForcedHiddenCache(every_other, switch=True)],
-                         ids=["all hidden", "mixed, switching"])
+@pytest.mark.parametrize("policy", [
+    pytest.param(ForcedHiddenCache(all_hidden), id="all hidden", marks=pytest.mark.slow),
+    pytest.param(ForcedHiddenCache(every_other, switch=True), id="mixed, switching")])
 def test_mha_models_identical_on_the_hidden_cache(mha_loaded: LoadedModel, attention: str,
                                                    policy: ForcedHiddenCache) -> None:
     prompts = random_prompts(mha_loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
@@ -60,6 +63,7 @@ def test_mha_models_identical_on_the_hidden_cache(mha_loaded: LoadedModel, atten
     assert hidden
 
 
+@pytest.mark.slow  # 55-110 s each; CI: the MHA models' hidden-cache runs above
 @pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
 def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel, attention: str) -> None:
     """Both requests prefill hidden and switch to KV at their third token (mixed batches)."""

@@ -40,6 +40,7 @@ def test_tiny_model_identical_with_layers_offloaded(tiny_loaded: LoadedModel, at
         assert seen["to_host"] and seen["copies"]
 
 
+@pytest.mark.slow  # ~50-100 s; CI: the tiny model's residencies above
 def test_smollm2_identical_with_mixed_residencies(smollm2_loaded: LoadedModel) -> None:
     tok = smollm2_loaded.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea.",

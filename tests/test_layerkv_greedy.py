@@ -27,6 +27,7 @@ def test_tiny_model_identical_under_layerkv(tiny_loaded: LoadedModel, attention:
     assert seen["prefills"] and seen["to_device"]
 
 
+@pytest.mark.slow  # ~40-80 s; CI: the tiny model under LayerKV above
 def test_smollm2_identical_under_layerkv(smollm2_loaded: LoadedModel) -> None:
     tok = smollm2_loaded.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea.",
