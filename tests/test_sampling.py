@@ -279,7 +279,8 @@ def _sorted_cutoffs(x, k, top_p):
 def test_cutoffs_equal_those_of_the_sorted_rows():
     """The cutoff found among the largest CANDIDATES logits, and by bisection, is the full
     sort's: a batch whose rows all have theirs among the candidates, one with a row whose
-    nucleus is wider (it falls back to bisecting), and top-k above CANDIDATES."""
+    nucleus is wider (it falls back to bisecting), top-k above CANDIDATES, and a batch with
+    top-p alone."""
     from jserve.runners.sampling import CANDIDATES, _bisected_cutoffs, _cutoffs
 
     rng = np.random.default_rng(8)
@@ -301,6 +302,10 @@ def test_cutoffs_equal_those_of_the_sorted_rows():
     wide_k = jnp.asarray(rng.integers(CANDIDATES + 1, vocab, rows))
     np.testing.assert_array_equal(np.asarray(candidates(x, wide_k, top_p, cut)),
                                   np.asarray(sort(x, wide_k, top_p)))
+    # a batch with top-p only bisects for the nucleus alone
+    no_k = jnp.full(rows, vocab)
+    np.testing.assert_array_equal(np.asarray(bisect(flat, no_k, top_p)),
+                                  np.asarray(sort(flat, no_k, top_p)))
 
 
 def test_seeded_draws_repeat_exactly():
