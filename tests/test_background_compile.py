@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import numpy as np
 
 from jserve import LLM, SamplingParams
@@ -61,3 +62,26 @@ def test_background_warm_up_serves_the_same_tokens_and_ends_with_every_bucket(
     early.runner.wait_warmup()
     assert early.runner.warmed_up
     assert set(early.runner._executables) == set(eager.runner._executables)
+
+
+def test_runners_of_one_model_share_its_compiled_steps(tiny_loaded: LoadedModel) -> None:
+    """A second engine over the same model structure reuses the first's jitted step, so a
+    bucket the first compiled costs the second no compile, and gives the same tokens."""
+    options = dict(num_blocks=32, max_model_len=64, max_num_seqs=8, warmup=False)
+    a, b = LLM(tiny_loaded, **options), LLM(tiny_loaded, **options)
+    assert a.runner._step is b.runner._step
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = [[7, 99, 23, 5]]
+    want = a.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
+    compiles = []
+
+    def count(event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        got = b.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == [] and got[0].token_ids == want[0].token_ids

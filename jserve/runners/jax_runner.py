@@ -27,6 +27,8 @@ shared by every runner in the process, where a sampler inside the step was compi
 for every (T, S) bucket and variant and was about half of each one's compile (a tiny-llama
 test's compiles: 12.0 s against 6.3 s without it, at XLA's level 0). It costs one more
 dispatch per step; the logits the step hands it were materialised inside the fused step too.
+Likewise the steps of one model structure are jitted once per process (`_shared_steps`), so
+a second engine over the same model finds each bucket its predecessor built.
 
 A batch with a request that asks for log-probabilities runs a second variant of the step,
 compiled on first use, that also returns the top `MAX_LOGPROBS` of each sampled position
@@ -37,10 +39,11 @@ asking costs nothing: the plain step is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -268,6 +271,46 @@ def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndar
             for layer, ms in grouped.items()}
 
 
+def _jit_steps(model: PagedModel, treedef: Any, shardings: tuple[Any, Any] | None = None
+               ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The plain and log-probability steps of a model structure; `shardings`: the steps'
+    (in, out) over a mesh."""
+
+    def forward(weights: list[jax.Array], cache: KVCache, x: StepInputs
+                ) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Every position's hidden state, the sampled positions' logits (sampled by
+        `SAMPLERS` after the step) and the updated cache."""
+        params = jax.tree.unflatten(treedef, weights)
+        hidden, cache = model.hidden_states(params, cache, x.batch)
+        return hidden, model.logits(params, hidden[x.batch.sample_index]), cache
+
+    def step(weights: list[jax.Array], cache: KVCache, x: StepInputs) -> tuple[jax.Array, KVCache]:
+        _, logits, cache = forward(weights, cache, x)
+        return logits, cache
+
+    def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
+                           variant: int) -> tuple[Any, ...]:
+        hidden, logits, cache = forward(weights, cache, x)
+        _, top = _top(logits)
+        if variant == SAMPLED:
+            return logits, top, cache
+        lsm, position_top = _top(model.logits(jax.tree.unflatten(treedef, weights), hidden))
+        next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
+        return logits, top, (next_lp, position_top), cache
+
+    placed, step_out = {}, {}
+    if shardings is not None:
+        placed, step_out = {"in_shardings": shardings[0]}, {"out_shardings": shardings[1]}
+    return (jax.jit(step, donate_argnums=(1,), **placed, **step_out),
+            jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,), **placed))
+
+
+# One device: the steps of a model structure jitted once per process. Runners of the same
+# structure (a process comparing policies, a test suite) share them, so JAX's caches find a
+# bucket's step traced, lowered and compiled by an earlier runner.
+_shared_steps = functools.cache(_jit_steps)
+
+
 class JaxRunner:
     needs_inputs = True
 
@@ -328,39 +371,15 @@ class JaxRunner:
         self._weights, treedef = jax.tree.flatten(self.params)
         model = PagedModel(graphdef, attention_fn)
 
-        def forward(weights: list[jax.Array], cache: KVCache, x: StepInputs
-                    ) -> tuple[jax.Array, jax.Array, KVCache]:
-            """Every position's hidden state, the sampled positions' logits (sampled by
-            `SAMPLERS` after the step) and the updated cache."""
-            params = jax.tree.unflatten(treedef, weights)
-            hidden, cache = model.hidden_states(params, cache, x.batch)
-            return hidden, model.logits(params, hidden[x.batch.sample_index]), cache
-
-        def step(weights: list[jax.Array], cache: KVCache, x: StepInputs
-                 ) -> tuple[jax.Array, KVCache]:
-            _, logits, cache = forward(weights, cache, x)
-            return logits, cache
-
-        def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
-                               variant: int) -> tuple[Any, ...]:
-            hidden, logits, cache = forward(weights, cache, x)
-            _, top = _top(logits)
-            if variant == SAMPLED:
-                return logits, top, cache
-            lsm, position_top = _top(model.logits(jax.tree.unflatten(treedef, weights), hidden))
-            next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
-            return logits, top, (next_lp, position_top), cache
-
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
-        placed, step_out = {}, {}
-        if tp is not None:
+        if tp is None:
+            self._step, self._step_with_logprobs = _shared_steps(model, treedef)
+        else:
             cache_at = tp.cache_shardings(self.cache)
-            placed = {"in_shardings": ([w.sharding for w in self._weights], cache_at, tp.replicated)}
-            step_out = {"out_shardings": (tp.replicated, cache_at)}
-        self._step = jax.jit(step, donate_argnums=(1,), **placed, **step_out)
-        self._step_with_logprobs = jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,),
-                                           **placed)
+            self._step, self._step_with_logprobs = _jit_steps(
+                model, treedef, (([w.sharding for w in self._weights], cache_at, tp.replicated),
+                                 (tp.replicated, cache_at)))
         self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
         self._vocab = cfg.vocab_size
         self._sampled_at = tp and tp.replicated
