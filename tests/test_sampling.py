@@ -306,6 +306,13 @@ def test_cutoffs_equal_those_of_the_sorted_rows():
     no_k = jnp.full(rows, vocab)
     np.testing.assert_array_equal(np.asarray(bisect(flat, no_k, top_p)),
                                   np.asarray(sort(flat, no_k, top_p)))
+    # a few rows at a time (as on a CPU), padding the last pass: the same cutoffs
+    few = jax.jit(_bisected_cutoffs, static_argnums=3)
+    for rows_per_pass in (2, 5):
+        np.testing.assert_array_equal(np.asarray(few(x, k, top_p, rows_per_pass)),
+                                      np.asarray(sort(x, k, top_p)))
+        np.testing.assert_array_equal(np.asarray(few(flat, no_k, top_p, rows_per_pass)),
+                                      np.asarray(sort(flat, no_k, top_p)))
 
 
 def test_seeded_draws_repeat_exactly():

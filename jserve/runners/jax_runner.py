@@ -108,7 +108,10 @@ class Samplers:
     whichever thread (an engine's, a background warm-up's) asks first, and shared by every
     runner in the process (tests build hundreds of engines over a few shapes)."""
 
-    _jit = jax.jit(sample_tokens)
+    _jit = jax.jit(sample_tokens, static_argnames="rows_per_pass")
+    # Rows a top-k/top-p bisection passes over at once on a CPU, so that they stay in its
+    # cache across the passes (`sampling._bisected_cutoffs`); elsewhere the whole batch.
+    CPU_ROWS_PER_PASS = 2
 
     def __init__(self) -> None:
         self._built = Executables()
@@ -119,7 +122,10 @@ class Samplers:
 
         def build() -> jax.stages.Compiled:
             per_seq = [spec((seqs,), d) for d in (np.float32, np.float32, np.int32, np.uint32, np.int32)]
-            return self._jit.lower(spec((seqs, vocab), np.float32), *per_seq).compile()
+            platform = (next(iter(sharding.device_set)).platform if sharding is not None
+                        else jax.default_backend())
+            rows = self.CPU_ROWS_PER_PASS if platform == "cpu" else None
+            return self._jit.lower(spec((seqs, vocab), np.float32), *per_seq, rows_per_pass=rows).compile()
 
         return self._built.get((seqs, vocab, sharding), build)[0]
 

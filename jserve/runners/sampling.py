@@ -13,7 +13,8 @@ vocabulary entry per row. Instead:
   cutoff is found among the `CANDIDATES` largest logits (`lax.top_k`) when it provably lies
   there: top_k <= CANDIDATES, and the candidates' mass reaches top_p (the nucleus is the
   shortest prefix of the sorted row reaching top_p, so it then ends inside them). Otherwise
-  the batch bisects for the same cutoff over the whole row (`_bisected_cutoffs`);
+  the batch bisects for the same cutoff over the whole row (`_bisected_cutoffs`), a few
+  rows at a time on a CPU (`rows_per_pass`);
 - neither is done for a batch that does not need it (`lax.cond`): an all-greedy batch only
   takes argmaxes, and plain temperature sampling never looks for a cutoff.
 """
@@ -39,11 +40,13 @@ def sample_tokens(
     top_k: jax.Array,  # [S]; 0 = off
     seeds: jax.Array,  # [S] uint32
     output_index: jax.Array,  # [S] int32
+    rows_per_pass: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token and its log-probability (under the unmodified distribution) per row.
 
     Each row's randomness is `fold_in(key(seed), output_index)`, so a seeded request samples
-    the same tokens whatever else shares its batches.
+    the same tokens whatever else shares its batches. `rows_per_pass` (static): how many
+    rows a bisection takes its passes over at once, all where None (`_bisected_cutoffs`).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
@@ -53,7 +56,7 @@ def sample_tokens(
         x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
         cut = sampled & ((k < vocab) | (top_p < 1))
-        cutoff = jax.lax.cond(jnp.any(cut), lambda: _cutoffs(x, k, top_p, cut),
+        cutoff = jax.lax.cond(jnp.any(cut), lambda: _cutoffs(x, k, top_p, cut, rows_per_pass),
                               lambda: jnp.full(x.shape[:1], -jnp.inf, x.dtype))
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, output_index)
         drawn = _draw(jnp.where(x >= cutoff[:, None], x, -jnp.inf), keys)
@@ -64,7 +67,8 @@ def sample_tokens(
     return tokens, logprobs[:, 0]
 
 
-def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array) -> jax.Array:
+def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array,
+             rows_per_pass: int | None = None) -> jax.Array:
     """Per row, the smallest logit kept by its top-k (`k` tokens, ties kept) and top-p
     (the shortest prefix of the row sorted down whose mass, renormalised over the top-k
     tokens, reaches top_p; always >= 1 token): from the `CANDIDATES` largest logits where
@@ -83,15 +87,39 @@ def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array) -> ja
     cutoff = _cutoff(top, cum, k, kth, top_p)
     found = ((k <= c) | (k == vocab)) & ((top_p >= 1) | (cum[:, -1] >= top_p))
     return jax.lax.cond(jnp.all(found | ~cut), lambda: cutoff,
-                        lambda: _bisected_cutoffs(x, k, top_p))
+                        lambda: _bisected_cutoffs(x, k, top_p, rows_per_pass))
 
 
-def _bisected_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`_cutoffs` for any top_k and top_p without sorting: the k-th largest logit is the
-    largest t with at least k logits >= t, the nucleus's last the largest t whose tokens
-    >= t (within the top-k) hold top_p of the mass; each found by bisecting over the
-    32-bit keys of float32 values (`_largest`), one pass over the row per bisection step.
-    A full sort of SmolLM2's 49,152 logits cost 38 ms a row on this CPU."""
+def _bisected_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array,
+                      rows_per_pass: int | None = None) -> jax.Array:
+    """`_cutoffs` for any top_k and top_p without sorting, by `_bisect_rows`: over the
+    whole batch at once where `rows_per_pass` is None, else over that many rows at a time
+    (`lax.map`), each row's cutoff the same either way. A bisection takes 32 or 64 passes
+    over its rows; on a CPU they are memory-bound unless the rows stay in its cache between
+    passes: at batch 64 over SmolLM2's vocabulary, 2 rows at a time took 43-49 ms against
+    79-104 ms for the whole batch per pass (bench/sampling.py). On a GPU a pass over the
+    whole batch is one kernel, and a map would run the rows' passes one after another."""
+    rows = x.shape[0]
+    if rows_per_pass is None or rows_per_pass >= rows:
+        return _bisect_rows(x, k, top_p)
+    n = -(-rows // rows_per_pass)
+    pad = n * rows_per_pass - rows  # padding rows: all-zero logits, no top-k, no top-p
+
+    def chunks(a: jax.Array, fill: float | int) -> jax.Array:
+        a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+        return a.reshape(n, rows_per_pass, *a.shape[1:])
+
+    out = jax.lax.map(lambda a: _bisect_rows(*a),
+                      (chunks(x, 0.0), chunks(k, x.shape[-1]), chunks(top_p, 1.0)))
+    return out.reshape(-1)[:rows]
+
+
+def _bisect_rows(x: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The cutoffs of `x`'s rows: the k-th largest logit is the largest t with at least k
+    logits >= t, the nucleus's last the largest t whose tokens >= t (within the top-k) hold
+    top_p of the mass; each found by bisecting over the 32-bit keys of float32 values
+    (`_largest`), one pass over the rows per bisection step. A full sort of SmolLM2's
+    49,152 logits cost 38 ms a row on this CPU."""
     lo, hi = _key(jnp.min(x, axis=-1)), _key(jnp.max(x, axis=-1)) + 1
     topk = k < x.shape[-1]
     # A batch with top-p only (the common fallback: a nucleus wider than the candidates)
