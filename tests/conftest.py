@@ -27,6 +27,13 @@ from jserve.models.tokenizer import Tokenizer
 
 
 
+# The engine shape SmolLM2's tests build where they need no other (the server's, chat and stop
+# tests): its 30-layer steps take the longest to compile, and one shape lets each test's
+# compiled buckets serve the others (in a process, and across xdist workers through JAX's
+# persistent cache).
+SMOL_ENGINE = {"num_blocks": 64, "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+
+
 def forced_cpu_devices_env(count: int) -> dict[str, str]:
     """The environment of a subprocess whose JAX sees `count` CPU devices (JAX fixes its
     devices at start-up), with the tests' compile flags."""

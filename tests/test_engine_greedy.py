@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import SMOL_ENGINE
 from jserve import LLM, SamplingParams
 from jserve.policies.fastgen import FastGenPolicy
 from jserve.policies.rlp import RLPPolicy
@@ -103,7 +104,7 @@ def test_smollm2_matches_dense_oracle_and_survives_preemption(smollm2_loaded: Lo
 
 
 def test_paris(smollm2_loaded: LoadedModel) -> None:
-    llm = LLM(smollm2_loaded, num_blocks=32, warmup=False)
+    llm = LLM(smollm2_loaded, warmup=False, **SMOL_ENGINE)
     [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                      SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out.text
@@ -126,7 +127,7 @@ def test_max_tokens_and_streaming(tiny_loaded: LoadedModel, max_tokens: int) -> 
 
 
 def test_stop_string_is_cut_from_text_and_frees_the_request(smollm2_loaded: LoadedModel) -> None:
-    llm = LLM(smollm2_loaded, num_blocks=32, warmup=False)
+    llm = LLM(smollm2_loaded, warmup=False, **SMOL_ENGINE)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     [full] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert "Paris" in full.text
@@ -137,7 +138,7 @@ def test_stop_string_is_cut_from_text_and_frees_the_request(smollm2_loaded: Load
     [kept] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"],
                                            include_stop_str_in_output=True), use_tqdm=False)
     assert kept.text.endswith("Paris")
-    assert llm.engine.state.blocks.num_free == 32
+    assert llm.engine.state.blocks.num_free == SMOL_ENGINE["num_blocks"]
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_loaded: LoadedModel) -> None:

@@ -8,6 +8,8 @@ so forcing costs memory)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hidden_cache_policy import ForcedHiddenCache, all_hidden, every_other
 from layer_offload_policy import greedy_ids, random_prompts
@@ -16,9 +18,19 @@ from jserve import LLM
 from jserve.models.loading import LoadedModel, load_model
 
 
+# The engine shape of the runs below: one, so that their compiled steps serve each other.
+LIMITS = {"num_blocks": 12, "block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
+          "max_num_seqs": 8}
+
+
+@functools.cache
+def _load(name: str) -> LoadedModel:
+    return load_model(name, seed=0)
+
+
 @pytest.fixture(scope="module", params=["tiny-llama-mha", "tiny-opt"])
 def mha_loaded(request: pytest.FixtureRequest) -> LoadedModel:
-    return load_model(request.param, seed=0)
+    return _load(request.param)
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
@@ -50,17 +62,20 @@ def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[lis
 
 # "mixed, switching" batches hidden and KV requests together, each switching type at its third
 # token (so half decode on the hidden cache to the end); "all hidden" (no KV request in any
-# batch) runs in nightly.
-@pytest.mark.parametrize("attention", ["reference", "pallas-interpret"])
+# batch) runs in nightly, as does tiny-opt on the interpreted kernels (CI: tiny-llama-mha's
+# run on them, and the hidden-attention kernel against the reference with OPT's biases and
+# no rotary embedding among its cases in test_pallas_kernels.py).
+@pytest.mark.parametrize(("model", "attention"), [
+    ("tiny-llama-mha", "reference"), ("tiny-llama-mha", "pallas-interpret"), ("tiny-opt", "reference"),
+    pytest.param("tiny-opt", "pallas-interpret", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", [
     pytest.param(ForcedHiddenCache(all_hidden), id="all hidden", marks=pytest.mark.slow),
     pytest.param(ForcedHiddenCache(every_other, switch=True), id="mixed, switching")])
-def test_mha_models_identical_on_the_hidden_cache(mha_loaded: LoadedModel, attention: str,
+def test_mha_models_identical_on_the_hidden_cache(model: str, attention: str,
                                                    policy: ForcedHiddenCache) -> None:
-    prompts = random_prompts(mha_loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
-    hidden = _identical(mha_loaded, policy, prompts, 16, num_blocks=12, block_size=4,
-                        max_model_len=64, attention=attention)
-    assert hidden
+    loaded = _load(model)
+    prompts = random_prompts(loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
+    assert _identical(loaded, policy, prompts, 16, attention=attention, **LIMITS)
 
 
 @pytest.mark.slow  # 55-110 s each; CI: the MHA models' hidden-cache runs above
@@ -78,9 +93,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel) ->
     """A hidden-cache run after warm-up compiles no step (they used to compile on first use,
     mid-run), and stays identical; warm-up adds hidden variants only where a policy may use
     the hidden cache and the model's blocks hold more hidden rows than KV tokens."""
-    limits = {"num_blocks": 12, "block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
-              "max_num_seqs": 8}
-    llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **limits)
+    llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **LIMITS)
     llm.runner.warmup()
     warmed = set(llm.runner._executables)
     assert any(shape[-1] for shape in warmed)
@@ -91,7 +104,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel) ->
     got, hidden = _run(llm, prompts, 16)
     assert hidden and got == expected
     assert set(llm.runner._executables) == warmed
-    for policy, loaded in (("vllm", mha_loaded), ("apt-serve", load_model("tiny-llama", seed=0))):
-        other = LLM(loaded, policy=policy, warmup=False, **limits)
+    for policy, loaded in (("vllm", mha_loaded), ("apt-serve", _load("tiny-llama"))):
+        other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
         other.runner.warmup(shapes=[(16, 8)])
         assert not any(shape[-1] for shape in other.runner._executables), (policy, loaded.config.name)

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import SMOL_ENGINE
 from jserve import LLM, SamplingParams
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.http_client import scrape_metrics
@@ -94,8 +95,7 @@ def tiny(tiny_loaded: LoadedModel) -> Iterator[Served]:
 def smol(smollm2_loaded: LoadedModel) -> Iterator[Served]:
     """SmolLM2 with its real weights and tokenizer, for text prompts and chat, served under
     its registry name and its Hugging Face id."""
-    llm = LLM(smollm2_loaded, num_blocks=64, max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=256, warmup=False)
+    llm = LLM(smollm2_loaded, warmup=False, **SMOL_ENGINE)
     yield from _serve(llm, ServerConfig(served_model_names=("smollm2-135m", HF_ID)))
 
 
