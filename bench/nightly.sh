@@ -2,7 +2,8 @@
 # The tests CI leaves out (marked `slow`: the HTTP load test, 500 streaming requests through
 # `jserve serve`; SmolLM2 through its GGUF and its Hugging Face checkpoint; SmolLM2 against the
 # dense oracle, on the hidden cache, with layers offloaded and under LayerKV; the MHA models
-# all hidden, and tiny-opt's mixed hidden-cache run on the interpreted kernels; tensor parallelism on tiny-llama-mha and tiny-opt; the golden decisions of the
+# all hidden, and tiny-opt's mixed hidden-cache run on the interpreted kernels; tensor
+# parallelism on tiny-llama-mha and tiny-opt; the golden decisions of the
 # second seed's open traces; reproduce_tlru.py's stages), for a nightly job or before a
 # release. Each has a faster test in CI over the same property. Run from anywhere in the
 # checkout.
