@@ -105,7 +105,7 @@ def _bisected_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array,
     n = -(-rows // rows_per_pass)
     pad = n * rows_per_pass - rows  # padding rows: all-zero logits, no top-k, no top-p
 
-    def chunks(a: jax.Array, fill: float | int) -> jax.Array:
+    def chunks(a: jax.Array, fill: float) -> jax.Array:
         a = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
         return a.reshape(n, rows_per_pass, *a.shape[1:])
 
