@@ -89,7 +89,8 @@ def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel
                       num_blocks=16, max_model_len=128, attention=attention)
 
 
-def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel) -> None:
+def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
+                                                     tiny_loaded: LoadedModel) -> None:
     """A hidden-cache run after warm-up compiles no step (they used to compile on first use,
     mid-run), and stays identical; warm-up adds hidden variants only where a policy may use
     the hidden cache and the model's blocks hold more hidden rows than KV tokens."""
@@ -104,7 +105,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel) ->
     got, hidden = _run(llm, prompts, 16)
     assert hidden and got == expected
     assert set(llm.runner._executables) == warmed
-    for policy, loaded in (("vllm", mha_loaded), ("apt-serve", _load("tiny-llama"))):
+    for policy, loaded in (("vllm", mha_loaded), ("apt-serve", tiny_loaded)):
         other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
         other.runner.warmup(shapes=[(16, 8)])
         assert not any(shape[-1] for shape in other.runner._executables), (policy, loaded.config.name)

@@ -96,9 +96,10 @@ def _bisected_cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array,
     whole batch at once where `rows_per_pass` is None, else over that many rows at a time
     (`lax.map`), each row's cutoff the same either way. A bisection takes 32 or 64 passes
     over its rows; on a CPU they are memory-bound unless the rows stay in its cache between
-    passes: at batch 64 over SmolLM2's vocabulary, 2 rows at a time took 43-49 ms against
-    79-104 ms for the whole batch per pass (bench/sampling.py). On a GPU a pass over the
-    whole batch is one kernel, and a map would run the rows' passes one after another."""
+    passes: the nucleus bisection alone, on 64 rows of 49,152 logits, took 43-49 ms 2 rows
+    at a time against 79-104 ms over the whole batch (`results/issue30_cpu.md`; the step
+    with it: bench/sampling.py). On a GPU a pass over the whole batch is one kernel, and a
+    map would run the rows' passes one after another."""
     rows = x.shape[0]
     if rows_per_pass is None or rows_per_pass >= rows:
         return _bisect_rows(x, k, top_p)
