@@ -49,13 +49,14 @@ def test_first_shapes_are_short_prompts_at_the_smallest_sequence_bucket() -> Non
 def test_background_warm_up_serves_the_same_tokens_and_ends_with_every_bucket(
         tiny_loaded: LoadedModel) -> None:
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 90, 200, 12)]
+    prompts = [rng.integers(3, 500, size=int(n)).tolist() for n in (5, 45, 100, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    options = dict(num_blocks=128, max_model_len=256, max_num_seqs=16)
+    options = dict(num_blocks=64, max_model_len=128, max_num_seqs=8)
     eager = LLM(tiny_loaded, warmup=True, **options)
     early = LLM(tiny_loaded, warmup=True, background_compile=True, **options)
     first = {s[:2] for s in early.runner._executables}
-    assert first >= set(first_shapes(early.runner.buckets.warmup_shapes()))
+    shapes = early.runner.buckets.warmup_shapes()
+    assert first >= set(first_shapes(shapes)) and set(first_shapes(shapes)) < set(shapes)  # some left to the thread
     outs = early.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     want = eager.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]

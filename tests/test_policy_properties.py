@@ -5,7 +5,7 @@ For each policy in `jserve.policies.POLICIES` (with its defaults and, when it ha
 `token_budget`, also with a small one so prompts are chunked often): random traces with a
 tight cache (block size 1..16), arrivals between steps, eos, invalid prompts and aborts;
 the engine's invariants and the generic bookkeeping after every step; every request ends
-with exactly the output it would have produced alone; the cache ends all free; a bound on
+with exactly the output it would have produced alone (an aborted one with a prefix of it); the cache ends all free; a bound on
 the number of steps catches livelock. Policies with a token budget also get the chunked
 checks (`check_chunked_plan`). vLLM's own rules are checked in `test_vllm_policy_properties`.
 """
@@ -155,10 +155,19 @@ PROPERTY = settings(max_examples=examples(100), deadline=None, suppress_health_c
 @PROPERTY
 @given(data=st.data())
 def test_random_traces_keep_invariants_and_outputs(policy: Policy, data: st.DataObject) -> None:
+    """Random traces with aborts (none in some): an aborted request frees its blocks at once
+    and ends with a prefix of its output, every other one with its whole output.
+
+    One test for both, as the ablations have: an abort-free test ran the same checks on the
+    same draws, and most of these traces abort nothing anyway (`aborted: 0`, 43-90% of them
+    in a CI run of the vllm, sarathi and cacheopt variants), so it only doubled each
+    policy's traces."""
     cfg = data.draw(policy_configs(policy), label="config")
     specs = data.draw(specs_for(cfg), label="requests")
+    aborts = data.draw(aborts_strategy(), label="aborts")
     h = harness(policy, cfg)
-    h.run(specs)
+    h.run(specs, aborts)
+    event(f"aborted: {len(h.aborted)}")
     event(f"preempted: {h.engine.stats.num_preemptions > 0}")
     event(f"swapped: {h.engine.stats.num_swaps > 0}")
     event(f"prompt chunked: {h.policy.num_partial_chunks > 0}")
@@ -171,26 +180,13 @@ ABLATION_PROPERTY = settings(max_examples=examples(30), deadline=None, suppress_
 @ABLATION_PROPERTY
 @given(data=st.data())
 def test_ablations_keep_invariants_and_outputs(policy: Policy, data: st.DataObject) -> None:
-    """CacheOpt with one component off: random traces with aborts (sometimes none), the
-    same checks as above."""
+    """CacheOpt with one component off: the same traces and checks as above."""
     cfg = data.draw(policy_configs(policy), label="config")
     specs = data.draw(specs_for(cfg), label="requests")
     h = harness(policy, cfg)
     h.run(specs, data.draw(aborts_strategy(), label="aborts"))
     event(f"preempted: {h.engine.stats.num_preemptions > 0}")
     event(f"swapped: {h.engine.stats.num_swaps > 0}")
-
-
-@pytest.mark.parametrize("policy", _cases())
-@PROPERTY
-@given(data=st.data())
-def test_random_aborts_free_blocks_and_end_requests(policy: Policy, data: st.DataObject) -> None:
-    cfg = data.draw(policy_configs(policy), label="config")
-    specs = data.draw(specs_for(cfg), label="requests")
-    aborts = data.draw(aborts_strategy(), label="aborts")
-    h = harness(policy, cfg)
-    h.run(specs, aborts)
-    event(f"aborted: {len(h.aborted)}")
 
 
 @pytest.mark.parametrize("policy", _cases())

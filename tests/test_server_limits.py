@@ -215,12 +215,15 @@ def test_the_api_key_comes_from_the_option_or_the_environment() -> None:
 
 def test_the_servers_warm_up_covers_a_burst_of_short_prompts(tiny_loaded: LoadedModel) -> None:
     """A burst packs many short prompts into one prefill step: a bucket offline warm-up skips
-    ((512, 64) in the issue), which the server's warm-up compiles."""
+    ((512, 64) in the issue; (64, 16) here, 16 prompts of 2-8 tokens), which the server's
+    warm-up compiles."""
     from jserve import SamplingParams
     from jserve.serving.server import warm_every_bucket
 
-    llm = LLM(tiny_loaded, num_blocks=256, max_model_len=128, max_num_seqs=32,
-              max_num_batched_tokens=128, warmup=True)
+    llm = LLM(tiny_loaded, num_blocks=256, max_model_len=64, max_num_seqs=16,
+              max_num_batched_tokens=64, warmup=True)
+    assert (64, 16) in llm.runner.buckets.all_shapes()
+    assert (64, 16) not in llm.runner.buckets.warmup_shapes()
     warm_every_bucket(llm)
     compiled = llm.runner.num_compiled
     rng = __import__("numpy").random.default_rng(0)
