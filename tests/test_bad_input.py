@@ -90,8 +90,8 @@ def test_slos_reach_the_view_and_bad_ones_are_refused(llm: LLM) -> None:
     assert not engine.state.has_unfinished
 
 
-def test_chat_with_a_malformed_message_names_messages(smollm2_loaded: LoadedModel) -> None:
-    llm = LLM(smollm2_loaded, num_blocks=8, max_model_len=64, warmup=False)
+def test_chat_with_a_malformed_message_names_messages(tiny_smollm2_vocab: LoadedModel) -> None:
+    llm = LLM(tiny_smollm2_vocab, num_blocks=8, max_model_len=64, warmup=False)
     with pytest.raises(InvalidRequestError, match=r"messages\[0\] must have a string 'role'") as e:
         llm.chat([{"content": "x"}], use_tqdm=False)
     assert e.value.param == "messages"
