@@ -14,7 +14,8 @@ python -m pytest -q -m slow "$@"
 # all of them.
 JSERVE_PROPERTY_EXAMPLES=full python -m pytest -q -m "not slow" "$@" \
   tests/test_policy_properties.py tests/test_vllm_policy_properties.py \
-  tests/test_prefix_cache.py tests/test_hidden_cache_bookkeeping.py
+  tests/test_prefix_cache.py tests/test_hidden_cache_bookkeeping.py \
+  tests/test_layer_residency.py tests/test_layerkv_policy.py
 # jserve against Hugging Face transformers, live (needs torch and transformers, which CI does
 # not install; CI compares with the golden file this script records).
 python bench/hf_reference.py

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from layer_offload_policy import ForcedLayerOffload
 from policy_harness import FakeClock, FakeRunner, Harness, aborts_strategy, configs, spec, specs_for
 
@@ -170,7 +171,7 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("name", POLICIES)
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_with_layer_residencies(name, data):
     cfg = data.draw(configs())
@@ -235,7 +236,7 @@ def test_getting_every_layer_back_reuses_the_blocks_its_slots_free():
     assert engine.state.snapshot(0.0).num_free_blocks == 0
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_plans_are_refused_whole_or_applied_whole(data):
     """Random residency plans (offloads, bring-backs, partial prefills, decodes, recompute

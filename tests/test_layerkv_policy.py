@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, specs_for
 
 from jserve.engine.layerkv_costs import LayerKVCosts
@@ -250,7 +251,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_keep_invariants_and_outputs(name: str, data: st.DataObject) -> None:
     """Layer residencies of every kind under random traces with aborts: the harness checks

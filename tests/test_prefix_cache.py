@@ -237,7 +237,7 @@ def test_random_shared_prefix_traces_keep_invariants_and_outputs(policy: str, da
 
 
 @pytest.mark.parametrize("policy", ["vllm", "sarathi", "vllm-swap"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_traces_through_a_host_tier(policy: str, data: st.DataObject) -> None:
     """A device cache that keeps nothing unreferenced and a host tier: every finished
