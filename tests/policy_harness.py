@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -32,7 +33,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
-from jserve.engine.request import RequestOutput, RequestStatus
+from jserve.engine.request import RUNNING, WAITING, RequestOutput, RequestStatus
 from jserve.engine.request_table import RequestArrays
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.view import SchedulerLimits, SchedulerView
@@ -484,18 +485,21 @@ class Harness:
         assert swapped <= requests_on_host <= swapped | ended, "host copies != swapped set"
         if st_.prefix is not None:  # the runner drops replaced prefix copies at the next step
             assert st_.prefix.num_host_entries <= len(self.runner.host) - len(requests_on_host)
-        for i, seq in enumerate(r.seq_id.tolist()):
+        # Per request, read as Python ints once per column (numpy scalars made this loop slow).
+        c = types.SimpleNamespace(**{name: getattr(r, name).tolist() for name in (
+            "seq_id", "num_blocks", "device_layers", "max_len", "status", "num_computed", "num_tokens")})
+        fillable = view.blocks_for_type(r.max_len, r.cache_type).tolist()  # blocks a request can fill
+        for i, seq in enumerate(c.seq_id):
             if seq in partial:
-                assert bm.num_held(seq) == 0 and r.device_layers[i] < self.num_layers
-                assert r.num_blocks[i] <= bm.blocks_for(int(r.max_len[i])), "holds blocks it can never fill"
+                assert bm.num_held(seq) == 0 and c.device_layers[i] < self.num_layers
+                assert c.num_blocks[i] <= bm.blocks_for(c.max_len[i]), "holds blocks it can never fill"
                 continue
-            assert r.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
-            assert r.num_blocks[i] == 0 or r.status[i] == RequestStatus.RUNNING
-            assert r.num_blocks[i] <= view.blocks_for_type(int(r.max_len[i]), int(r.cache_type[i])), \
-                "holds blocks it can never fill"
-            if r.status[i] == RequestStatus.WAITING:
+            assert c.num_blocks[i] == bm.num_held(seq) == len(bm.table(seq))
+            assert c.num_blocks[i] == 0 or c.status[i] == RUNNING
+            assert c.num_blocks[i] <= fillable[i], "holds blocks it can never fill"
+            if c.status[i] == WAITING:
                 # its cached prefix (none without a prefix cache), at least one token short
-                assert r.num_computed[i] == 0 or (st_.prefix is not None and r.num_computed[i] < r.num_tokens[i])
+                assert c.num_computed[i] == 0 or (st_.prefix is not None and c.num_computed[i] < c.num_tokens[i])
         for rid in self.aborted:
             assert self.seq_of[rid] not in st_.requests
         for check in self.state_checks:
@@ -643,12 +647,13 @@ def predictions(draw: st.DrawFn, max_tokens: int) -> dict:
     direction that is right, wrong or unknown, and TTFT/TBT SLOs (often none) in seconds of
     the harness's fake clock (one second per clock reading, a few per step)."""
     kind = draw(st.sampled_from(["none", "under", "over", "exact"]))
-    pred = {"none": 0, "exact": max_tokens,
-            "under": draw(st.integers(1, max_tokens)),
-            "over": max_tokens + draw(st.integers(0, 60))}[kind]
-    slo = st.one_of(st.none(), st.floats(1.0, 30.0))
+    pred = (0 if kind == "none" else max_tokens if kind == "exact"
+            else draw(st.integers(1, max_tokens)) if kind == "under" else max_tokens + draw(st.integers(0, 60)))
     return dict(predicted_len=pred, predicted_dir=draw(st.sampled_from([-1, 0, 1])) if pred else 0,
-                ttft_slo=draw(slo), tbt_slo=draw(slo))
+                ttft_slo=draw(_SLO), tbt_slo=draw(_SLO))
+
+
+_SLO = st.one_of(st.none(), st.floats(1.0, 30.0))  # seconds of the fake clock, often none
 
 
 def aborts_strategy() -> st.SearchStrategy[dict[int, list[int]]]:

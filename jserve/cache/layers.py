@@ -125,6 +125,8 @@ class LayerSlab:
         assert self.used[self.split].any(axis=1).all(), "a split block with no slot held"
         free = self.split[:, None] & ~self.used
         assert np.array_equal(free.sum(axis=0), self.free_slots), "free slot counts are off"
+        if not self.free_slots.any():  # no free slot to be listed (nothing split, most steps)
+            return
         for layer, entries in enumerate(self._free):
             listed = np.zeros(len(self.split), bool)
             listed[entries] = True

@@ -15,6 +15,10 @@ from jserve.engine.plan import CacheType
 from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
 
 
+_ROW_COLUMNS = ("seq_id", "cache_type", "status", "device_layers", "num_blocks", "num_host_blocks",
+                "num_computed", "num_tokens", "max_len")
+
+
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
                      prefix: PrefixIndex | None, residency: LayerResidency,
                      hidden_block_tokens: int = 0) -> None:
@@ -27,42 +31,47 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
     cols = live.cols
     assert len(live.table) == len(live.requests) == len(live.live_rows())
-    for seq_id, row in live.items():
-        assert cols.seq_id[row] == seq_id
+    # Each live row's columns as Python ints, read once: numpy scalars cost this check (run
+    # after every step of the property tests) most of its time.
+    seq_rows = list(live.items())
+    rows = np.fromiter((row for _, row in seq_rows), np.int64, len(seq_rows))
+    per_row = zip(seq_rows, *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
+    types, hidden_type = {int(t) for t in CacheType}, int(CacheType.HIDDEN)
+    for (seq_id, _), row_seq, cache_type, status, device_layers, num_blocks, num_host_blocks, \
+            num_computed, num_tokens, max_len in per_row:
+        assert row_seq == seq_id
         part = residency.partial.get(seq_id)
-        hidden = cols.cache_type[row] == CacheType.HIDDEN  # rows, not K/V
-        assert cols.cache_type[row] in tuple(CacheType), f"seq {seq_id} cache type {cols.cache_type[row]}"
+        hidden = cache_type == hidden_type  # rows, not K/V
+        assert cache_type in types, f"seq {seq_id} cache type {cache_type}"
         if hidden:
             assert hidden_block_tokens > 0, f"hidden seq {seq_id} on a model without a hidden cache"
             assert part is None and prefix is None, f"hidden seq {seq_id} offloaded or prefix-shared"
-            assert cols.status[row] != SWAPPED and cols.num_host_blocks[row] == 0, \
-                f"hidden seq {seq_id} swapped"
+            assert status != SWAPPED and num_host_blocks == 0, f"hidden seq {seq_id} swapped"
         bs = hidden_block_tokens if hidden else blocks.block_size
-        assert (part is None) == (cols.device_layers[row] == num_layers), f"seq {seq_id} layers"
+        assert (part is None) == (device_layers == num_layers), f"seq {seq_id} layers"
         if part is not None:  # prefilled, some layers' KV on the host
-            assert cols.status[row] == OFFLOADED, f"partly offloaded seq {seq_id} is {cols.status[row]}"
-            assert part.kept == kept_layers(num_layers, int(cols.device_layers[row]))
-            assert cols.num_blocks[row] == part.num_blocks, f"seq {seq_id} layer blocks"
+            assert status == OFFLOADED, f"partly offloaded seq {seq_id} is {status}"
+            assert part.kept == kept_layers(num_layers, device_layers)
+            assert num_blocks == part.num_blocks, f"seq {seq_id} layer blocks"
             # 0 between the plan that prefills it keeping some layers and that step's commit
-            assert 0 <= cols.num_computed[row] <= part.num_blocks * bs
-            assert cols.num_host_blocks[row] == 0 and host_blocks.num_held(seq_id) == 0
+            assert 0 <= num_computed <= part.num_blocks * bs
+            assert num_host_blocks == 0 and host_blocks.num_held(seq_id) == 0
             continue
-        assert cols.status[row] != OFFLOADED, f"seq {seq_id} offloaded with every layer on the device"
-        assert cols.num_blocks[row] == blocks.num_held(seq_id), f"seq {seq_id} blocks"
-        assert 0 <= cols.num_computed[row] <= cols.num_tokens[row] <= cols.max_len[row]
-        held = cols.num_blocks[row] + cols.num_host_blocks[row]
-        assert cols.status[row] == WAITING or cols.num_computed[row] <= held * bs
-        assert cols.num_tokens[row] == live.requests[seq_id].num_tokens
+        assert status != OFFLOADED, f"seq {seq_id} offloaded with every layer on the device"
+        assert num_blocks == blocks.num_held(seq_id), f"seq {seq_id} blocks"
+        assert 0 <= num_computed <= num_tokens <= max_len
+        assert status == WAITING or num_computed <= (num_blocks + num_host_blocks) * bs
+        assert num_tokens == live.requests[seq_id].num_tokens
         host = 0 if host_blocks is None else host_blocks.num_held(seq_id)
-        assert cols.num_host_blocks[row] == host, f"seq {seq_id} host blocks"
-        if cols.status[row] == WAITING:
+        assert num_host_blocks == host, f"seq {seq_id} host blocks"
+        if status == WAITING:
             # num_computed: the cached prefix it starts from (0 without a prefix cache)
-            assert cols.num_blocks[row] == 0 and host == 0
-            assert cols.num_computed[row] % bs == 0
-            assert prefix is not None or cols.num_computed[row] == 0
-        elif cols.status[row] == SWAPPED:
-            assert cols.num_blocks[row] == 0, f"swapped seq {seq_id} holds device blocks"
-            assert cols.num_computed[row] <= host * bs
+            assert num_blocks == 0 and host == 0
+            assert num_computed % bs == 0
+            assert prefix is not None or num_computed == 0
+        elif status == SWAPPED:
+            assert num_blocks == 0, f"swapped seq {seq_id} holds device blocks"
+            assert num_computed <= host * bs
         else:
             assert host == 0, f"running seq {seq_id} holds host blocks"
     assert blocks.seq_ids() <= live_seqs, "blocks held by a request that ended"

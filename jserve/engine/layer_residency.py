@@ -223,6 +223,9 @@ class LayerResidency:
         for pool, side in ((self.slab, "device"), (self.host_slab, "host")):
             if pool is None:
                 continue
+            if not self.partial:  # nothing holds a slot (most steps): none is used
+                assert not pool.used.any(), f"{side} layer slots held != used"
+                continue
             held = np.zeros_like(pool.used, np.int32)
             for seq_id, part in self.partial.items():
                 for layer, slots in getattr(part, side).items():
