@@ -104,14 +104,24 @@ def test_smollm2_matches_dense_oracle_and_survives_preemption(smollm2_loaded: Lo
 
 
 def test_paris(smollm2_loaded: LoadedModel) -> None:
+    """SmolLM2's real answer, then cut by a stop string (dropped, or kept with
+    include_stop_str_in_output), every block free after."""
     llm = LLM(smollm2_loaded, warmup=False, **SMOL_ENGINE)
-    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    assert "Paris" in out.text
-    assert out.finish_reason == "stop"
-    m = out.metrics
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    [full] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in full.text
+    assert full.finish_reason == "stop"
+    m = full.metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
-    assert len(m.token_times) == len(out.token_ids)
+    assert len(m.token_times) == len(full.token_ids)
+    [cut] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]),
+                     use_tqdm=False)
+    assert cut.text == full.text[: full.text.index("Paris")]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
+    [kept] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"],
+                                           include_stop_str_in_output=True), use_tqdm=False)
+    assert kept.text.endswith("Paris")
+    assert llm.engine.state.blocks.num_free == SMOL_ENGINE["num_blocks"]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 5])
@@ -124,21 +134,6 @@ def test_max_tokens_and_streaming(tiny_loaded: LoadedModel, max_tokens: int) -> 
         assert out.token_ids[: len(prev)] == prev and len(out.token_ids) == len(prev) + 1
         seen[out.request_id] = out.token_ids
     assert sorted(len(v) for v in seen.values()) == [max_tokens, max_tokens]
-
-
-def test_stop_string_is_cut_from_text_and_frees_the_request(smollm2_loaded: LoadedModel) -> None:
-    llm = LLM(smollm2_loaded, warmup=False, **SMOL_ENGINE)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    [full] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    assert "Paris" in full.text
-    [cut] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"]),
-                     use_tqdm=False)
-    assert cut.text == full.text[: full.text.index("Paris")]
-    assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
-    [kept] = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=16, stop=["Paris"],
-                                           include_stop_str_in_output=True), use_tqdm=False)
-    assert kept.text.endswith("Paris")
-    assert llm.engine.state.blocks.num_free == SMOL_ENGINE["num_blocks"]
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_loaded: LoadedModel) -> None:
