@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pytest -q -m slow "$@"
-# The property tests CI runs with a fifth of their examples (tests/property_examples.py), with
+# The property tests CI runs with a tenth of their examples (tests/property_examples.py), with
 # all of them.
 JSERVE_PROPERTY_EXAMPLES=full python -m pytest -q -m "not slow" "$@" \
   tests/test_policy_properties.py tests/test_vllm_policy_properties.py \
