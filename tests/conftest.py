@@ -30,10 +30,9 @@ from jserve.models.tokenizer import Tokenizer
 
 
 
-# The engine shape SmolLM2's tests build where they need no other (the server's, chat and stop
-# tests): its 30-layer steps take the longest to compile, and one shape lets each test's
-# compiled buckets serve the others (in a process, and across xdist workers through JAX's
-# persistent cache).
+# A small engine for SmolLM2's vocabulary and chat-length prompts: test_paris's SmolLM2 (whose
+# 30-layer steps take the longest to compile, so it builds one engine only) and the server
+# tests' `tiny_smollm2_vocab`.
 SMOL_ENGINE = {"num_blocks": 64, "max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 256}
 
 
