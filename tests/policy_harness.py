@@ -647,8 +647,14 @@ def predictions(draw: st.DrawFn, max_tokens: int) -> dict:
     direction that is right, wrong or unknown, and TTFT/TBT SLOs (often none) in seconds of
     the harness's fake clock (one second per clock reading, a few per step)."""
     kind = draw(st.sampled_from(["none", "under", "over", "exact"]))
-    pred = (0 if kind == "none" else max_tokens if kind == "exact"
-            else draw(st.integers(1, max_tokens)) if kind == "under" else max_tokens + draw(st.integers(0, 60)))
+    if kind == "none":
+        pred = 0
+    elif kind == "exact":
+        pred = max_tokens
+    elif kind == "under":
+        pred = draw(st.integers(1, max_tokens))
+    else:
+        pred = max_tokens + draw(st.integers(0, 60))
     return dict(predicted_len=pred, predicted_dir=draw(st.sampled_from([-1, 0, 1])) if pred else 0,
                 ttft_slo=draw(_SLO), tbt_slo=draw(_SLO))
 

@@ -4,8 +4,6 @@ made it rather than as a leak or a wrong output much later."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from jserve.cache.blocks import BlockManager
 from jserve.cache.layers import kept_layers
 from jserve.cache.prefix import PrefixIndex
@@ -30,12 +28,11 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
         host_blocks.check_invariants()
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
     cols = live.cols
-    assert len(live.table) == len(live.requests) == len(live.live_rows())
+    rows = live.live_rows()  # in the order of live.items()
+    assert len(live.table) == len(live.requests) == len(rows)
     # Each live row's columns as Python ints, read once: numpy scalars cost this check (run
     # after every step of the property tests) most of its time.
-    seq_rows = list(live.items())
-    rows = np.fromiter((row for _, row in seq_rows), np.int64, len(seq_rows))
-    per_row = zip(seq_rows, *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
+    per_row = zip(live.items(), *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
     types, hidden_type = {int(t) for t in CacheType}, int(CacheType.HIDDEN)
     for (seq_id, _), row_seq, cache_type, status, device_layers, num_blocks, num_host_blocks, \
             num_computed, num_tokens, max_len in per_row:
@@ -76,6 +73,5 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
             assert host == 0, f"running seq {seq_id} holds host blocks"
     assert blocks.seq_ids() <= live_seqs, "blocks held by a request that ended"
     assert live.awaiting_run | live.token_checked <= live_seqs, "an ended request still tracked"
-    rows = live.live_rows()
     assert (cols.reserved_blocks[rows] >= 0).all()
     assert int(cols.reserved_blocks[rows].sum()) <= blocks.num_blocks, "over-reserved"
