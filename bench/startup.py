@@ -54,12 +54,12 @@ BACKGROUND_DONE = "step buckets in the background"
 # (stage label, module, attribute): the functions `LLM(...)` calls for each stage, wrapped by
 # the child where they are looked up. A name a checkout lacks is reported as absent.
 STAGES = [
-    ("load_model (all of it)", "jserve.serving.llm", "load_model"),
+    ("load_model (all of it)", "jserve.builder", "load_model"),
     ("GGUF metadata", "jserve.models.loading", "open_gguf"),
     ("dequantise weights", "jserve.models.loading", "load_llama_gguf"),
     ("weights to device", "jserve.models.loading", "load_llama_weights"),
     ("tokenizer", "jserve.models.loading", "Tokenizer.from_gguf"),
-    ("KV cache sizing", "jserve.serving.llm", "device_kv_budget"),
+    ("KV cache sizing", "jserve.builder", "device_kv_budget"),
     ("runner set-up (KV cache allocation)", "jserve.runners.jax_runner", "JaxRunner.__init__"),
     ("warm-up", "jserve.runners.jax_runner", "JaxRunner.warmup"),
 ]
@@ -289,11 +289,12 @@ def _print_start(name: str, which: str, r: dict[str, Any]) -> None:
     print(f"  {'import jserve (jax, flax, ...)':38s} {r['import']:6.2f} s")
     stages = r["stages"]
     load_parts = ("GGUF metadata", "dequantise weights", "weights to device", "tokenizer")
-    build = (stages["load_model (all of it)"] or 0) - sum(stages[k] or 0 for k in load_parts)
+    whole = stages["load_model (all of it)"]
     for label, seconds in stages.items():
         indent = "  " if label in load_parts else ""
         print(f"  {indent + label:38s} " + ("absent" if seconds is None else f"{seconds:6.2f} s"))
-        if label == load_parts[-1]:
+        if label == load_parts[-1] and whole is not None:
+            build = whole - sum(stages[k] or 0 for k in load_parts)
             print(f"  {'  model build, the rest':38s} {build:6.2f} s")
     buckets = r["buckets"]
     total = {k: sum(b[k] for b in buckets) for k in ("trace", "lower", "compile")}
