@@ -181,7 +181,7 @@ def config(m: Model, d: Dataset, policy: str, rate: float, o: Options, cv: float
 def run_all(jobs: list[tuple[str, BenchConfig]], workers: int) -> list[dict]:
     """Every job through the one sweep runner (`run_points`), one row each."""
     t0 = time.perf_counter()
-    results = run_points([cfg for _, cfg in jobs], progress=False, workers=workers)
+    results = run_points([cfg for _, cfg in jobs], workers=workers)
     rows = []
     for (dataset, cfg), result in zip(jobs, results):
         s = result.summary

@@ -158,7 +158,7 @@ def bench_config(w: Workload, method: str, rate: float, seed: int, s: Setting,
 def simulate(configs: list[BenchConfig], s: Setting) -> list[Run]:
     """The runs, through the one sweep runner (`sweep.run_points`), in `configs`' order."""
     return [Run(r.config.engine.policy_name, r.records, r.num_preemptions, r.num_swaps or 0, r.wall_time)
-            for r in run_points(configs, progress=False, workers=s.workers)]
+            for r in run_points(configs, workers=s.workers)]
 
 
 # --------------------------------------------------------------------------- metrics

@@ -130,7 +130,7 @@ def config(policy: str, workload: str, rate: float, requests: int, max_model_len
 
 def run_all(configs: list[BenchConfig], workers: int) -> list[dict]:
     """Every point's row, through the project's one sweep runner."""
-    return [row(r) for r in run_points(configs, progress=False, workers=workers)]
+    return [row(r) for r in run_points(configs, workers=workers)]
 
 
 def tpot_without_first_gap(r) -> float | None:

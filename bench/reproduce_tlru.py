@@ -234,7 +234,7 @@ def calibrate(args: argparse.Namespace, sel: dict) -> dict:
     points = [(seed, rate) for rate in args.rates for seed in args.seeds]
     configs = [bench_config(args, seed, rate, rate / ratio, "lru", max(CAPACITIES), None, None)
                for seed, rate in points]
-    results = run_points(configs, progress=False, workers=args.workers)
+    results = run_points(configs, workers=args.workers)
     rows = [{"seed": seed, "rate": rate, "turn_rate": rate / ratio, **figures(r)}
             for (seed, rate), r in zip(points, results)]
 
@@ -276,7 +276,7 @@ def compare(args: argparse.Namespace, sel: dict, cal: dict) -> dict:
         part = runs[chunk:chunk + args.chunk]
         configs = [bench_config(args, seed, rate, rate / ratio, rule, cap, xi,
                                 None if xi is None else xi / spt) for seed, rule, cap, xi in part]
-        for key, r in zip(part, run_points(configs, progress=False, workers=args.workers)):
+        for key, r in zip(part, run_points(configs, workers=args.workers)):
             done[key] = figures(r)
         print(f"compare: {len(done)} runs", file=sys.stderr)
         write()

@@ -107,7 +107,7 @@ def serving_rows(requests: int) -> list[dict]:
     configs = [BenchConfig(engine(m, h, tp), workload="sharegpt", rate=r, num_requests=requests)
                for m, h, tp in SETTINGS for r in RATES]
     rows = []
-    for cfg, res in zip(configs, run_points(configs, progress=False)):
+    for cfg, res in zip(configs, run_points(configs)):
         v, s = res.vllm, res.summary
         rows.append({"model": cfg.engine.model_name, "hardware": cfg.engine.hardware,
                      "tp": cfg.engine.tensor_parallel_size, "rate": cfg.rate,

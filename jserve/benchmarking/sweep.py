@@ -81,12 +81,15 @@ def run_points(configs: Sequence[BenchConfig], progress: bool = True, workers: i
     """Each benchmark's result, in `configs`' order: as Ray tasks on the cluster at
     `ray_address` ('auto', 'host:port', 'ray://host:port', or 'local' for a new cluster on
     this machine; a Ray already initialised in this process is used as it is), else in
-    `workers` local processes (None: one per CPU), or in this process for one worker."""
+    `workers` local processes (None: one per CPU), or in this process for one worker.
+    `progress` shows one bar over the points, or over one point's requests when it is alone."""
     if ray_address is not None:
         return _run_on_ray(configs, ray_address, progress)
+    if len(configs) == 1:
+        return [run_benchmark(configs[0], progress)]
     workers = min(len(configs), workers or os.cpu_count() or 1)
     if workers <= 1:
-        return [run_benchmark(c, progress) for c in configs]
+        return list(_progress(map(run_point, configs), len(configs), progress))
     # spawn, not fork: the parent has JAX's threads running, which a forked child would lack
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(_progress(pool.map(run_point, configs), len(configs), progress))
