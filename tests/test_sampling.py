@@ -280,7 +280,7 @@ def test_cutoffs_equal_those_of_the_sorted_rows():
     """The cutoff found among the largest CANDIDATES logits, and by bisection, is the full
     sort's: a batch whose rows all have theirs among the candidates, one with a row whose
     nucleus is wider (it falls back to bisecting), top-k above CANDIDATES, and a batch with
-    top-p alone."""
+    top-p alone; and a few rows at a time, as on a CPU."""
     from jserve.runners.sampling import CANDIDATES, _bisected_cutoffs, _cutoffs
 
     rng = np.random.default_rng(8)
@@ -306,7 +306,14 @@ def test_cutoffs_equal_those_of_the_sorted_rows():
     no_k = jnp.full(rows, vocab)
     np.testing.assert_array_equal(np.asarray(bisect(flat, no_k, top_p)),
                                   np.asarray(sort(flat, no_k, top_p)))
-    # a few rows at a time (as on a CPU), padding the last pass: the same cutoffs
+    # a few rows at a time (as on a CPU), padding the last pass: the same cutoffs, also where
+    # passes whose rows the candidates settled skip their bisection (rows 0, 3, 6, ... not)
+    mixed_k = jnp.where(jnp.arange(rows) % 3 == 0, wide_k, k)
+    few_candidates = jax.jit(_cutoffs, static_argnums=4)
+    for rows_per_pass in (2, 5):
+        for logits, top_k in ((flat, k), (x, mixed_k)):
+            np.testing.assert_array_equal(np.asarray(few_candidates(logits, top_k, top_p, cut, rows_per_pass)),
+                                          np.asarray(sort(logits, top_k, top_p)))
     few = jax.jit(_bisected_cutoffs, static_argnums=3)
     for rows_per_pass in (2, 5):
         np.testing.assert_array_equal(np.asarray(few(x, k, top_p, rows_per_pass)),
