@@ -1,4 +1,5 @@
-"""Timing helpers shared by the device benchmarks (kernels.py, decode_step.py).
+"""Timing helpers shared by the device benchmarks (kernels.py, decode_step.py, sampling.py,
+sampling_cutoffs.py).
 
 Device work is asynchronous, so every timed call blocks until its outputs are ready;
 calls are warmed up first (compilation stays out of the numbers) and the median of many
@@ -49,6 +50,21 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def turn_about_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each `fn()` with its outputs ready, the functions taking turns
+    repeat after repeat, so that a change in the machine's load hits them alike; each is
+    called once untimed first (compiling)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(nbytes: int, repeats: int = 20) -> float:

@@ -28,17 +28,17 @@ Run it with another checkout's jserve first on PYTHONPATH for a before/after.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import pathlib
 import statistics
-import time
 
 import jax
 import numpy as np
 from decode_step import decode_batch
-from device_timing import device_name, results_tag, today
+from device_timing import device_name, results_tag, today, turn_about_medians
 
 import jserve
 from jserve.benchmarking.workload import sample_lengths
@@ -71,16 +71,8 @@ def with_sampling(batch: Batch, temperature: float, top_k: int, top_p: float) ->
 
 def time_settings(runner: JaxRunner, batch: Batch, repeats: int) -> dict[str, float]:
     """Median seconds of `runner.execute` per setting, the settings taking turns."""
-    batches = {name: with_sampling(batch, *s) for name, s in SETTINGS.items()}
-    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    for name, b in batches.items():  # compile, and a first run outside the timing
-        runner.execute(b)
-    for _ in range(repeats):
-        for name, b in batches.items():
-            t0 = time.perf_counter()
-            runner.execute(b)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return turn_about_medians({name: functools.partial(runner.execute, with_sampling(batch, *s))
+                               for name, s in SETTINGS.items()}, repeats)
 
 
 def served_itl(llm: jserve.LLM, prompts: list[str], tokens: int, repeats: int) -> dict[str, float]:

@@ -20,13 +20,11 @@ import argparse
 import functools
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from device_timing import device_name, results_tag, today
+from device_timing import device_name, results_tag, today, turn_about_medians
 
 from jserve.benchmarking.workload import sample_lengths
 from jserve.models.dense_reference import dense_logits
@@ -63,22 +61,14 @@ def main() -> None:
     every, no_cut = jnp.ones(rows, bool), jnp.zeros(rows, bool)
     mass = np.asarray(jax.lax.top_k(jax.nn.softmax(x, axis=-1), CANDIDATES)[0].sum(-1))
     wide = int((mass < args.top_p).sum())
-    per_pass = Samplers.CPU_ROWS_PER_PASS if jax.default_backend() == "cpu" else None
+    per_pass = Samplers.rows_per_pass(jax.default_backend())
     now = jax.jit(functools.partial(_cutoffs, rows_per_pass=per_pass))
     bisect = jax.jit(functools.partial(_bisected_cutoffs, rows_per_pass=per_pass))
     np.testing.assert_array_equal(np.asarray(now(x, k, top_p, every)), np.asarray(bisect(x, k, top_p)))
     runs = {"candidates alone": lambda: now(x, k, top_p, no_cut),
             "every pass bisecting": lambda: bisect(x, k, top_p),
             "cutoffs now": lambda: now(x, k, top_p, every)}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():
-        jax.block_until_ready(fn())
-    for _ in range(args.repeats):
-        for name, fn in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ms = {name: s * 1e3 for name, s in turn_about_medians(runs, args.repeats).items()}
     before = ms["candidates alone"] + ms["every pass bisecting"]
     print(f"{rows} rows of {MODEL}'s next-token logits ({device_name()}, {per_pass or 'all'} rows a pass): "
           f"{wide} with a {args.top_p} nucleus wider than the {CANDIDATES} candidates")

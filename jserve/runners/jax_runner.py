@@ -113,6 +113,11 @@ class Samplers:
     # cache across the passes (`sampling._bisected_cutoffs`); elsewhere the whole batch.
     CPU_ROWS_PER_PASS = 2
 
+    @classmethod
+    def rows_per_pass(cls, platform: str) -> int | None:
+        """Rows a bisection passes over at once on `platform` (None: the whole batch)."""
+        return cls.CPU_ROWS_PER_PASS if platform == "cpu" else None
+
     def __init__(self) -> None:
         self._built = Executables()
 
@@ -124,8 +129,8 @@ class Samplers:
             per_seq = [spec((seqs,), d) for d in (np.float32, np.float32, np.int32, np.uint32, np.int32)]
             platform = (next(iter(sharding.device_set)).platform if sharding is not None
                         else jax.default_backend())
-            rows = self.CPU_ROWS_PER_PASS if platform == "cpu" else None
-            return self._jit.lower(spec((seqs, vocab), np.float32), *per_seq, rows_per_pass=rows).compile()
+            return self._jit.lower(spec((seqs, vocab), np.float32), *per_seq,
+                                   rows_per_pass=self.rows_per_pass(platform)).compile()
 
         return self._built.get((seqs, vocab, sharding), build)[0]
 
