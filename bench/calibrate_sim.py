@@ -1,17 +1,20 @@
-"""Fit the simulator's measured cost model to published A100 measurements, print every fit
-with its residuals, and write the fit jserve ships (`jserve/runners/data/published_a100.json`).
+"""Fit the simulator's measured kernels and engine-overhead profiles to published
+measurements, print every fit with its residuals, and write the fit jserve ships
+(`jserve/runners/data/published_a100.json`).
 
-Reads `../shared/calibration/` (its README names the sources):
-- Vidur's operator profiles (Llama-2-7B linear layers and element-wise ops, FlashAttention
-  prefill and paged decode) -> kernel efficiencies; its CPU profile -> engine "vllm-vidur";
-- the real vLLM 0.2.3 runs (OPT-13B, A100-80GB, ShareGPT): each request's decoding window at
-  1 and 3 req/s -> engine "vllm-0.2.3", what that online engine adds to the kernels (the
-  simulator's default); the windows at 2 and 4 req/s are held out and their residuals printed;
-- DistServe's fitted step times of the same engine, profiled offline -> engine
-  "vllm-0.2.3-offline", for comparison.
+Reads `../shared/calibration/` (its README names the sources), DistServe's offline vLLM
+0.2.3 profile (`bench/data/distserve_vllm_0.2.3_profile.json`) and this engine's measured
+bookkeeping (`bench/results/engine_overhead.json`); `jserve.benchmarking.published_fit.fit_all`
+says which measurement fixes which term and which are held out:
+- Vidur's operator profiles -> the kernel efficiencies; its CPU profile -> `vllm-0.4-offline`;
+- the real vLLM 0.2.3 server runs at 1 and 3 req/s -> `vllm-0.2.3-server` (2 and 4 held out);
+- DistServe's offline profile at TP 1 and 2 -> `vllm-0.2.3-offline` (TP 4 and OPT-66B held
+  out);
+- vLLM PR #1440 -> the eager launch cost; vLLM's v0.5.3 profile -> the `vllm-0.5-*` estimates;
+- bench/engine_overhead.py -> `jserve`.
 
-Then prints DistServe's step times beside the model's over a grid of decode and prefill
-steps, and the roofline's for comparison.
+Then prints DistServe's step times beside each profile's over a grid of decode and prefill
+steps, and fits the KV capacity of the real server.
 
     python bench/calibrate_sim.py            # fit, print, write the shipped JSON
     python bench/calibrate_sim.py --check    # fit and print; fail if the shipped JSON differs
@@ -25,12 +28,21 @@ import json
 import math
 import pathlib
 import sys
-
 import tempfile
 
 import numpy as np
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.published_fit import (
+    DTYPE_BYTES,
+    PROFILED_ON,
+    Fit,
+    Residuals,
+    distserve_vllm_step_ms,
+    fit_all,
+    peak_blocks,
+    run_peak_blocks,
+)
 from jserve.benchmarking.published_runs import PublishedRun, distserve_engine, read_distserve_runs
 from jserve.benchmarking.workload import save_trace
 from jserve.cache.sizing import block_bytes
@@ -42,65 +54,14 @@ from jserve.runners.hardware import (
     activation_reserve_bytes,
     get_hardware,
 )
-from jserve.runners.measured_cost import PUBLISHED, EngineOverhead, MeasuredCostModel, PublishedFit
-from jserve.benchmarking.published_fit import (
-    DTYPE_BYTES,
-    PROFILED_ON,
-    Fit,
-    Residuals,
-    distserve_vllm_step_ms,
-    fit_cpu_overhead,
-    fit_engine_overhead,
-    fit_engine_to_runs,
-    fit_kernels,
-    peak_blocks,
-    read_profile_csv,
-    replay_step_shapes,
-    run_peak_blocks,
-    run_residuals,
-)
+from jserve.runners.measured_cost import PUBLISHED, MeasuredCostModel, PublishedFit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CALIBRATION = ROOT.parent / "shared" / "calibration"
-# The real runs the online engine is fitted to; the others are held out.
-CALIBRATED_RATES = (1.0, 3.0)
+DISTSERVE_PROFILE = ROOT / "bench" / "data" / "distserve_vllm_0.2.3_profile.json"
+JSERVE_OVERHEAD = ROOT / "bench" / "results" / "engine_overhead.json"
 # The real run the KV capacity is fitted to (it reaches the cache's limit; 4 req/s is held out).
 CAPACITY_RATE = 3.0
-DISTSERVE = ("DistServe (LLMServe/DistServe, Apache-2.0, commit 20a1633): "
-             "simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/vllm-N-R.exp, real "
-             "vLLM 0.2.3 runs of OPT-13B on one A100-SXM4-80GB (ShareGPT, Poisson)")
-SOURCES = {
-    "kernels": "Vidur (microsoft/vidur, MIT) operator profiles of vLLM on A100-80GB: "
-               "data/profiling/compute/a100/meta-llama/Llama-2-7b-hf/mlp.csv, "
-               "data/profiling/a100/attention.csv",
-    "vllm-0.2.3": f"{DISTSERVE}: each request's decoding window at "
-                  f"{', '.join(f'{r:g}' for r in CALIBRATED_RATES)} req/s",
-    "vllm-0.2.3-offline": "DistServe's fitted step times of vLLM 0.2.3 for OPT-13B on one A100-SXM4-80GB "
-                          "(simdistserve/estimators/profile_data/profiler-a100-80g.vllm.json), on the "
-                          "step shapes of its real runs' lengths",
-    "vllm-vidur": "Vidur data/profiling/a100/cpu_overheads.csv, Llama-2-7b-hf, TP 1: schedule + "
-                  "prepare inputs + sampler + process outputs (medians); kernels as profiled",
-}
-
-
-def fit_all(calibration: pathlib.Path) -> tuple[PublishedFit, list[Fit | Residuals]]:
-    """Every fit, and the residuals of the online engine on the runs it was not fitted to."""
-    vidur = calibration / "vidur-a100"
-    kernels, fits = fit_kernels(vidur)
-    cpu = fit_cpu_overhead(read_profile_csv(vidur / "cpu_overheads.csv"))
-    vidur_engine = EngineOverhead("vllm-vidur", cpu.params["step"], cpu.params["per_seq"], 1.0,
-                                  SOURCES["vllm-vidur"])
-    runs = read_distserve_runs(calibration / "distserve-vllm-opt13b-a100-80g")
-    online, online_fit = fit_engine_to_runs(kernels, [r for r in runs if r.rate in CALIBRATED_RATES],
-                                            "vllm-0.2.3", SOURCES["vllm-0.2.3"])
-    held_out = [run_residuals(online, kernels, r) for r in runs if r.rate not in CALIBRATED_RATES]
-    requests = [r for run in runs for r in run.trace.requests]
-    shapes = replay_step_shapes([r.prompt_len for r in requests], [r.output_len for r in requests])
-    offline, offline_fit = fit_engine_overhead(kernels, shapes, "vllm-0.2.3-offline",
-                                               SOURCES["vllm-0.2.3-offline"])
-    engines = {e.name: e for e in (online, offline, vidur_engine)}
-    published = PublishedFit(kernels, engines, {"kernels": SOURCES["kernels"]})
-    return published, [*fits, cpu, online_fit, *held_out, offline_fit]
 
 
 def sim_peak_blocks(run: PublishedRun, num_blocks: int) -> int:
@@ -142,11 +103,11 @@ def fit_capacity(run: PublishedRun) -> tuple[int, float, list[tuple[int, int]]]:
 
 
 def print_fits(fits: list[Fit | Residuals]) -> None:
-    print("Fits to published A100 measurements (relative error = model / measured - 1):")
-    print(f"  {'term':<86} {'n':>5} {'rms':>6} {'p90':>6} {'max':>6}")
+    print("Fits to published measurements (relative error = model / measured - 1):")
+    print(f"  {'term':<96} {'n':>5} {'rms':>6} {'p90':>6} {'max':>6}")
     for fit in fits:
         r = fit.residuals if isinstance(fit, Fit) else fit
-        print(f"  {r.name:<86} {r.num_samples:>5} {r.rms:>6.1%} {r.p90_abs:>6.1%} {r.max_abs:>6.1%}")
+        print(f"  {r.name[:96]:<96} {r.num_samples:>5} {r.rms:>6.1%} {r.p90_abs:>6.1%} {r.max_abs:>6.1%}")
         if isinstance(fit, Fit):
             print("      " + ", ".join(f"{k} = {v:.4g}" for k, v in fit.params.items()))
 
@@ -155,10 +116,10 @@ def print_distserve_grid(published: PublishedFit) -> None:
     """DistServe's vLLM 0.2.3 step times beside the models', OPT-13B on the A100-80GB."""
     cfg, hw = get_config("opt-13b"), get_hardware(PROFILED_ON)
     models = {name: MeasuredCostModel(cfg, hw, kernels=published.kernels, engine=engine)
-              for name, engine in published.engines.items()}
+              for name, engine in published.engines.items() if name.startswith("vllm")}
     models["roofline"] = RooflineCostModel(cfg, hw)
-    print("\nOPT-13B steps on the A100-80GB, ms: DistServe's fit of real vLLM 0.2.3 vs ours")
-    print(f"  {'step':<28} {'DistServe':>9} " + " ".join(f"{n:>18}" for n in models))
+    print("\nOPT-13B steps on the A100-80GB, ms: DistServe's fit of vLLM 0.2.3 run offline vs ours")
+    print(f"  {'step':<20} {'DistServe':>9} " + " ".join(f"{n:>18}" for n in models))
     steps = [(f"prefill {p}", StepShape.prefill(p)) for p in (64, 128, 256, 512, 1024, 2048)]
     steps += [(f"decode {b} x {c}", StepShape.decode([c] * b)) for b, c in
               ((1, 500), (16, 500), (32, 1000), (64, 500), (100, 600), (150, 400), (256, 200))]
@@ -166,7 +127,7 @@ def print_distserve_grid(published: PublishedFit) -> None:
         real = distserve_vllm_step_ms(shape)
         cells = " ".join(f"{m.step_time(shape) * 1e3:>9.1f} ({m.step_time(shape) * 1e3 / real:4.2f}x)"
                          for m in models.values())
-        print(f"  {label:<28} {real:>9.1f} {cells}")
+        print(f"  {label:<20} {real:>9.1f} {cells}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     if not folder.is_dir():
         sys.exit(f"no published measurements at {folder}: this script needs ../shared/calibration "
                  "beside the checkout, or --calibration FOLDER")
-    published, fits = fit_all(folder)
+    published, fits = fit_all(folder, DISTSERVE_PROFILE, JSERVE_OVERHEAD)
     print_fits(fits)
     print_distserve_grid(published)
     runs = {run.rate: run for run in read_distserve_runs(folder / "distserve-vllm-opt13b-a100-80g")}
@@ -225,9 +186,9 @@ def percentiles_ttft_p90(run: PublishedRun) -> float:
 
 def _close(a: PublishedFit, b: PublishedFit) -> bool:
     def numbers(fit: PublishedFit) -> list[float]:
-        values = list(dataclasses.asdict(fit.kernels).values())
+        values = [v for v in dataclasses.asdict(fit.kernels).values() if isinstance(v, float)]
         for engine in fit.engines.values():
-            values += [engine.step, engine.per_seq, engine.gpu_slowdown]
+            values += [engine.step, engine.per_seq, engine.worker_step, engine.eager_launch, engine.gpu_slowdown]
         return values
 
     return a.engines.keys() == b.engines.keys() and all(

@@ -16,6 +16,10 @@ Two sums: "engine" is snapshot + apply + batch + commit (what the engine state c
 whatever the policy); "+ policy" adds schedule: the issue's "bookkeeping, everything but
 the runner", which the goal (<= 0.3 ms per step at 256 running) is judged on.
 
+`bench/calibrate_sim.py` fits the simulator's `jserve` engine-overhead profile (`step +
+per_seq * running`, `--engine-overhead jserve`) to the vllm policy's "+ policy" sums this
+writes to `bench/results/engine_overhead.json`.
+
     python bench/engine_overhead.py [--policies vllm,cacheopt] [--steps 200] [--repeats 3]
 """
 

@@ -10,10 +10,15 @@ percentiles are printed beside the real ones with their ratio, per rate and cost
 `bench/calibrate_sim.py` fitted the measured model's engine terms to the runs at 1 and 3 req/s
 (and its KV capacity to the 3 req/s run); the rates it did not see are marked held out.
 
-Also printed: the saturation rate (the lowest rate whose TTFT p90 passes `SATURATED_TTFT`)
-real vs simulated, and Llama-2-7B's offline ShareGPT throughput on one A100-80GB (1,000
-requests at once, as vLLM's benchmark_throughput runs it) beside vLLM PR #5046's 14.33
-(v0.4.2) and 15.62 req/s (v0.4.3).
+Also printed, each beside real runs that are not in `../shared/` and were not fitted:
+- the saturation rate (the lowest rate whose TTFT p90 passes `SATURATED_TTFT`), real vs
+  simulated;
+- offline ShareGPT throughput (1,000 requests at once, as vLLM's benchmark_throughput runs
+  it) under `vllm-0.4-offline`: Llama-2-7B on one A100-80GB and Llama-2-70B on four, beside
+  vLLM PR #5046's v0.4.2 and v0.4.3 figures, and the same 7B run on an H100 over the A100;
+- OPT-13B's and OPT-66B's prefill and decode step times at TP 1, 2, 4 and 8 under
+  `vllm-0.2.3-offline`, beside DistServe's profile of vLLM 0.2.3 (`bench/data/`), of which
+  only OPT-13B at TP 1 and 2 were fitted.
 
     python bench/sim_vs_real.py                        # every cost model
     python bench/sim_vs_real.py --cost-model measured  # one
@@ -23,7 +28,6 @@ requests at once, as vLLM's benchmark_throughput runs it) beside vLLM PR #5046's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib
@@ -32,13 +36,17 @@ import tempfile
 
 import numpy as np
 
-from jserve.benchmarking.bench import BenchConfig
+from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.metrics import RequestRecord, tpot, ttft
+from jserve.benchmarking.published_fit import WORKER_FIT_AT, read_distserve_profile
 from jserve.benchmarking.published_runs import PublishedRun, distserve_engine, read_distserve_runs
 from jserve.benchmarking.sweep import run_points
 from jserve.benchmarking.workload import save_trace
 from jserve.config import EngineConfig
-from jserve.runners.testbeds import COST_MODELS
+from jserve.models.registry import get_config
+from jserve.runners.cost_model import StepShape
+from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import COST_MODELS, describe, make_cost_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REAL_RUNS = ROOT.parent / "shared" / "calibration" / "distserve-vllm-opt13b-a100-80g"
@@ -48,9 +56,18 @@ CALIBRATED_RATES = (1.0, 3.0)  # as bench/calibrate_sim.py
 GOAL = 0.15  # every percentile within 15% of the real run's
 # A run queueing without bound: the real 4 req/s run's TTFT p90 is 29 s, the 3 req/s run's 1.4 s.
 SATURATED_TTFT = 5.0
-# vLLM PR #5046: offline ShareGPT throughput of a Llama 7B on one GPU (A100 in vLLM's CI).
-VLLM_OFFLINE_REQ_S = {"v0.4.2": 14.33, "v0.4.3": 15.62}
+# vLLM PR #5046 (v0.4.3's release, 2024-05-25): offline ShareGPT throughput in requests/s
+# and tokens/s (prompt and output), "1GPU, Llama 7B" and "4GPU, Llama 70B" (A100s in vLLM's
+# benchmark CI of the time), vLLM v0.4.2 and v0.4.3.
+PR5046 = {("llama-2-7b", 1): {"v0.4.2": (14.33, 6895.75), "v0.4.3": (15.62, 7516.03)},
+          ("llama-2-70b", 4): {"v0.4.2": (8.05, 3871.86), "v0.4.3": (10.15, 4884.14)}}
 OFFLINE_REQUESTS = 1000
+OFFLINE_STACK = "vllm-0.4-offline"
+DISTSERVE_PROFILE = ROOT / "bench" / "data" / "distserve_vllm_0.2.3_profile.json"
+STEP_TABLE_TP = (1, 2, 4, 8)
+STEP_TABLE_STEPS = (("prefill 512", StepShape.prefill(512)), ("prefill 2048", StepShape.prefill(2048)),
+                    ("decode 16 x 500", StepShape.decode([500] * 16)),
+                    ("decode 128 x 500", StepShape.decode([500] * 128)))
 
 
 def percentiles(values: np.ndarray) -> dict[str, float]:
@@ -95,16 +112,59 @@ def saturation_rate(rates: list[float], ttft_p90: list[float]) -> float | None:
     return next((r for r, t in zip(rates, ttft_p90) if t > SATURATED_TTFT), None)
 
 
-def offline_throughput(cost_model: str) -> float:
-    """Llama-2-7B on one A100-80GB, 1,000 ShareGPT requests at once, as vLLM's
-    benchmark_throughput (vLLM's current scheduler defaults), in requests/s."""
-    from jserve.benchmarking.bench import run_benchmark
-
-    engine = EngineConfig(model="llama-2-7b", runner="sim", hardware="a100-80g", policy="vllm",
-                          max_model_len=4096, cost_model=cost_model)
+def offline_throughput(cost_model: str, model: str = "llama-2-7b", hardware: str = "a100-80g",
+                       tp: int = 1) -> tuple[float, float]:
+    """1,000 ShareGPT requests at once on the simulator under `OFFLINE_STACK`, as vLLM's
+    benchmark_throughput runs them (vLLM's scheduler defaults): requests/s and tokens/s."""
+    engine = EngineConfig(model=model, runner="sim", hardware=hardware, policy="vllm", max_model_len=4096,
+                          cost_model=cost_model, engine_overhead=OFFLINE_STACK, tensor_parallel_size=tp)
     result = run_benchmark(BenchConfig(engine=engine, workload="sharegpt", rate=math.inf,
                                        num_requests=OFFLINE_REQUESTS, seed=0), progress=False)
-    return result.summary.throughput_rps
+    return result.summary.throughput_rps, result.vllm["total_token_throughput"]
+
+
+def offline_report(cost_model: str) -> dict:
+    """The offline figures beside PR #5046, and the 7B run's H100 / A100 ratio."""
+    report = {}
+    for (model, tp), published in PR5046.items():
+        rps, tps = offline_throughput(cost_model, model, "a100-80g", tp)
+        report[f"{model} tp{tp}"] = {"sim": (rps, tps), "published": published}
+        cells = ", ".join(f"vLLM {v} {r:.2f} req/s, {t:,.0f} tok/s ({rps / r:.2f}x, {tps / t:.2f}x)"
+                          for v, (r, t) in published.items())
+        print(f"  {model} offline ShareGPT on {tp} A100-80GB under {OFFLINE_STACK}: {rps:.2f} req/s, "
+              f"{tps:,.0f} tok/s; {cells}")
+    h100 = offline_throughput(cost_model, "llama-2-7b", "h100")[0]
+    a100 = report["llama-2-7b tp1"]["sim"][0]
+    report["h100_over_a100"] = h100 / a100
+    print(f"  llama-2-7b on one H100: {h100:.2f} req/s, {h100 / a100:.2f}x the A100-80GB's (an estimate: "
+          "the kernels were measured on A100s and scale by the datasheets)")
+    return report
+
+
+def step_table(cost_model: str) -> list[dict]:
+    """OPT-13B and OPT-66B step times at TP 1-8 under vllm-0.2.3-offline beside DistServe's
+    profile of vLLM 0.2.3 where it has the (model, TP)."""
+    profile = read_distserve_profile(DISTSERVE_PROFILE)
+    fitted = {("opt-13b", 1), WORKER_FIT_AT}
+    rows = []
+    print(f"\nstep times under vllm-0.2.3-offline ({cost_model} kernels, A100-80GB), ms: ours / DistServe's "
+          "profile of vLLM 0.2.3 (x); * fitted there, the rest held out")
+    print(f"  {'model':>8} {'tp':>3} " + " ".join(f"{label:>24}" for label, _ in STEP_TABLE_STEPS))
+    for model in ("opt-13b", "opt-66b"):
+        for tp in STEP_TABLE_TP:
+            cost = make_cost_model(cost_model, get_config(model), get_hardware("a100-80g"), tensor_parallel=tp,
+                                   engine_overhead="vllm-0.2.3-offline")
+            lines = profile.get((model, tp))
+            cells, row = [], {"model": model, "tp": tp, "fitted": (model, tp) in fitted}
+            for label, shape in STEP_TABLE_STEPS:
+                ours = cost.step_time(shape) * 1e3
+                real = lines.step_ms(shape) if lines else None
+                row[label] = {"sim": ours, "real": real}
+                cells.append(f"{ours:7.1f} / {real:6.1f} ({ours / real:4.2f}x)" if real else f"{ours:7.1f} / {'-':>6}       ")
+            mark = "*" if row["fitted"] else " "
+            print(f"  {model:>8} {tp:>2}{mark} " + " ".join(f"{c:>24}" for c in cells))
+            rows.append(row)
+    return rows
 
 
 COLUMNS = [f"{m}_p{p}" for m in ("ttft", "tpot") for p in PERCENTILES]
@@ -134,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as e:
         sys.exit(f"{e}: this script needs ../shared/calibration beside the checkout, or --runs DIR")
     cost_models = args.cost_model or ["measured", "roofline"]
+    for cost_model in cost_models:
+        print(describe(cost_model, get_hardware("a100-80g")))
     rows = replay(runs, cost_models, args.workers)
     print_rows(rows)
     report: dict = {"rows": rows, "goal": GOAL, "saturation": {}, "offline": {}}
@@ -147,10 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{cost_model}: {within} of {len(mine) * len(COLUMNS)} percentiles within {GOAL:.0%} of "
               f"the real runs; saturation (TTFT p90 > {SATURATED_TTFT:g} s) real {real} req/s, sim {sim} req/s")
         if not args.skip_offline:
-            rps = offline_throughput(cost_model)
-            report["offline"][cost_model] = rps
-            published = ", ".join(f"vLLM {v} {x:.2f}" for v, x in VLLM_OFFLINE_REQ_S.items())
-            print(f"  Llama-2-7B offline ShareGPT on one A100-80GB: {rps:.2f} req/s ({published})")
+            report["offline"][cost_model] = offline_report(cost_model)
+        report.setdefault("steps", {})[cost_model] = step_table(cost_model)
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"\nwrote {args.out}")
 

@@ -220,7 +220,8 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
                                      tensor_parallel=config.tensor_parallel_size, swap_path=SwapPath.GATHERED)
         return CalibratedCostModel.load(config.profile, extras=roofline)
     return make_cost_model(config.cost_model, config.model_config(), get_hardware(config.hardware),
-                           config.sim_dtype_bytes, config.tensor_parallel_size, SwapPath.PER_BLOCK_LAYER)
+                           config.sim_dtype_bytes, config.tensor_parallel_size, SwapPath.PER_BLOCK_LAYER,
+                           config.engine_overhead)
 
 
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:

@@ -7,7 +7,7 @@ import gc
 import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -33,6 +33,9 @@ def _checked(make: Callable[[], T]) -> T:
         return make()
     except ValueError as e:
         raise BadArguments(str(e)) from None
+
+if TYPE_CHECKING:
+    from jserve.benchmarking.bench import BenchConfig
 
 from jserve.config import (
     add_engine_args,
@@ -149,21 +152,27 @@ def _write_json(path: str, payload: dict) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def _say_what_is_simulated(config: BenchConfig) -> None:
+    """One line naming the GPU model and the stack a simulated run charges."""
+    from jserve.runners.hardware import get_hardware
+    from jserve.runners.testbeds import describe
+
+    engine = config.engine
+    if engine.runner == "sim" and config.backend == "inprocess":
+        stack = (f"profile {engine.profile}" if engine.profile else
+                 describe(engine.cost_model, get_hardware(engine.hardware), engine.engine_overhead))
+        print(f"simulating {engine.model_name} on {engine.hardware}: {stack}", file=sys.stderr)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from jserve.benchmarking.bench import run_benchmark
     from jserve.benchmarking.metrics import format_table
-    from jserve.runners.hardware import get_hardware
-    from jserve.runners.testbeds import describe
 
     if args.backend == "http" and not args.url:
         print("error: --backend http needs --url", file=sys.stderr)
         return 2
     config = _bench_config(args, args.policy, args.rate, args.backend, args.url)
-    engine = config.engine
-    if engine.runner == "sim" and config.backend == "inprocess":
-        stack = (f"profile {engine.profile}" if engine.profile else
-                 describe(engine.cost_model, get_hardware(engine.hardware)))
-        print(f"simulating {engine.model_name} on {engine.hardware}: {stack}", file=sys.stderr)
+    _say_what_is_simulated(config)
     result = run_benchmark(config)
     print(format_table(result.summary, result.vllm))
     if result.multiturn is not None:
@@ -189,6 +198,7 @@ def _sweep(args: argparse.Namespace) -> int:
         for rate in args.rates:
             _checked(lambda: config.with_policy(policy, rate))  # every point, before any runs
     seeds = args.seeds or [args.seed]
+    _say_what_is_simulated(config)
     sweeps = run_sweeps(config, args.policies, args.rates, seeds, workers=args.workers,
                         ray_address=args.ray)
     for seed, sweep in zip(seeds, sweeps):

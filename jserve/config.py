@@ -27,7 +27,13 @@ from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
 from jserve.runners.sharding import sharded_config
-from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, cost_model_info
+from jserve.runners.testbeds import (
+    COST_MODELS,
+    DEFAULT_COST_MODEL,
+    DEFAULT_ENGINE_OVERHEAD,
+    ENGINE_OVERHEADS,
+    cost_model_info,
+)
 from jserve.models.config import ModelConfig
 from jserve.models.loading import CausalLM, LoadedModel
 from jserve.models.registry import DEFAULT_MODEL, MODELS, get_config
@@ -96,9 +102,14 @@ class EngineConfig:
             default in `jserve serve`, so the server answers early.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
-        cost_model: how the simulator prices a step when no `profile` is given: 'measured'
-            (vLLM as measured on A100s; the default), 'roofline' (ideal, for what-if
-            questions), or a paper's testbed (`jserve.runners.testbeds`).
+        cost_model: how the simulator prices a step's GPU work when no `profile` is given:
+            'measured' (Vidur's A100 kernel profiles; the default), 'roofline' (ideal, for
+            what-if questions), or a paper's testbed (its GPU and its stack;
+            `jserve.runners.testbeds`).
+        engine_overhead: the serving stack whose own time (CPU per step and per sequence,
+            workers under tensor parallelism, eager launches or CUDA graphs) the simulator
+            adds to the GPU's work (`jserve.runners.engine_overhead`); None: the cost
+            model's own (`vllm-0.2.3-server` under 'measured', see `testbeds`).
         tensor_parallel_size: devices one model is split across, Megatron-style (attention
             heads and the MLP's inner dimension; the KV cache by KV head). The real engine
             needs that many JAX devices; the simulator prices the all-reduces over the
@@ -131,6 +142,7 @@ class EngineConfig:
     hardware: str = "a100-80g"
     profile: str | None = None
     cost_model: str = DEFAULT_COST_MODEL
+    engine_overhead: str | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -151,8 +163,14 @@ class EngineConfig:
         _check_choice("attention", self.attention, ATTENTION)
         _check_choice("hardware", self.hardware, tuple(sorted(HARDWARE)))
         _check_choice("cost_model", self.cost_model, COST_MODELS)
+        if self.engine_overhead is not None:
+            _check_choice("engine_overhead", self.engine_overhead, ENGINE_OVERHEADS)
+            if self.profile is not None:
+                raise ValueError("a --profile measures jserve's own runner, its overhead included: "
+                                 "pass --engine-overhead or --profile, not both")
         if self.runner == "sim" and self.profile is None:
             cost_model_info(self.cost_model).check_hardware(self.hardware)
+            cost_model_info(self.cost_model).engine(self.engine_overhead)
         if isinstance(self.predictor, str) and self.predictor != "auto":
             raise ValueError(f"predictor must be 'auto', None or a LengthPredictor, not {self.predictor!r}")
         if self.prefix_cache is not None and self.prefix_cache.eviction not in EVICTION_RULES:
@@ -317,8 +335,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
                         help="accelerator the simulator models; the real engine reads only its "
                              "host link, to price swaps for --profile (default: %(default)s)")
     parser.add_argument("--cost-model", default=d.cost_model, choices=COST_MODELS,
-                        help="how the simulator prices a step when no --profile is given "
+                        help="how the simulator prices a step's GPU work when no --profile is "
+                             "given; a paper's testbed also fixes its GPU and stack "
                              "(default: %(default)s)")
+    parser.add_argument("--engine-overhead", default=None, choices=ENGINE_OVERHEADS, metavar="NAME",
+                        help="the serving stack whose own time the simulator adds to the GPU's "
+                             f"work: {', '.join(ENGINE_OVERHEADS)} (default: the cost model's own, "
+                             f"{DEFAULT_ENGINE_OVERHEAD} under measured)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         metavar="N",
                         help="devices the model is split across (attention heads, MLP, KV heads); "
@@ -379,7 +402,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup,
         background_compile=args.background_compile, hardware=args.hardware, profile=args.profile,
-        cost_model=args.cost_model, tensor_parallel_size=args.tensor_parallel_size,
+        cost_model=args.cost_model, engine_overhead=args.engine_overhead,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

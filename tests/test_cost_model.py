@@ -24,6 +24,7 @@ from jserve.runners.cost_model import (
     recompute_time,
     swap_time,
 )
+from jserve.runners.engine_overhead import KERNELS_ONLY
 from jserve.runners.hardware import HARDWARE, Hardware, get_hardware, kv_capacity_blocks
 from jserve.runners.preemption_cost import fit_preemption_costs, profile_cost_model
 from jserve.models.registry import get_config
@@ -101,7 +102,7 @@ def test_decode_batch1_memory_bound_at_weights_over_bandwidth():
     assert 25e9 < weights < 27e9
     assert parts["memory"] == pytest.approx(weights / (A100.hbm_bandwidth * A100.mbu), rel=0.05)
     assert 13e-3 < parts["memory"] < 17e-3
-    assert model.step_time(shape) == pytest.approx(parts["memory"] + model.step_overhead)
+    assert model.step_time(shape) == pytest.approx(parts["memory"] + model.overhead_time(shape))
 
 
 def test_prefill_2048_compute_bound():
@@ -126,8 +127,8 @@ def test_step_time_monotone_in_tokens_and_context():
     assert (RooflineCostModel(OPT13B, get_hardware("h100")).step_time(StepShape.prefill(2048))
             < model.step_time(StepShape.prefill(2048)))
     # tensor parallelism divides the work and adds its all-reduces
-    tp2 = RooflineCostModel(OPT13B, A100, tensor_parallel=2, step_overhead=0)
-    tp1 = RooflineCostModel(OPT13B, A100, step_overhead=0)
+    tp2 = RooflineCostModel(OPT13B, A100, tensor_parallel=2, engine=KERNELS_ONLY)
+    tp1 = RooflineCostModel(OPT13B, A100, engine=KERNELS_ONLY)
     shape = StepShape.prefill(512)
     assert tp1.communication_time(shape) == 0
     assert tp2.step_time(shape) == pytest.approx(tp1.step_time(shape) / 2 + tp2.communication_time(shape))
@@ -409,7 +410,7 @@ def test_layer_transfers_are_pipelined_with_the_layers_compute():
     link = 10 * copy
     dwork = max(model.compute_time(decode), model.memory_time(decode))
     assert link > dwork
-    assert model.step_time(back) == pytest.approx(link + dwork / L + model.step_overhead)
+    assert model.step_time(back) == pytest.approx(link + dwork / L + model.overhead_time(back))
     # the link is full duplex: retained layers written out as others come back cost no more
     both = dataclasses.replace(back, layer_bytes=_layers(L, to_host=10 * per_layer, to_device=10 * per_layer))
     assert model.step_time(both) == pytest.approx(model.step_time(back))

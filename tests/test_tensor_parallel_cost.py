@@ -14,6 +14,7 @@ from jserve.builder import build_engine, sim_cost_model
 from jserve.cache.sizing import block_bytes
 from jserve.config import EngineConfig
 from jserve.runners.cost_model import ALLREDUCES_PER_LAYER, LayerTransfers, RooflineCostModel, StepShape, overlap_layers
+from jserve.runners.engine_overhead import KERNELS_ONLY
 from jserve.runners.hardware import NVLINK3, PCIE4, Interconnect, get_hardware, kv_capacity_blocks
 from jserve.models.registry import get_config
 
@@ -42,8 +43,8 @@ def test_two_allreduces_a_layer_of_the_steps_hidden_states():
     assert m.communication_time(shape) == pytest.approx(2 * OPT175B.num_layers * one)
     assert m.breakdown(shape)["allreduce"] == m.communication_time(shape)
     # serial with the compute: the step is the single-GPU work over 8 plus the all-reduces
-    solo = RooflineCostModel(OPT175B, A100, step_overhead=0)
-    tp8 = RooflineCostModel(OPT175B, A100, tensor_parallel=8, step_overhead=0)
+    solo = RooflineCostModel(OPT175B, A100, engine=KERNELS_ONLY)
+    tp8 = RooflineCostModel(OPT175B, A100, tensor_parallel=8, engine=KERNELS_ONLY)
     assert tp8.step_time(shape) == pytest.approx(solo.step_time(shape) / 8 + tp8.communication_time(shape))
     # a padded step all-reduces its padding too
     padded = dataclasses.replace(shape, padded_tokens=128)

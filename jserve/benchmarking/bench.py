@@ -48,6 +48,8 @@ from jserve.benchmarking.workload import (
 from jserve.builder import BuiltEngine, build_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.config import EngineConfig
+from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import simulated_stack
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class BenchResult:
         return {
             **self.vllm,
             "config": config_json(self.config),
+            "simulated": simulated_json(self.config),
             "summary": self.summary.to_dict(),
             "wall_time_s": self.wall_time,
             "num_steps": self.num_steps,
@@ -169,6 +172,15 @@ def config_json(cfg: BenchConfig) -> dict[str, Any]:
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     d.update(engine=cfg.engine.to_dict(), rate="inf" if math.isinf(cfg.rate) else cfg.rate)
     return d
+
+
+def simulated_json(cfg: BenchConfig) -> dict[str, str] | None:
+    """The GPU model and serving-stack profile a simulated run was charged for (None for a
+    real run)."""
+    e = cfg.engine
+    if e.runner != "sim" or cfg.backend != "inprocess":
+        return None
+    return simulated_stack(e.cost_model, get_hardware(e.hardware), e.engine_overhead, e.profile)
 
 
 def make_trace(cfg: BenchConfig) -> Trace:

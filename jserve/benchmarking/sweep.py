@@ -24,6 +24,7 @@ from jserve.benchmarking.bench import (
     BenchResult,
     config_json,
     run_benchmark,
+    simulated_json,
 )
 from jserve.benchmarking.metrics import effective_throughput
 
@@ -51,6 +52,7 @@ class SweepResult:
         del config["rate"], config["engine"]["policy"]
         return {
             "config": config,
+            "simulated": simulated_json(self.base),
             "rates": self.rates,
             "effective_throughput": {p: self.effective_throughput(p) for p in self.results},
             "summaries": {p: [r.summary.to_dict() for r in rs] for p, rs in self.results.items()},

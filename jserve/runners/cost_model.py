@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from jserve.runners.hardware import Hardware
 from jserve.models.config import ModelConfig
+from jserve.runners.engine_overhead import FLAT_2MS, EngineOverhead, FitRange, FitRangeWatch
+from jserve.runners.hardware import Hardware
 
 if TYPE_CHECKING:
     from jserve.engine.batch import Batch, LayerTraffic
@@ -92,6 +93,9 @@ class StepShape:
       measured attention kernels cost it (`MeasuredCostModel`): over prefill chunks the sum
       of `q*q` (the chunk against itself) and of `q*s` (against its cached prefix), and over
       decodes the sum of their contexts `s+1`, which a paged decode kernel streams.
+    - `padded_prefill_tokens`: the prefill chunks' tokens were each padded to the longest
+      (chunks x longest), what a stack that pads prompts into a 2-D batch computes (vLLM
+      0.2.x, `EngineOverhead.pads_prompts`).
     """
 
     num_seqs: int
@@ -109,6 +113,7 @@ class StepShape:
     prefill_square: int = 0
     prefill_prefix: int = 0
     decode_context: int = 0
+    padded_prefill_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +145,7 @@ class StepShape:
             prefill_square=int((q[chunk] * q[chunk]).sum()),
             prefill_prefix=int((q[chunk] * s[chunk]).sum()),
             decode_context=int(s[decode].sum()) + num_decode,
+            padded_prefill_tokens=int(chunk.sum()) * int(q[chunk].max()) if chunk.any() else 0,
         )
 
     @classmethod
@@ -304,20 +310,24 @@ def _advance(t: float, amount: float, busy: list[tuple[float, float]], i: int) -
     return t + amount, i
 
 
-# Per-iteration cost that does not scale with the work: the engine's Python scheduling,
-# input preparation, sampling and kernel launches. vLLM-era engines spend ~1-3 ms here per
-# step (less with CUDA graphs on decode); 2 ms is a middle figure. Pass `step_overhead` to
-# change it, or fit a `CalibratedCostModel`, whose intercept measures it.
-DEFAULT_STEP_OVERHEAD = 2e-3
 # Megatron-LM's tensor-parallel transformer layer all-reduces twice: after the attention's
 # output projection and after the MLP's down projection (Shoeybi et al., 2019, Section 3).
 ALLREDUCES_PER_LAYER = 2
+# Kernels a transformer layer launches in an eager step: four GEMMs (QKV, output, the MLP's
+# two), six element-wise kernels (two norms, rotary or positions, activation, two residual
+# adds) and attention (a prefill and a decode kernel when the step holds both); the LM head
+# adds one a step.
+GEMMS_PER_LAYER = 4
+ELEMENTWISE_KERNELS_PER_LAYER = 6
 
 
 class RooflineCostModel:
-    """`step_time = overlap(max(compute, memory) + all-reduces, layer transfers) + swaps +
-    step_overhead` (0 for an empty step), for one GPU of a tensor-parallel group of
-    `tensor_parallel` (each computes and reads its 1/tp share at once).
+    """`step_time = overlap(gpu work + all-reduces, layer transfers) + swaps + the stack's
+    overhead` (0 for an empty step), for one GPU of a tensor-parallel group of
+    `tensor_parallel` (each computes and reads its 1/tp share at once). The GPU's work is
+    `max(compute, memory)` here (`MeasuredCostModel` prices measured kernels instead), times
+    the stack's `gpu_slowdown`, plus its eager launches; the stack (`engine`, an
+    `EngineOverhead` profile) adds its CPU time per step, per sequence and per worker.
 
     - compute = FLOPs / (peak * mfu * tp) with FLOPs = `2 * num_params` per scheduled token
       (every parameter counted as a matmul weight for every token: the LM head really runs
@@ -351,15 +361,14 @@ class RooflineCostModel:
     """
 
     def __init__(self, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
-                 tensor_parallel: int = 1, step_overhead: float = DEFAULT_STEP_OVERHEAD,
+                 tensor_parallel: int = 1, engine: EngineOverhead = FLAT_2MS,
                  swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER) -> None:
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
-        if step_overhead < 0:
-            raise ValueError(f"step_overhead must be >= 0, got {step_overhead}")
-        self.cfg, self.hw = cfg, hw
-        self.dtype_bytes, self.tensor_parallel, self.step_overhead = dtype_bytes, tensor_parallel, step_overhead
+        self.cfg, self.hw, self.engine = cfg, hw, engine
+        self.dtype_bytes, self.tensor_parallel = dtype_bytes, tensor_parallel
         self.swap_path = swap_path
+        self.watch = FitRangeWatch(self.fit_terms(), tensor_parallel, self.tp_terms())
         kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.flops_per_token = 2.0 * cfg.num_params
         self.flops_per_attended = 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers
@@ -376,8 +385,19 @@ class RooflineCostModel:
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.cfg.name}, {self.hw.name}, tp={self.tensor_parallel}, "
-                f"dtype_bytes={self.dtype_bytes}, step_overhead={self.step_overhead}, "
+                f"dtype_bytes={self.dtype_bytes}, engine={self.engine.name}, "
                 f"swap_path={self.swap_path.value})")
+
+    def fit_terms(self) -> list[tuple[str, FitRange]]:
+        """The terms whose fit ranges a step is checked against (`FitRangeWatch`)."""
+        return [(f"engine overhead {self.engine.name}: CPU time per step and per sequence",
+                 self.engine.fit_range)]
+
+    def tp_terms(self) -> list[tuple[str, FitRange]]:
+        """The terms checked against the tensor-parallel degree, once."""
+        if self.tensor_parallel == 1:
+            return []
+        return [(f"engine overhead {self.engine.name}: per-step cost of its workers", self.engine.worker_range)]
 
     def compute_time(self, shape: StepShape) -> float:
         flops = self.flops_per_token * shape.num_tokens + self.flops_per_attended * shape.attended
@@ -444,9 +464,30 @@ class RooflineCostModel:
         `max(compute, memory)`."""
         return max(self.compute_time(shape), self.memory_time(shape))
 
+    def kernel_launches(self, shape: StepShape) -> int:
+        """Kernels one GPU launches in the step (see `GEMMS_PER_LAYER`)."""
+        attention = (shape.num_prefill_tokens > 0) + (shape.num_decode_tokens > 0)
+        return self.cfg.num_layers * (GEMMS_PER_LAYER + ELEMENTWISE_KERNELS_PER_LAYER + attention) + 1
+
+    def launch_time(self, shape: StepShape) -> float:
+        """The GPU's idle time between eagerly launched kernels (0 under a CUDA graph)."""
+        e = self.engine
+        if not e.eager_launch or not shape.num_tokens or \
+                not e.launches_eagerly(shape.num_seqs, shape.num_prefill_tokens > 0):
+            return 0.0
+        return e.eager_launch * self.kernel_launches(shape)
+
+    def gpu_time(self, shape: StepShape) -> float:
+        """The GPU's work of a busy step before all-reduces and copies: its kernels as this
+        stack runs them, their launches, and the hidden cache's K/V recompute."""
+        return (self.engine.gpu_slowdown * self.kernel_time(shape) + self.launch_time(shape)
+                + self.hidden_recompute_time(shape))
+
     def overhead_time(self, shape: StepShape) -> float:
-        """The engine's time per busy step outside the device's work."""
-        return self.step_overhead if shape.num_tokens else 0.0
+        """The stack's time per busy step outside the GPU's work."""
+        if not shape.num_tokens:
+            return 0.0
+        return self.engine.cpu_time(shape.num_seqs, self.tensor_parallel)
 
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         """The terms of `step_time`, for reports and tests."""
@@ -457,6 +498,7 @@ class RooflineCostModel:
             "transfer": self.transfer_time(shape),
             "layer_transfer": self.layer_transfer_time(shape),
             "allreduce": self.communication_time(shape),
+            "launches": self.launch_time(shape),
             "overhead": self.overhead_time(shape),
         }
 
@@ -464,7 +506,8 @@ class RooflineCostModel:
         transfer = self.transfer_time(shape)
         if shape.num_tokens == 0:
             return self.layered_time(0.0, shape) + transfer
-        work = self.kernel_time(shape) + self.hidden_recompute_time(shape)
+        self.watch.check(shape.num_seqs, shape.kv_read_tokens / shape.num_seqs, shape.num_tokens)
+        work = self.gpu_time(shape)
         per_layer = ALLREDUCES_PER_LAYER * self.allreduce_time(shape)
         return self.layered_time(work, shape, per_layer) + transfer + self.overhead_time(shape)
 

@@ -1,21 +1,22 @@
-"""vLLM as measured: step times built from published A100 kernel and engine measurements.
+"""The GPU's work as measured: kernel efficiencies fitted to published A100 profiles.
 
-The roofline (`cost_model.RooflineCostModel`) prices a step at conventional fractions of the
-datasheet peaks plus a flat 2 ms. Replayed against real vLLM runs it is about twice too
-fast (`bench/sim_vs_real.py`). This model prices each part of a step as it was measured on
-A100s instead (`jserve.benchmarking.published_fit` fits it; `bench/calibrate_sim.py` prints the
+The roofline (`cost_model.RooflineCostModel`) prices a step's GPU work at conventional
+fractions of the datasheet peaks. This model prices each kernel as it was measured on A100s
+instead (`jserve.benchmarking.published_fit` fits it; `bench/calibrate_sim.py` prints the
 fits and their residuals):
 
 - linear layers: `launch + max(bytes / (HBM * weight_mbu), FLOPs / (peak * gemm_mfu))` per
   projection per layer (QKV, output, the MLP's two), and the LM head on one row per sequence
   (vLLM computes logits only for each sequence's last token);
-- element-wise kernels (norms, activation, rotary, residual adds): a launch plus a rate per
-  token and hidden unit, per layer;
+- element-wise kernels (norms, activation, rotary, residual adds): a launch plus the bytes
+  they read and write (`elementwise_bytes`) at `elementwise_mbu` of HBM bandwidth, per layer;
 - prefill attention: FlashAttention's measured rates, one against a chunk's own tokens
   (`q*q`, about a third of peak) and one against its cached prefix (`q*s`);
-- decode attention: a launch plus the K/V the batch reads at `kv_mbu` of HBM bandwidth;
-- the serving engine (`EngineOverhead`): a CPU time per step and per sequence, and the
-  factor by which its kernels ran slower than the profiled ones.
+- decode attention: a launch plus the K/V the batch reads at `kv_mbu` of HBM bandwidth.
+
+The serving stack around those kernels is a separate, named `EngineOverhead` profile
+(`jserve.runners.engine_overhead`): its CPU time, its workers' cost under tensor
+parallelism, eager launches or CUDA graphs, and its kernels' slowdown.
 
 Everything else a step may do (swaps, LayerKV's layer copies, Apt-Serve's hidden-cache
 recompute, tensor parallelism's all-reduces) is priced as the roofline prices it, with the
@@ -35,6 +36,7 @@ from typing import Any
 
 from jserve.models.config import ModelConfig
 from jserve.runners.cost_model import RooflineCostModel, StepShape, SwapPath
+from jserve.runners.engine_overhead import EngineOverhead, FitRange
 from jserve.runners.hardware import Hardware
 
 PUBLISHED = pathlib.Path(__file__).with_name("data") / "published_a100.json"
@@ -45,61 +47,76 @@ MEASURED_CHIPS = ("a100-80g", "a100-40g")
 @dataclass(frozen=True)
 class KernelFit:
     """Kernel efficiencies fitted to Vidur's A100 operator profiles (seconds; fractions of
-    the hardware's peak FLOP/s or HBM bandwidth)."""
+    the hardware's peak FLOP/s or HBM bandwidth), and what those profiles covered."""
 
     gemm_launch: float
     weight_mbu: float
     gemm_mfu: float
     elementwise_launch: float
-    elementwise_rate: float  # seconds per token per hidden unit, one layer
+    elementwise_mbu: float  # of HBM bandwidth, over `elementwise_bytes`
     prefill_launch: float
     prefill_square_mfu: float
     prefill_prefix_mfu: float
     decode_launch: float
     kv_mbu: float
-
-
-@dataclass(frozen=True)
-class EngineOverhead:
-    """A serving engine's time per step beyond its kernels: `step + per_seq * sequences`
-    of CPU (scheduling, preparing inputs, sampling, processing outputs), and its kernels'
-    time as a multiple (`gpu_slowdown`) of the profiled ones."""
-
-    name: str
-    step: float
-    per_seq: float
-    gpu_slowdown: float = 1.0
-    source: str = ""
+    fit_range: FitRange = FitRange()
 
     @classmethod
-    def none(cls) -> EngineOverhead:
-        """The kernels alone."""
-        return cls("kernels only", 0.0, 0.0)
+    def from_dict(cls, d: dict[str, Any]) -> KernelFit:
+        return cls(**{k: v for k, v in d.items() if k != "fit_range"},
+                   fit_range=FitRange.from_dict(d.get("fit_range", {})))
+
+
+def elementwise_bytes(cfg: ModelConfig, tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:
+    """Bytes one layer's element-wise kernels read and write per token on one GPU of a group:
+    two norms (read and write the hidden state), two residual adds (two inputs, one output),
+    the activation (the gated MLP reads two halves and writes one; OPT's reads and writes
+    one), and Llama's rotary embedding over its Q and K. Norms and adds are replicated
+    across a tensor-parallel group; the activation and rotary are split."""
+    tp, h = tensor_parallel, cfg.hidden_size
+    ffn = cfg.intermediate_size // tp
+    if cfg.family == "llama":
+        qk = (cfg.num_heads // tp + max(cfg.num_kv_heads // tp, 1)) * cfg.head_dim
+        elements = 4 * h + 6 * h + 3 * ffn + 2 * qk
+    else:
+        elements = 4 * h + 6 * h + 2 * ffn
+    return float(elements * dtype_bytes)
 
 
 @dataclass(frozen=True)
 class PublishedFit:
-    """The shipped fit: kernels and the engines measured beside them."""
+    """The shipped fit: kernels and the engine-overhead profiles measured or derived beside
+    them."""
 
     kernels: KernelFit
     engines: dict[str, EngineOverhead]
     sources: dict[str, str]
 
     def to_dict(self, residuals: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        return {"sources": self.sources, "kernels": dataclasses.asdict(self.kernels),
-                "engines": {k: dataclasses.asdict(v) for k, v in self.engines.items()},
+        kernels = dataclasses.asdict(self.kernels) | {"fit_range": self.kernels.fit_range.to_dict()}
+        return {"sources": self.sources, "kernels": kernels,
+                "engines": {k: v.to_dict() for k, v in self.engines.items()},
                 "residuals": residuals or []}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PublishedFit:
-        return cls(KernelFit(**d["kernels"]), {k: EngineOverhead(**v) for k, v in d["engines"].items()},
-                   dict(d["sources"]))
+        return cls(KernelFit.from_dict(d["kernels"]),
+                   {k: EngineOverhead.from_dict(v) for k, v in d["engines"].items()}, dict(d["sources"]))
 
 
 @functools.cache
 def published_fit(path: pathlib.Path = PUBLISHED) -> PublishedFit:
     """The fit shipped with jserve (`bench/calibrate_sim.py` writes it)."""
     return PublishedFit.from_dict(json.loads(path.read_text()))
+
+
+def engine_overhead(name: str) -> EngineOverhead:
+    """A shipped engine-overhead profile by name."""
+    engines = published_fit().engines
+    try:
+        return engines[name]
+    except KeyError:
+        raise ValueError(f"unknown engine overhead {name!r}; known: {', '.join(engines)}") from None
 
 
 class MeasuredCostModel(RooflineCostModel):
@@ -109,8 +126,8 @@ class MeasuredCostModel(RooflineCostModel):
     def __init__(self, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2, tensor_parallel: int = 1,
                  swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER, *, kernels: KernelFit,
                  engine: EngineOverhead) -> None:
-        super().__init__(cfg, hw, dtype_bytes, tensor_parallel, step_overhead=0.0, swap_path=swap_path)
-        self.kernels, self.engine = kernels, engine
+        self.kernels = kernels
+        super().__init__(cfg, hw, dtype_bytes, tensor_parallel, engine=engine, swap_path=swap_path)
         # The roofline's terms that stay (hidden-cache recompute, swap gathers, slot copies)
         # run at the measured efficiencies.
         self.flop_rate = hw.peak_flops * kernels.gemm_mfu * tensor_parallel
@@ -123,7 +140,8 @@ class MeasuredCostModel(RooflineCostModel):
         self.head_gemm = (d, -(-cfg.vocab_size // tp))
         self.pair_flops = 4.0 * q_heads * hd  # per (query, key) pair, per layer
         self.kv_token_bytes = 2.0 * kv_heads * hd * dtype_bytes  # K and V, per layer
-        self.hidden = d
+        self.elementwise_token_time = elementwise_bytes(cfg, tp, dtype_bytes) / (
+            hw.hbm_bandwidth * kernels.elementwise_mbu)
 
     @property
     def estimated_on(self) -> bool:
@@ -150,23 +168,28 @@ class MeasuredCostModel(RooflineCostModel):
             t += k.decode_launch + shape.decode_context * self.kv_token_bytes / (self.hw.hbm_bandwidth * k.kv_mbu)
         return t
 
+    def fit_terms(self) -> list[tuple[str, FitRange]]:
+        return [("measured kernels (Vidur's A100 profiles)", self.kernels.fit_range), *super().fit_terms()]
+
+    def tp_terms(self) -> list[tuple[str, FitRange]]:
+        return [("measured kernels (Vidur's A100 profiles)", self.kernels.fit_range), *super().tp_terms()]
+
     def kernel_time(self, shape: StepShape) -> float:
-        """The step's kernels on one GPU of the group, times the engine's slowdown."""
-        tokens, k = shape.num_tokens, self.kernels
+        """The step's kernels on one GPU of the group, as profiled; the linear layers and
+        element-wise kernels over padded prompts when the stack pads them."""
+        k = self.kernels
+        tokens = shape.num_tokens
+        if self.engine.pads_prompts and shape.padded_prefill_tokens:
+            tokens = shape.padded_prefill_tokens + shape.num_decode_tokens
         layer = (sum(self._gemm(tokens, kk, n) for kk, n in self.layer_gemms)
-                 + k.elementwise_launch + k.elementwise_rate * tokens * self.hidden
+                 + k.elementwise_launch + self.elementwise_token_time * tokens
                  + self.attention_time(shape))
-        total = self.cfg.num_layers * layer + self._gemm(shape.num_seqs, *self.head_gemm)
-        return self.engine.gpu_slowdown * total
+        return self.cfg.num_layers * layer + self._gemm(shape.num_seqs, *self.head_gemm)
 
     def breakdown(self, shape: StepShape) -> dict[str, float]:
-        """The terms of `step_time`: the measured kernels in place of the roofline's compute
-        and memory."""
+        """The terms of `step_time`: the measured kernels (as this stack runs them) in place
+        of the roofline's compute and memory."""
         terms = super().breakdown(shape)
         del terms["compute"], terms["memory"]
-        return {"kernels": self.kernel_time(shape) if shape.num_tokens else 0.0} | terms
-
-    def overhead_time(self, shape: StepShape) -> float:
-        if not shape.num_tokens:
-            return 0.0
-        return self.engine.step + self.engine.per_seq * shape.num_seqs
+        kernels = self.engine.gpu_slowdown * self.kernel_time(shape) if shape.num_tokens else 0.0
+        return {"kernels": kernels} | terms

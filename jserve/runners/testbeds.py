@@ -1,51 +1,57 @@
-"""The simulator's step-time models by name (`EngineConfig.cost_model`, `--cost-model`).
+"""The simulator's step-time models by name (`EngineConfig.cost_model`, `--cost-model`), each
+with the serving stack it charges (`EngineConfig.engine_overhead`, `--engine-overhead`).
 
-- `measured` (the default): vLLM as measured, `MeasuredCostModel` with the kernel
-  efficiencies fitted to Vidur's A100 profiles and the engine overhead of vLLM 0.2.3's online
-  server fitted to its real runs (`bench/calibrate_sim.py`; `bench/sim_vs_real.py` replays
-  them). Measured on the A100; on other hardware the same fractions of its datasheet peaks,
-  an estimate (`CostModelInfo.estimate`).
-- `measured-vidur`: the same kernels with the CPU time per step Vidur profiled of a later,
-  leaner vLLM run offline (what vLLM's offline throughput benchmark sees).
-- `roofline`: the ideal `RooflineCostModel` (conventional MFU 0.6 / MBU 0.8 and a flat 2 ms
-  per step), for what-if questions; about twice too fast against real vLLM runs.
-- A paper's testbed (`apt-serve`, `layerkv`): the measured kernels on the paper's hardware,
-  with the engine's CPU time per sequence fitted (`bench/testbeds.py`) so that vLLM on the
-  simulator reaches the capacity the paper states for its own vLLM; each names its hardware
-  and refuses another. CacheOpt and T-LRU state no step time or vLLM capacity of their
-  testbeds: they run on `measured` (both used A100-80GB-class GPUs).
+A step's time is the GPU's work plus the stack's own overhead (`engine_overhead`):
 
-A `--profile` from `jserve profile` overrides all of them: it measures jserve's own runner.
+- `measured` (the default): the GPU's work as Vidur's A100 kernel profiles price it
+  (`MeasuredCostModel`); on other hardware the same fractions of its datasheet peaks, an
+  estimate (`CostModelInfo.estimate`).
+- `roofline`: the ideal `RooflineCostModel` (conventional MFU 0.6 / MBU 0.8), for what-if
+  questions.
+- A paper's testbed (`apt-serve`, `layerkv`): the measured kernels on the paper's GPU under
+  the paper's serving stack, as the paper states them; each refuses other hardware and
+  other stacks. No term is fitted to the paper: `bench/testbeds.py` prints the figures the
+  paper states of its vLLM beside the testbed's. CacheOpt and T-LRU state neither a step
+  time nor a vLLM capacity of their testbeds: they run on `measured`.
+
+The stack defaults to `DEFAULT_ENGINE_OVERHEAD` under `measured`: vLLM 0.2.3's API server,
+the one stack fitted to real online serving runs (DistServe's, with arrivals, which is what
+`jserve bench` with a rate simulates). An offline throughput question (`--rate inf`, as
+vLLM's benchmark_throughput) should name its stack: `--engine-overhead vllm-0.4-offline`.
+The roofline keeps a flat 2 ms a step unless a stack is named. A `--profile` from `jserve
+profile` overrides all of them: it measures jserve's own runner.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from jserve.models.config import ModelConfig
 from jserve.runners.cost_model import RooflineCostModel, SwapPath
+from jserve.runners.engine_overhead import EngineOverhead
 from jserve.runners.hardware import Hardware
-from jserve.runners.measured_cost import MEASURED_CHIPS, EngineOverhead, MeasuredCostModel, published_fit
+from jserve.runners.measured_cost import MEASURED_CHIPS, MeasuredCostModel, engine_overhead, published_fit
 
 DEFAULT_COST_MODEL = "measured"
-# The engine whose measured overhead `measured` adds to the kernels.
-MEASURED_ENGINE = "vllm-0.2.3"
-# The paper testbeds' CPU time per sequence per step, fitted by `bench/testbeds.py`.
-APT_SERVE_PER_SEQ = 0.244e-3
-LAYERKV_PER_SEQ = 0.178e-3
+DEFAULT_ENGINE_OVERHEAD = "vllm-0.2.3-server"
+ENGINE_OVERHEADS: tuple[str, ...] = tuple(published_fit().engines)
+
+Make = Callable[[ModelConfig, Hardware, int, int, SwapPath, EngineOverhead], RooflineCostModel]
 
 
 @dataclass(frozen=True)
 class CostModelInfo:
-    """A named step-time model: how to make it and what it stands for."""
+    """A named step-time model: how to make its GPU work, the stack it charges by default,
+    and what it stands for."""
 
     name: str
     summary: str
-    make: Callable[[ModelConfig, Hardware, int, int, SwapPath], RooflineCostModel]
+    make: Make
+    engine_overhead: str  # the stack it charges unless another is named
     measured_on: tuple[str, ...] = ()  # hardware it was measured on; elsewhere an estimate
     hardware: str | None = None  # the only hardware it models (a paper's testbed)
+    paper: str = ""  # a testbed's paper and what it states of its stack
 
     def estimate(self, hw: Hardware) -> bool:
         return hw.name not in self.measured_on
@@ -55,72 +61,48 @@ class CostModelInfo:
             raise ValueError(f"cost model {self.name!r} is the paper's testbed on {self.hardware}: "
                              f"pass --hardware {self.hardware}, not {hardware}")
 
-
-@dataclass(frozen=True)
-class PaperTestbed:
-    """A paper's serving testbed: the measured kernels on its hardware, and an engine whose
-    CPU time per sequence is fitted so that vLLM reaches the capacity the paper states
-    (`bench/testbeds.py` fits `per_seq` and prints every figure the paper states beside the
-    testbed's)."""
-
-    name: str
-    paper: str
-    hardware: str
-    base_engine: str  # the shipped engine whose other terms it keeps
-    per_seq: float  # seconds per sequence per step, fitted
-    states: str  # what the paper states, that `per_seq` is fitted to
-
-    def engine(self) -> EngineOverhead:
-        base = published_fit().engines[self.base_engine]
-        return dataclasses.replace(base, name=f"{self.name} testbed", per_seq=self.per_seq,
-                                   source=f"{self.paper}: {self.states}")
+    def engine(self, name: str | None) -> EngineOverhead:
+        """The stack to charge: `name`, or this model's own when None. A testbed keeps its
+        paper's stack."""
+        if self.hardware is not None and name not in (None, self.engine_overhead):
+            raise ValueError(f"cost model {self.name!r} is the paper's testbed under {self.engine_overhead}: "
+                             f"pass --cost-model measured to charge another stack, not {name}")
+        return engine_overhead(name or self.engine_overhead)
 
 
-PAPER_TESTBEDS: dict[str, PaperTestbed] = {t.name: t for t in [
-    PaperTestbed("apt-serve", "Apt-Serve (SIGMOD 2025), Section 3.1 / Figure 2a", "a100-40g",
-                 MEASURED_ENGINE, per_seq=APT_SERVE_PER_SEQ,
-                 states="vLLM serving OPT-13B on one A100-40GB reaches 90% SLO attainment (TTFT and "
-                        "P99 TBT 1 s, 500 ShareGPT requests, Poisson) near 2.6 req/s"),
-    PaperTestbed("layerkv", "LayerKV, Section 5.2.4 / Figure 8", "l20", "vllm-vidur",
-                 per_seq=LAYERKV_PER_SEQ,
-                 states="vLLM 0.5.5 serving Llama-2-7B on one L20 begins to violate its SLOs (TTFT "
-                        "3 s, TPOT 200 ms, ShareGPT, Poisson) at 6 req/s"),
-]}
+def _measured(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, tp: int, swap_path: SwapPath,
+              engine: EngineOverhead) -> MeasuredCostModel:
+    return MeasuredCostModel(cfg, hw, dtype_bytes, tp, swap_path, kernels=published_fit().kernels, engine=engine)
 
 
-def measured_from(engine: Callable[[], EngineOverhead]) -> Callable[[ModelConfig, Hardware, int, int, SwapPath],
-                                                                  MeasuredCostModel]:
-    def make(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, tp: int, swap_path: SwapPath) -> MeasuredCostModel:
-        return MeasuredCostModel(cfg, hw, dtype_bytes, tp, swap_path, kernels=published_fit().kernels,
-                                 engine=engine())
-
-    return make
-
-
-def _roofline(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, tp: int, swap_path: SwapPath) -> RooflineCostModel:
-    return RooflineCostModel(cfg, hw, dtype_bytes, tp, swap_path=swap_path)
+def _roofline(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, tp: int, swap_path: SwapPath,
+              engine: EngineOverhead) -> RooflineCostModel:
+    return RooflineCostModel(cfg, hw, dtype_bytes, tp, engine=engine, swap_path=swap_path)
 
 
 TESTBEDS: dict[str, CostModelInfo] = {info.name: info for info in [
-    CostModelInfo("measured", "vLLM as measured on A100s (Vidur's kernels, vLLM 0.2.3's online engine)",
-                  measured_from(lambda: published_fit().engines[MEASURED_ENGINE]), MEASURED_CHIPS),
-    CostModelInfo("measured-vidur", "Vidur's kernels and its profile of vLLM's CPU time per step "
-                  "(a later, leaner vLLM, run offline)",
-                  measured_from(lambda: published_fit().engines["vllm-vidur"]), MEASURED_CHIPS),
-    CostModelInfo("roofline", "ideal roofline (MFU 0.6, MBU 0.8, 2 ms a step), for what-if questions",
-                  _roofline),
-    *(CostModelInfo(t.name, f"{t.paper}'s testbed: {t.states}", measured_from(t.engine), hardware=t.hardware)
-      for t in PAPER_TESTBEDS.values()),
+    CostModelInfo("measured", "the GPU's work as Vidur's A100 kernel profiles price it", _measured,
+                  DEFAULT_ENGINE_OVERHEAD, MEASURED_CHIPS),
+    CostModelInfo("roofline", "ideal roofline (MFU 0.6, MBU 0.8), for what-if questions", _roofline, "flat-2ms"),
+    CostModelInfo("apt-serve", "Apt-Serve's testbed: OPT on A100-40GB under vLLM 0.5.0.post1 with "
+                  "--enforce-eager", _measured, "vllm-0.5-eager", MEASURED_CHIPS, "a100-40g",
+                  "Apt-Serve (SIGMOD 2025), Section 6 and its README: vLLM 0.5.0.post1, --enforce-eager, "
+                  "one A100-40GB for OPT-13B"),
+    CostModelInfo("layerkv", "LayerKV's testbed: L20 48GB under vLLM 0.5.5's server with CUDA graphs",
+                  _measured, "vllm-0.5-server", MEASURED_CHIPS, "l20",
+                  "LayerKV, Section 5.1: L20 48GB GPUs, two sharing a PCIe link, PyTorch 2.4.0, CUDA 12.2, "
+                  "vLLM 0.5.5"),
 ]}
 COST_MODELS: tuple[str, ...] = tuple(TESTBEDS)
+PAPER_TESTBEDS: dict[str, CostModelInfo] = {k: v for k, v in TESTBEDS.items() if v.hardware is not None}
 
 
 def make_cost_model(name: str, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
-                    tensor_parallel: int = 1,
-                    swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER) -> RooflineCostModel:
+                    tensor_parallel: int = 1, swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER,
+                    engine_overhead: str | None = None) -> RooflineCostModel:
     info = cost_model_info(name)
     info.check_hardware(hw.name)
-    return info.make(cfg, hw, dtype_bytes, tensor_parallel, swap_path)
+    return info.make(cfg, hw, dtype_bytes, tensor_parallel, swap_path, info.engine(engine_overhead))
 
 
 def cost_model_info(name: str) -> CostModelInfo:
@@ -130,9 +112,23 @@ def cost_model_info(name: str) -> CostModelInfo:
         raise ValueError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}") from None
 
 
-def describe(name: str, hardware: Hardware) -> str:
-    """One line saying what a simulated step costs and how far it was measured, for reports."""
+def describe(name: str, hardware: Hardware, engine: str | None = None) -> str:
+    """One line naming the GPU model and the stack a simulated step is charged for, and how
+    far each was measured, for reports."""
     info = cost_model_info(name)
     scaled = ", an estimate: measured on A100s and scaled by the datasheet" if info.estimate(hardware) and \
         info.measured_on else ""
-    return f"cost model {name} ({info.summary}{scaled})"
+    return (f"cost model {name} ({info.summary} on {hardware.name}{scaled}), "
+            f"engine overhead {info.engine(engine).describe()}")
+
+
+def simulated_stack(cost_model: str, hardware: Hardware, engine: str | None, profile: str | None) -> dict[str, str]:
+    """What a simulated run charges, for its JSON: the GPU's model and the stack's profile by
+    name, or the profile file that replaces both."""
+    if profile:
+        return {"profile": profile, "hardware": hardware.name}
+    info = cost_model_info(cost_model)
+    overhead = info.engine(engine)
+    return {"hardware": hardware.name, "gpu": cost_model, "engine_overhead": overhead.name,
+            "gpu_estimate": str(info.estimate(hardware)), "engine_overhead_estimate": str(overhead.estimate),
+            "description": describe(cost_model, hardware, engine)}
