@@ -27,6 +27,7 @@ from jserve.policies import POLICIES, make_policy
 from jserve.policies.tail_optimized_lru import EVICTION_RULES, ORACLE_RULES
 from jserve.runners.hardware import HARDWARE, get_hardware, kv_capacity_blocks
 from jserve.runners.sharding import sharded_config
+from jserve.runners.engine_overhead import EngineOverhead
 from jserve.runners.testbeds import (
     COST_MODELS,
     DEFAULT_COST_MODEL,
@@ -108,8 +109,9 @@ class EngineConfig:
             `jserve.runners.testbeds`).
         engine_overhead: the serving stack whose own time (CPU per step and per sequence,
             workers under tensor parallelism, eager launches or CUDA graphs) the simulator
-            adds to the GPU's work (`jserve.runners.engine_overhead`); None: the cost
-            model's own (`vllm-0.2.3-server` under 'measured', see `testbeds`).
+            adds to the GPU's work: a shipped profile's name or an `EngineOverhead` of one's
+            own (`jserve.runners.engine_overhead`); None: the cost model's own
+            (`vllm-0.2.3-server` under 'measured', see `testbeds`).
         tensor_parallel_size: devices one model is split across, Megatron-style (attention
             heads and the MLP's inner dimension; the KV cache by KV head). The real engine
             needs that many JAX devices; the simulator prices the all-reduces over the
@@ -142,7 +144,7 @@ class EngineConfig:
     hardware: str = "a100-80g"
     profile: str | None = None
     cost_model: str = DEFAULT_COST_MODEL
-    engine_overhead: str | None = None
+    engine_overhead: str | EngineOverhead | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -164,7 +166,8 @@ class EngineConfig:
         _check_choice("hardware", self.hardware, tuple(sorted(HARDWARE)))
         _check_choice("cost_model", self.cost_model, COST_MODELS)
         if self.engine_overhead is not None:
-            _check_choice("engine_overhead", self.engine_overhead, ENGINE_OVERHEADS)
+            if isinstance(self.engine_overhead, str):
+                _check_choice("engine_overhead", self.engine_overhead, ENGINE_OVERHEADS)
             if self.profile is not None:
                 raise ValueError("a --profile measures jserve's own runner, its overhead included: "
                                  "pass --engine-overhead or --profile, not both")
@@ -243,6 +246,7 @@ class EngineConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         cache = self.prefix_cache
         d.update(model=self.model_name, policy=self.policy_name,
+                 engine_overhead=getattr(self.engine_overhead, "name", self.engine_overhead),
                  predictor=self.predictor if self.predictor in ("auto", None)
                  else type(self.predictor).__name__,
                  prefix_cache=None if cache is None else

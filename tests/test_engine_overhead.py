@@ -86,6 +86,9 @@ def test_the_engine_overhead_is_chosen_by_name_and_checked() -> None:
     sim = EngineConfig(runner="sim", model="llama-2-7b", engine_overhead="vllm-0.4-offline")
     assert sim_cost_model(sim).engine.name == "vllm-0.4-offline"
     assert sim_cost_model(EngineConfig(runner="sim", model="llama-2-7b")).engine.name == DEFAULT_ENGINE_OVERHEAD
+    mine = dataclasses.replace(engine_overhead("vllm-0.4-offline"), name="mine", per_seq=1e-3)
+    custom = EngineConfig(runner="sim", model="llama-2-7b", engine_overhead=mine)
+    assert sim_cost_model(custom).engine is mine and custom.to_dict()["engine_overhead"] == "mine"
     with pytest.raises(ValueError, match="engine_overhead.*nosuch"):
         EngineConfig(runner="sim", model="opt-13b", engine_overhead="nosuch")
     with pytest.raises(ValueError, match="testbed under vllm-0.5-eager"):

@@ -61,13 +61,16 @@ class CostModelInfo:
             raise ValueError(f"cost model {self.name!r} is the paper's testbed on {self.hardware}: "
                              f"pass --hardware {self.hardware}, not {hardware}")
 
-    def engine(self, name: str | None) -> EngineOverhead:
-        """The stack to charge: `name`, or this model's own when None. A testbed keeps its
-        paper's stack."""
+    def engine(self, stack: str | EngineOverhead | None) -> EngineOverhead:
+        """The stack to charge: a profile's name, a profile, or this model's own when None. A
+        testbed keeps its paper's stack."""
+        name = getattr(stack, "name", stack)
         if self.hardware is not None and name not in (None, self.engine_overhead):
             raise ValueError(f"cost model {self.name!r} is the paper's testbed under {self.engine_overhead}: "
                              f"pass --cost-model measured to charge another stack, not {name}")
-        return engine_overhead(name or self.engine_overhead)
+        if isinstance(stack, EngineOverhead):
+            return stack
+        return engine_overhead(stack or self.engine_overhead)
 
 
 def _measured(cfg: ModelConfig, hw: Hardware, dtype_bytes: int, tp: int, swap_path: SwapPath,
@@ -99,7 +102,7 @@ PAPER_TESTBEDS: dict[str, CostModelInfo] = {k: v for k, v in TESTBEDS.items() if
 
 def make_cost_model(name: str, cfg: ModelConfig, hw: Hardware, dtype_bytes: int = 2,
                     tensor_parallel: int = 1, swap_path: SwapPath = SwapPath.PER_BLOCK_LAYER,
-                    engine_overhead: str | None = None) -> RooflineCostModel:
+                    engine_overhead: str | EngineOverhead | None = None) -> RooflineCostModel:
     info = cost_model_info(name)
     info.check_hardware(hw.name)
     return info.make(cfg, hw, dtype_bytes, tensor_parallel, swap_path, info.engine(engine_overhead))
@@ -112,7 +115,7 @@ def cost_model_info(name: str) -> CostModelInfo:
         raise ValueError(f"unknown cost model {name!r}; known: {', '.join(COST_MODELS)}") from None
 
 
-def describe(name: str, hardware: Hardware, engine: str | None = None) -> str:
+def describe(name: str, hardware: Hardware, engine: str | EngineOverhead | None = None) -> str:
     """One line naming the GPU model and the stack a simulated step is charged for, and how
     far each was measured, for reports."""
     info = cost_model_info(name)
@@ -122,7 +125,8 @@ def describe(name: str, hardware: Hardware, engine: str | None = None) -> str:
             f"engine overhead {info.engine(engine).describe()}")
 
 
-def simulated_stack(cost_model: str, hardware: Hardware, engine: str | None, profile: str | None) -> dict[str, str]:
+def simulated_stack(cost_model: str, hardware: Hardware, engine: str | EngineOverhead | None,
+                    profile: str | None) -> dict[str, str]:
     """What a simulated run charges, for its JSON: the GPU's model and the stack's profile by
     name, or the profile file that replaces both."""
     if profile:
