@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-# One line on stderr per term a run extrapolates (Python's last-resort handler prints
-# warnings when the application configures no logging).
+
+class _StderrLine(logging.Handler):
+    """`warning: ...` on whatever stderr is when a warning is raised, whatever else has
+    configured the root logger (orbax's absl logging does at import)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(f"warning: {record.getMessage()}\n")
+
+
 log = logging.getLogger("jserve.simulator")
+log.addHandler(_StderrLine())
+log.propagate = False
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ class FitRangeWatch:
         if why is None or label in self.warned:
             return
         self.warned.add(label)
-        log.warning("warning: %s: %s; the simulator extrapolates it", label, why)
+        log.warning("%s: %s; the simulator extrapolates it", label, why)
 
     def check(self, num_seqs: int, mean_context: float, num_tokens: int) -> None:
         for label, r in self.terms:
