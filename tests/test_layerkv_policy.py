@@ -172,9 +172,13 @@ def test_eq1_current_tpot_decoding_from_the_host_counts_the_link():
     policy = LayerKVPolicy(costs=costs)
     assert policy.current_batch(view, np.arange(4)).tolist() == [0, 1, 2, 3]
     assert policy.current_tpot(view, np.arange(4)) == pytest.approx(0.09)
-    slow = LayerKVPolicy(costs=dataclasses.replace(costs, pcie_bandwidth=1e4))
-    assert slow.current_tpot(view, np.arange(4)) == pytest.approx(3 * 33 * 4 * 32 / 1e4)
-    assert slow.min_allowed_prefill_time(view) == pytest.approx(0.2 * 120 - (2.0 + 1.2672 * 100))
+    # on a slow link none of them decodes beside the running one (their reads would not
+    # hide under its step), so the batch is that one; decoding all regardless, the link sets it
+    slow = dataclasses.replace(costs, pcie_bandwidth=1e4)
+    assert LayerKVPolicy(costs=slow).current_batch(view, np.arange(4)).tolist() == [0]
+    every = LayerKVPolicy(costs=slow, hide_host_reads=False)
+    assert every.current_tpot(view, np.arange(4)) == pytest.approx(3 * 33 * 4 * 32 / 1e4)
+    assert every.min_allowed_prefill_time(view) == pytest.approx(0.2 * 120 - (2.0 + 1.2672 * 100))
 
 
 def test_algorithm1_admits_while_the_summed_prefill_stays_strictly_below():
@@ -319,3 +323,16 @@ def test_registered_with_its_ablation():
     whole = POLICIES["layerkv-whole"]()
     assert whole.name == "layerkv-whole" and not whole.decode_from_host and POLICIES["layerkv"]().decode_from_host
     assert LayerKVPolicy.predictor_kind == "s3"
+
+
+def test_host_decodes_only_while_their_reads_hide_under_the_step():
+    # a running request and two OFFLOADED ones (33 tokens, every layer on the host: 33 * 4 *
+    # 32 bytes a step); a decode step takes 0.05 s. At 1e6 B/s one read (4.2 ms) hides, two
+    # (8.4 ms) too; at 1e5 B/s one takes 42 ms and fits, two do not
+    run = decoding(0.0, 90.0, 5)
+    held = [decoding(1.0 + k, 95.0, 1, status=OFFLOADED, device_layers=0) for k in range(2)]
+    for bandwidth, decoded in ((1e6, [0, 1, 2]), (1e5, [0, 1]), (1e4, [0])):
+        costs = dataclasses.replace(COSTS, pcie_bandwidth=bandwidth)
+        assert list(LayerKVPolicy(costs=costs).schedule(make_view([run, *held], free=0)).run) == decoded
+        every = LayerKVPolicy(costs=costs, hide_host_reads=False).schedule(make_view([run, *held], free=0))
+        assert list(every.run) == [0, 1, 2]

@@ -25,15 +25,16 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   metric defines it (`(finish - first token) / (output - 1)`): N_past = output tokens
   after the first, T_past = now - first token time (it includes time waiting to decode,
   as the paper says); "the current TPOT" of T_future = the time of a decode iteration of
-  the batch that decodes (`current_batch`; the paper monitors the current iteration): the
+  the batch that decodes (`current_batch`; the paper monitors the current iteration: the
+  running requests and the OFFLOADED ones that decode from the host beside them): the
   runner's fitted decode line (`LayerKVCosts.decode_time`) or, when OFFLOADED requests
   decode in it, the time their host layers take to cross the link if longer (Eq. 4's form
   read host -> device, `current_tpot`: the copies pipeline with the compute, so the
   slower of the two sets the step); without fitted costs each request's own TPOT so far
-  (T_past / N_past). With the whole-block return the batch is the running requests (all
-  of D only while nothing runs): OFFLOADED ones wait because they do not fit, and a step
-  of all of D read 113 ms where the running batch's took 64-75 ms at fixed 2k prompts
-  (issue 28). N_future = lower edge of the predicted length's bucket - tokens generated, at least
+  (T_past / N_past). OFFLOADED requests that wait for room are not in it (all of D only
+  while none of it would decode): a step of all of D read 113 ms where the running
+  batch's took 64-75 ms at fixed 2k prompts (issue 28), and counting them shut Eq. 2's
+  gate at fixed 2k prompts (1.1x mean TTFT, issue 41). N_future = lower edge of the predicted length's bucket - tokens generated, at least
   1; without a prediction 1 (the conservative end); a request whose length is known
   (`ignore_eos` with a `max_tokens` that fits: `jserve.engine.admission.known_prediction`)
   has N_future = its length - tokens generated, and Eq. 5 ends it at that length. T_tpot is the request's own TBT SLO,
@@ -56,9 +57,15 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   others. Where the free whole blocks cover it and its next token (with vLLM's
   watermark), oldest first, it is brought back instead, all layers at once into whole
   blocks, and decodes in that same step from the device ("maximizing the number of
-  layers retained on the GPU", Section 5.2.3). `decode_from_host = False` (`layerkv/whole`)
+  layers retained on the GPU", Section 5.2.3). `decode_from_host = False` (`layerkv-whole`)
   is our earlier reading, kept to compare: an OFFLOADED request decodes only once it is
-  brought back whole.
+  brought back whole. With fitted costs a request decodes from the host only while the
+  step's host reads, its own added, take no longer than the step's compute
+  (`hide_host_reads`; the others wait to come back whole): Section 3.1.1's overlap
+  condition, which keeps vLLM's throughput, read for the decode. Without it
+  (`hide_host_reads=False`) every OFFLOADED request decodes, and a 2k-token request with
+  every layer on the host reads 1 GiB a step, 43 ms over the L20's PCIe link
+  (`bench/results/layerkv_issue41.md`).
 - Forecast and further offload (Section 3.1.1, Eq. 5): `Avail(t + 1) = Avail(t) +
   Released(t) - Allocated(t)` over `horizon` stages, in device layer slots. Ours: a stage
   is `block_size` decode iterations, the span in which each sequence needs at most the one
@@ -185,6 +192,7 @@ class LayerKVPolicy:
     chunked_prefill: bool = False
     slo_aware: bool = True  # Algorithm 1; False: the paper's ablation
     decode_from_host: bool = True  # Section 4; False: decode only once brought back whole
+    hide_host_reads: bool = True  # host decodes only while their reads hide under the step
     watermark: float = 0.01  # vLLM's: free blocks kept back from admissions and bring-backs
     horizon: int = 4  # Eq. 5 stages of `block_size` decode iterations (ours)
     threshold: float = 0.01  # Eq. 5's floor, a fraction of the blocks (ours: vLLM's watermark)
@@ -221,14 +229,35 @@ class LayerKVPolicy:
         return Allowances(d, n_past, n_future, allowed_prefill_time(r.tbt_slo[d], n_past, n_future, t_past, tpot))
 
     def current_batch(self, view: SchedulerView, d: np.ndarray) -> np.ndarray:
-        """Rows of the decode iteration Eq. 1's "current TPOT" stands for: all of D when
-        OFFLOADED requests decode from the host; with the whole-block return the running
-        ones (the OFFLOADED wait because they do not fit, so no step decodes them with the
-        rest), all of D only while nothing runs."""
+        """Rows of the decode iteration Eq. 1's "current TPOT" stands for: the running
+        requests and the OFFLOADED ones that decode from the host with them (`hidden_reads`);
+        the other OFFLOADED wait because they do not fit, so no step decodes them with the
+        rest (with the whole-block return, none does). All of D only while none of it would
+        decode."""
+        r = view.requests
+        running = d[r.status[d] == RUNNING]
         if self.decode_from_host:
-            return d
-        running = d[view.requests.status[d] == RUNNING]
+            running = np.concatenate([running, self.hidden_reads(view, running, d[r.status[d] == OFFLOADED])])
         return running if len(running) else d
+
+    def hidden_reads(self, view: SchedulerView, batch: np.ndarray, queue: np.ndarray) -> np.ndarray:
+        """Of `queue` (OFFLOADED rows, oldest first), those that decode from the host beside
+        `batch`: with `hide_host_reads` and fitted costs, each whose host layers' reads, with
+        those of the ones before it added, take no longer than the step's compute (Eq. 4's
+        time read host -> device against the decode line); else all of them. Section 3.1.1
+        sets this overlap for the prefill's offload, "computation time fully overlaps with
+        offloading communication time, thereby maintaining QPS", which the paper's
+        throughput within 3% of vLLM's needs of the decode's reads too."""
+        if not (self.hide_host_reads and self.costs is not None) or not len(queue):
+            return queue
+        r, L = view.requests, view.num_layers
+        seqs, context, reads, out = len(batch), int(r.num_tokens[batch].sum()), 0.0, []
+        for i in queue:
+            more = float(self.costs.offload_time(int(r.num_tokens[i]), L - int(r.device_layers[i])))
+            if reads + more <= self.costs.decode_time(seqs + 1, context + int(r.num_tokens[i])):
+                seqs, context, reads = seqs + 1, context + int(r.num_tokens[i]), reads + more
+                out.append(i)
+        return np.asarray(out, np.int64)
 
     def current_tpot(self, view: SchedulerView, d: np.ndarray) -> float:
         """Seconds of that iteration: the fitted decode line, or the time its OFFLOADED
@@ -414,13 +443,15 @@ class LayerKVPolicy:
 
     def _host_decodes(self, view: SchedulerView, queue: list[int], free: int,
                       run: dict[int, int], allocate: dict[int, int]) -> None:
-        """Add OFFLOADED requests decoding with their layers on the host, oldest first, each
-        whose next block (slots in its kept layers, host slots in the others) fits what is
-        left after the whole-block takes (`free`)."""
+        """Add OFFLOADED requests decoding with their layers on the host, oldest first: those
+        `hidden_reads` picks beside the batch, each whose next block (slots in its kept
+        layers, host slots in the others) fits what is left after the whole-block takes
+        (`free`)."""
         r, L = view.requests, view.num_layers
         whole, slots = free, _slots(view.free_layer_slots, L)
         host_whole, host_slots = view.num_free_host_blocks, _slots(view.free_host_layer_slots, L)
-        for i in queue:
+        batch = np.flatnonzero(np.isin(r.seq_id, np.fromiter(run, np.int64, len(run))))
+        for i in self.hidden_reads(view, batch, np.asarray(queue, np.int64)):
             seq, x = int(r.seq_id[i]), int(r.device_layers[i])
             grow = int(view.blocks_for(int(r.num_computed[i]) + 1)) - int(r.num_blocks[i])
             device = layer_demand(L, x, grow)
