@@ -104,7 +104,7 @@ import numpy as np
 
 from jserve.cache.layers import layer_demand, layer_shortfall
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.engine.plan import Plan
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -204,6 +204,8 @@ class LayerKVPolicy:
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)
         plan = self._prefills(view, offloads) or self._decodes(view, offloads)
+        if self.decode_from_host and not (plan.run or plan.preempt or plan.layers or offloads):
+            plan = self._unstall(view)
         if offloads:
             plan = Plan(run=plan.run, allocate=plan.allocate, preempt=plan.preempt,
                         layers={**offloads, **plan.layers})
@@ -348,6 +350,19 @@ class LayerKVPolicy:
                 if self.spare_slots(view, layers, joins=False) >= 0:
                     return layers
         return layers
+
+    def _unstall(self, view: SchedulerView) -> Plan:
+        """Nothing would run (no OFFLOADED request's next block fits, none comes back): every
+        retained layer goes to the host, so split blocks merge back; with none retained, the
+        newest OFFLOADED request is preempted by recompute, as vLLM preempts the newest."""
+        r = view.requests
+        queue = r.with_status(OFFLOADED)
+        holding = queue[r.device_layers[queue] > 0]
+        if len(holding):
+            return Plan(layers={int(s): 0 for s in r.seq_id[holding]})
+        if len(queue):
+            return Plan(preempt={int(r.seq_id[queue[-1]]): PreemptMode.RECOMPUTE})
+        return Plan()
 
     def _stalled(self, view: SchedulerView, queue: np.ndarray) -> bool:
         """Nothing runs and the oldest OFFLOADED request does not fit in whole blocks."""
