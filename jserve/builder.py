@@ -134,10 +134,10 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         num_blocks = num_blocks_for_budget(held, config.block_size, dbytes, budget)
         if num_blocks < 1:
             raise ValueError("no memory is left for the KV cache; pass num_blocks explicitly")
-    # vLLM's swap_space is per device, as in the simulator: each holds its shard of a block.
-    num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes,
-                                            config.swap_space * 2**30 * tp_size)
     policy = config.make_policy()
+    page = os.sysconf("SC_PAGE_SIZE")
+    num_host_blocks = num_blocks_for_budget(held, config.block_size, dbytes, host_tier_bytes(
+        config, policy, held, dbytes, page * os.sysconf("SC_PHYS_PAGES")))
     # Sharded, the attention sees each device's KV-head slice of a page, which holds no
     # whole hidden row: no hidden cache on the real engine with tensor parallelism.
     hidden_tokens = hidden_block_tokens(model, config.block_size) if tp is None else 0
@@ -175,6 +175,40 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
     if config.warmup:
         runner.warmup(progress=True, background=config.background_compile)
     return BuiltEngine(engine, clock, model, loaded)
+
+
+# vLLM's default swap space, GiB per device.
+DEFAULT_SWAP_SPACE = 4.0
+# The share of a real host's memory LayerKV's host tier may take by default (the device
+# cache on a CPU takes a quarter likewise).
+LAYER_HOST_FRACTION = 0.25
+
+
+def host_tier_bytes(config: EngineConfig, policy: Policy, model: ModelConfig, dbytes: int,
+                    host_memory: float | None = None) -> float:
+    """Bytes of the host KV tier over the tensor-parallel group, `model` being the KV as the
+    runner holds it: `swap_space` GiB per device (vLLM's option is per device: each holds
+    its shard of a block) when given; else vLLM's 4 GiB per device, or, for a policy that
+    keeps layers on the host (LayerKV), room for every sequence the engine can hold at its
+    longest (`max_num_seqs` x `max_model_len` tokens), which the paper's server has (2,048 GB
+    of host memory for eight L20s, Section 5.1) and the simulated host is taken to have;
+    on a real host (`host_memory`, bytes) at most `LAYER_HOST_FRACTION` of it, and a host
+    whose share cannot hold one longest request is refused."""
+    devices = config.tensor_parallel_size
+    if config.swap_space is not None:
+        return config.swap_space * 2**30 * devices
+    if not getattr(policy, "offloads_layers", False):
+        return DEFAULT_SWAP_SPACE * 2**30 * devices
+    limits = config.limits
+    longest = limits.max_model_len * block_bytes(model, 1, dbytes)
+    if host_memory is None:
+        return limits.max_num_seqs * longest
+    share = LAYER_HOST_FRACTION * host_memory
+    if share < longest:
+        raise ValueError(f"policy {config.policy_name!r} keeps layers in host memory, and a quarter of "
+                         f"this host's {host_memory / 2**30:.1f} GiB cannot hold one {limits.max_model_len}-token "
+                         f"request's K/V ({longest / 2**30:.2f} GiB): pass swap_space (--swap-space GIB)")
+    return min(limits.max_num_seqs * longest, share)
 
 
 def _device_kv_budget(model: ModelConfig, dbytes: int, utilization: float, devices: int) -> float:
@@ -245,9 +279,8 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
-        # vLLM's swap_space is per GPU: each holds its shard of a swapped block.
         num_host_blocks=num_blocks_for_budget(model, config.block_size, dbytes,
-                                              config.swap_space * 2**30 * tp),
+                                              host_tier_bytes(config, policy, model, dbytes)),
         hidden_block_tokens=hidden_tokens, hidden_block_cost=hidden_block_cost(cost, hidden_tokens),
     )
     return BuiltEngine(engine, clock, model)

@@ -85,8 +85,11 @@ class EngineConfig:
         kv_cache_space: GiB of KV cache when num_blocks is not given (vLLM's CPU backend
             takes a fixed VLLM_CPU_KVCACHE_SPACE likewise); None: on CPU a quarter of the
             RAM, at most 2 GiB, on an accelerator gpu_memory_utilization's share.
-        swap_space: GiB of host memory for the K/V of requests preempted by swapping
-            (vLLM's option and default); 0 leaves policies recompute preemption only.
+        swap_space: GiB of host memory per device for the K/V of requests preempted by
+            swapping (vLLM's option) and of layers a policy keeps on the host (LayerKV); 0
+            leaves policies recompute preemption only. None: vLLM's default of 4 GiB, or for
+            a policy that keeps layers on the host, sized from the host's memory
+            (`jserve.builder.host_tier_bytes`).
         prefix_cache: keep finished requests' full KV blocks for prompts that start the
             same way: an eviction rule's name ('lru', 'threshold-lru', 'tlru'; see
             `jserve.policies.tail_optimized_lru`) or a `PrefixCacheConfig`. None: off.
@@ -135,7 +138,7 @@ class EngineConfig:
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_space: float | None = None
-    swap_space: float = 4.0
+    swap_space: float | None = None
     prefix_cache: PrefixCacheConfig | None = None
     runner: Runner = "real"
     attention: str = "auto"
@@ -186,7 +189,7 @@ class EngineConfig:
                 _check_at_least(name, getattr(self, name), 1)
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         sharded_config(self.model_config(), self.tensor_parallel_size)  # heads must split evenly
-        if self.swap_space < 0:
+        if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.prefix_cache is not None and getattr(self.make_policy(), "offloads_layers", False):
             raise ValueError(f"policy {self.policy_name!r} keeps some requests' layers on the host "
@@ -318,8 +321,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
                              "quarter of RAM, at most 2 GiB; on accelerators "
                              "--gpu-memory-utilization's share)")
     parser.add_argument("--swap-space", type=float, default=d.swap_space, metavar="GIB",
-                        help="GiB of host memory for K/V of requests preempted by swapping "
-                             "(default: 4)")
+                        help="GiB of host memory per device for K/V of requests preempted by "
+                             "swapping and of layers kept on the host (default: 4; for a policy "
+                             "that keeps layers on the host, LayerKV, sized from the host's memory)")
     _add_prefix_cache_args(parser, benchmark)
     parser.add_argument("--attention", default=d.attention, choices=ATTENTION,
                         help="attention backend; auto: Pallas kernels on GPU, jnp reference on CPU")

@@ -86,12 +86,15 @@ class ForcedLayerOffload:
     `offload_running`: the newest request about to decode its second token is offloaded to
     `keep` layers instead (once each, so it cannot livelock). `reshuffle`: partly
     offloaded requests not brought back move to another partial residency now and then
-    (chosen by token counts, not the wall clock, so a run is the same on a loaded machine)."""
+    (chosen by token counts, not the wall clock, so a run is the same on a loaded machine).
+    `host_decodes`: partly offloaded requests not brought back decode with their layers on
+    the host (LayerKV Section 4), where room for their growth allows."""
 
     inner: Policy = field(default_factory=VLLMPolicy)
     keep: Callable[[int, int], int] = lambda seq, num_layers: 0
     offload_running: bool = False
     reshuffle: bool = False
+    host_decodes: bool = False
     name: str = "forced-layer-offload"
     chunked_prefill: bool = False
     offloads_layers: bool = True
@@ -117,7 +120,7 @@ class ForcedLayerOffload:
         # vLLM sees the blocks, tokens and sequence slots the offloaded requests leave.
         limits = dataclasses.replace(
             view.limits, max_num_seqs=max(0, view.limits.max_num_seqs - len(offloaded)),
-            max_num_batched_tokens=view.limits.max_num_batched_tokens - len(back_run))
+            max_num_batched_tokens=view.limits.max_num_batched_tokens - len(offloaded))
         inner = self.inner.schedule(dataclasses.replace(view, num_free_blocks=room.whole, limits=limits))
         run, allocate = {**back_run, **inner.run}, {**back_allocate, **inner.allocate}
         row = {int(s): i for i, s in enumerate(r.seq_id.tolist())}
@@ -137,6 +140,8 @@ class ForcedLayerOffload:
                 layers[seq] = x
             else:
                 room.whole -= n
+        if self.host_decodes:
+            self._decode_from_host(view, offloaded, run, allocate, layers, room)
         if self.offload_running:
             self._offload_one(view, run, allocate, layers, room, inner)
         if self.reshuffle and run and int(r.num_tokens.sum()) % 3 == 0:  # every few steps, not by the clock
@@ -144,7 +149,7 @@ class ForcedLayerOffload:
                 seq = int(r.seq_id[i])
                 x = int(r.device_layers[i])
                 target = (x + seq + 1) % L
-                if seq in layers or target == x:
+                if seq in layers or seq in allocate or target == x:
                     continue
                 change = room.change(kept_layers(L, x), target, int(r.num_blocks[i]))
                 if room.fits(change[0], change[2]):
@@ -158,6 +163,26 @@ class ForcedLayerOffload:
         return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=inner.swap_in,
                     reserve=inner.reserve, layers=layers,
                     repeat=inner.repeat if not len(offloaded) and not layers else 1)
+
+    def _decode_from_host(self, view: SchedulerView, offloaded: np.ndarray, run: dict[int, int],
+                          allocate: dict[int, int], layers: dict[int, int], room: _Room) -> None:
+        """Partly offloaded requests not brought back decode as they are, taking their next
+        block as slots in the layers they keep and on the host for the others."""
+        r, L = view.requests, view.num_layers
+        none = np.zeros(L, np.int64)
+        for i in offloaded:
+            seq = int(r.seq_id[i])
+            if seq in layers or r.num_computed[i] + 1 != r.num_tokens[i]:
+                continue
+            grow = int(view.blocks_for(int(r.num_computed[i]) + 1)) - int(r.num_blocks[i])
+            kept = set(kept_layers(L, int(r.device_layers[i])))
+            device, host = _mask(L, kept, grow), _mask(L, set(range(L)) - kept, grow)
+            if grow and not room.fits(device, host):
+                continue
+            room.book(device, none, host, none)
+            run[seq] = 1
+            if grow:
+                allocate[seq] = grow
 
     def _offload_one(self, view: SchedulerView, run: dict[int, int], allocate: dict[int, int],
                      layers: dict[int, int], room: _Room, inner: Plan) -> None:
@@ -204,15 +229,18 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[i
 
 def identical_to_roomy_run(llm: LLM, loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, max_len: int) -> dict[str, int]:
     """Greedy outputs of `llm` equal a roomy vLLM run's and everything is given back after;
-    returns what moved (partly offloaded prefills, layer copies to host, to device, slot
-    copies), so a test can check the layer paths really ran."""
+    returns what moved (partly offloaded prefills, runs past the prefill reading layers
+    from the host, layer copies to host, to device, slot copies), so a test can check the
+    layer paths really ran."""
     roomy = LLM(loaded, num_blocks=512, warmup=False)
     expected = [e[: max_len - len(p)] for e, p in zip(greedy_ids(roomy, prompts, max_tokens), prompts)]
-    seen = {"prefills": 0, "to_host": 0, "to_device": 0, "copies": 0}
+    seen = {"prefills": 0, "host_decodes": 0, "to_host": 0, "to_device": 0, "copies": 0}
     execute = llm.runner.execute
 
     def counting(batch):
-        seen["prefills"] += len(batch.inputs.layer_tables)
+        starts = [int(batch.start[i]) for i in batch.inputs.layer_tables]
+        seen["prefills"] += sum(s == 0 for s in starts)
+        seen["host_decodes"] += sum(s > 0 for s in starts)
         seen["to_host"] += len(batch.layers_to_host)
         seen["to_device"] += len(batch.layers_to_device)
         seen["copies"] += len(batch.layers_copy)

@@ -90,6 +90,7 @@ class FakeRunner:
         self.num_promotions = 0  # prefix-cache blocks copied back from the host tier
         self.num_layer_moves = 0  # layer copies made (to host, to device, slot to whole)
         self.num_partial_prefills = 0
+        self.num_host_decodes = 0  # runs of partly offloaded sequences past their prefill
 
     needs_inputs = True
 
@@ -175,9 +176,9 @@ class FakeRunner:
             chunk = batch.inputs.token_ids[offset : offset + q]
             offset += q
             places = self._places(batch, i)
-            if i in batch.inputs.layer_tables:
-                self.num_partial_prefills += 1
-                assert start == 0 and q == int(batch.context_lens[i]), "a partly offloaded run that is not a whole prefill"
+            if i in batch.inputs.layer_tables:  # a prefill, or a run reading host layers
+                self.num_partial_prefills += start == 0
+                self.num_host_decodes += start > 0
             ps = np.arange(end)
             bs = int(per_block[i])
             for pool, layer, table in places:

@@ -62,7 +62,7 @@ def test_bad_prompts_rejected_and_engine_keeps_serving(llm: LLM, prompt: list[in
 def test_unknown_model_and_policy() -> None:
     with pytest.raises(ValueError, match="unknown model 'gpt-17'; known models: .*smollm2-135m"):
         LLM("gpt-17")
-    with pytest.raises(ValueError, match="unknown policy .fifo.; known policies: apt-serve, .*cacheopt, .*fastgen, layerkv, layerkv/SLO, rlp, s3, sarathi, vllm"):
+    with pytest.raises(ValueError, match="unknown policy .fifo.; known policies: apt-serve, .*cacheopt, .*fastgen, layerkv, layerkv-whole, layerkv/SLO, rlp, s3, sarathi, vllm"):
         LLM("tiny-llama", policy="fifo")
 
 

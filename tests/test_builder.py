@@ -142,3 +142,25 @@ def test_host_memory_is_paid_for_only_where_the_policy_keeps_layers_there(
     if pooled:
         host_blocks = built.engine.state.host_blocks.num_blocks
         assert runner.layer_pool.k[0].shape[0] == host_blocks > 0
+
+
+def test_layerkv_host_tier_is_sized_from_the_host_by_default() -> None:
+    """Without `swap_space` a policy that keeps layers on the host gets room for
+    `max_num_seqs` sequences of `max_model_len` tokens (the simulated host, as the paper's
+    2 TB server); on a real host at most a quarter of its memory, refused below one such
+    request; others get vLLM's 4 GiB; a given `swap_space` is per device, as vLLM's."""
+    from jserve.builder import host_tier_bytes
+    from jserve.policies import POLICIES
+
+    cfg = EngineConfig(runner="sim", model="llama-2-7b", hardware="l20", policy="layerkv", max_model_len=4096)
+    model = cfg.model_config()
+    per_token = block_bytes(model, 1, 2)  # 512 KiB for Llama-2-7B in bf16
+    state = build_engine(cfg).engine.state
+    assert state.host_blocks.num_blocks * 16 == 256 * 4096
+    layerkv, vllm = POLICIES["layerkv"](), POLICIES["vllm"]()
+    assert host_tier_bytes(cfg, layerkv, model, 2) == 256 * 4096 * per_token
+    assert host_tier_bytes(cfg, vllm, model, 2) == 4 * 2**30
+    assert host_tier_bytes(dataclasses.replace(cfg, swap_space=2.0, tensor_parallel_size=2), layerkv, model, 2) == 4 * 2**30
+    assert host_tier_bytes(cfg, layerkv, model, 2, host_memory=64 * 2**30) == 16 * 2**30
+    with pytest.raises(ValueError, match="cannot hold one 4096-token request"):
+        host_tier_bytes(cfg, layerkv, model, 2, host_memory=4 * 2**30)

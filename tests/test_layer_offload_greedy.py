@@ -1,7 +1,7 @@
 """Greedy token ids with layer-wise residency forced on (LayerKV's mechanics on the real JAX
 runner: offloaded layers' prefill K/V written to the per-layer host pool, brought back into
 device blocks before decoding, kept layers copied from slots into whole blocks, retained
-layers offloaded) equal an unconstrained run's, on the tiny Llama (reference and
+layers offloaded, decodes reading offloaded layers from the host) equal an unconstrained run's, on the tiny Llama (reference and
 interpreted-kernel backends) and SmolLM2."""
 
 from __future__ import annotations
@@ -38,6 +38,29 @@ def test_tiny_model_identical_with_layers_offloaded(tiny_loaded: LoadedModel, at
     assert seen["prefills"] and seen["to_device"]
     if name == "mixed":  # some prefills keep every layer, then are offloaded while decoding
         assert seen["to_host"] and seen["copies"]
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_tiny_model_identical_decoding_with_layers_on_the_host(tiny_loaded: LoadedModel, narrow: bool) -> None:
+    """Partly offloaded requests decode with their host layers read for each step (LayerKV
+    Section 4), some also moving between residencies while they do. `narrow`: staging rows
+    for 12 blocks, one sequence's longest context, so a step whose partly offloaded
+    sequences need more runs them in groups."""
+    prompts = random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15, 4, 33])
+    policy = ForcedLayerOffload(keep=_mixed, offload_running=True, reshuffle=True, host_decodes=True)
+    tight = LLM(tiny_loaded, policy=policy, num_blocks=24, block_size=4, max_model_len=48,
+                attention="reference", warmup=False, swap_space=0.001)
+    runner, groups, steps = tight.runner, [], []
+    if narrow:  # the top 12 of the staging rows
+        runner.staging_start = runner.scratch_block - 12
+    compute, execute = runner._compute, runner.execute
+    runner._compute = lambda batch: groups.append(batch.num_seqs) or compute(batch)
+    runner.execute = lambda batch: steps.append(batch.num_seqs) or execute(batch)
+    seen = identical_to_roomy_run(tight, tiny_loaded, prompts, 40, 48)
+    print(f"tiny model, host decodes, narrow {narrow}: {tight.num_preemptions} preemptions, moves {seen}, "
+          f"{len(groups)} computes of {sum(n > 0 for n in steps)} steps")
+    assert seen["prefills"] and seen["host_decodes"]
+    assert (len(groups) > sum(n > 0 for n in steps)) == narrow
 
 
 @pytest.mark.slow  # ~50-100 s; CI: the tiny model's residencies above

@@ -99,15 +99,24 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     assert view.num_free_host_layer_blocks == 4 * 8 - 2 * 3
     assert batch.layer_traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
     assert runner.num_partial_prefills == 1
-    # It may not decode until every layer is back.
-    with pytest.raises(PlanError, match="whole prefill"):
-        state.apply(Plan(run={s: 1}), 0.0)
-    batch = _apply(engine, Plan(run={s: 1}, layers={s: 4}, allocate={}))
+    # It decodes with layers 0 and 2 on the host: their 3 blocks of context read for the
+    # step, the block its 6th token lands in written back; it stays OFFLOADED.
+    batch = _apply(engine, Plan(run={s: 1}))
     assert batch.layer_traffic.to_device.tolist() == [3, 0, 3, 0]
-    assert batch.layer_traffic.device_copy.tolist() == [0, 3, 0, 3]
+    assert batch.layer_traffic.prefill_to_host.tolist() == [1, 0, 1, 0]
+    assert state.snapshot(0.0).requests.status.tolist() == [RequestStatus.OFFLOADED]
+    assert runner.num_host_decodes == 1
+    # Its 7th token needs a 4th block: a slot in each kept layer and on the host for the others.
+    with pytest.raises(PlanError, match="repeat"):
+        state.apply(Plan(run={s: 1}, allocate={s: 1}, repeat=2), 0.0)
+    _apply(engine, Plan(run={s: 1}, allocate={s: 1}))
     view = state.snapshot(0.0)
-    assert view.num_free_blocks == 8 - 3 and view.num_free_layer_blocks == 4 * 5
-    assert view.num_free_host_layer_blocks == 4 * 8
+    assert view.num_free_layer_blocks == 4 * 8 - 2 * 4 and view.num_free_host_layer_blocks == 4 * 8 - 2 * 4
+    batch = _apply(engine, Plan(run={s: 1}, layers={s: 4}, allocate={}))
+    assert batch.layer_traffic.to_device.tolist() == [4, 0, 4, 0]
+    assert batch.layer_traffic.device_copy.tolist() == [0, 4, 0, 4]
+    view = state.snapshot(0.0)  # that was its 4th and last token: everything is free
+    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
 
 
 def test_offloading_a_running_request_frees_its_layers_for_others():
@@ -128,7 +137,7 @@ def test_offloading_a_running_request_frees_its_layers_for_others():
 @pytest.mark.parametrize("plan, match", [
     (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 5}), "cannot keep 5 of 4"),
     (lambda s: Plan(layers={s: 1}), "only in the plan that prefills it"),
-    (lambda s: Plan(run={s: 3}, allocate={s: 2}, layers={s: 1}), "whole prefill"),
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 4}, repeat=2), "cannot repeat"),
     (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 0}), "host layer slots"),
 ])
 def test_plans_the_state_cannot_honour_are_refused(plan, match):
@@ -167,6 +176,7 @@ POLICIES = {
     "all-offloaded": ForcedLayerOffload(keep=_keep_all_offloaded),
     "mixed": ForcedLayerOffload(keep=_keep_mixed, reshuffle=True),
     "mixed-offload-running": ForcedLayerOffload(keep=_keep_mixed, offload_running=True, reshuffle=True),
+    "host-decodes": ForcedLayerOffload(keep=_keep_mixed, offload_running=True, reshuffle=True, host_decodes=True),
 }
 
 
@@ -181,6 +191,7 @@ def test_random_traces_with_layer_residencies(name, data):
     h.run(data.draw(specs_for(cfg)), data.draw(aborts_strategy()))
     event(f"partial prefills > 0: {h.runner.num_partial_prefills > 0}")
     event(f"layer moves > 0: {h.runner.num_layer_moves > 0}")
+    event(f"host decodes > 0: {h.runner.num_host_decodes > 0}")
 
 
 def test_a_hand_trace_moves_layers_every_way():
@@ -189,6 +200,9 @@ def test_a_hand_trace_moves_layers_every_way():
     h = Harness(**cfg, policy=POLICIES["mixed-offload-running"], num_layers=4)
     h.run([spec(7, 6, arrive=k, first=k) for k in range(5)])
     assert h.runner.num_partial_prefills and h.runner.num_layer_moves
+    h = Harness(**cfg, policy=POLICIES["host-decodes"], num_layers=4)
+    h.run([spec(7, 6, arrive=k, first=k) for k in range(6)])
+    assert h.runner.num_host_decodes and h.runner.num_layer_moves
 
 
 def test_the_simulator_runs_forced_residencies_and_hands_layer_bytes_to_the_cost_model():

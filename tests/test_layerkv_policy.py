@@ -3,6 +3,7 @@ against Eqs. 1, 2 (Algorithm 1) and 5 of the paper, worked by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -142,21 +143,42 @@ def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
     assert list(roomy.run) == [2, 3, 4] and not roomy.layers
 
 
-def test_eq1_current_tpot_is_the_running_batchs_step():
+def test_eq1_current_tpot_with_the_whole_block_return_is_the_running_batchs_step():
     # a decode line of 0.05 s + 0.01 s per sequence; one request runs, three wait to decode
     # with their layers on the host: the current TPOT is a step of the one running
     # (0.06 s), not of all four (0.09 s), a batch that cannot run (they do not fit)
     costs = LayerKVCosts(num_params=1e9, hidden_size=1, kv_dim=8, dtype_bytes=2, flops=2e11,
                          pcie_bandwidth=1e12, decode_base=0.05, decode_per_seq=0.01)
     run = decoding(0.0, 98.0, 21, predicted=121, length_known=True)  # 100 to come, 20 past in 2 s
-    held = [decoding(1.0 + k, 99.0, 1, status=OFFLOADED, slo=math.nan) for k in range(3)]
+    held = [decoding(1.0 + k, 99.0, 1, status=OFFLOADED, slo=math.nan, device_layers=0) for k in range(3)]
     view = make_view([run] + held + [waiting(10.0)], free=0)
-    policy = LayerKVPolicy(costs=costs)
-    assert policy.current_batch(view, np.arange(4)) == (1, 32 + 21)
+    policy = LayerKVPolicy(costs=costs, decode_from_host=False)
+    assert policy.current_batch(view, np.arange(4)).tolist() == [0]
     assert policy.min_allowed_prefill_time(view) == pytest.approx(0.2 * 120 - (2.0 + 0.06 * 100))
     # nothing running: the step of everyone past prefill is all there is to go by
     idle = make_view([dict(run, status=OFFLOADED)] + held, free=0)
-    assert policy.current_batch(idle, np.arange(4)) == (4, 32 + 21 + 3 * 33)
+    assert policy.current_batch(idle, np.arange(4)).tolist() == [0, 1, 2, 3]
+
+
+def test_eq1_current_tpot_decoding_from_the_host_counts_the_link():
+    # the three OFFLOADED requests decode in the same step: a step of all four (0.09 s), or
+    # the time their host layers (4 of 4, 33 tokens each, 32 bytes a token-layer) take on a
+    # link of 1e4 B/s: 3 * 33 * 4 * 32 / 1e4 = 1.2672 s, the longer
+    costs = LayerKVCosts(num_params=1e9, hidden_size=1, kv_dim=8, dtype_bytes=2, flops=2e11,
+                         pcie_bandwidth=1e12, decode_base=0.05, decode_per_seq=0.01)
+    run = decoding(0.0, 98.0, 21, predicted=121, length_known=True)
+    held = [decoding(1.0 + k, 99.0, 1, status=OFFLOADED, slo=math.nan, device_layers=0) for k in range(3)]
+    view = make_view([run] + held + [waiting(10.0)], free=0)
+    policy = LayerKVPolicy(costs=costs)
+    assert policy.current_batch(view, np.arange(4)).tolist() == [0, 1, 2, 3]
+    assert policy.current_tpot(view, np.arange(4)) == pytest.approx(0.09)
+    # on a slow link none of them decodes beside the running one (their reads would not
+    # hide under its step), so the batch is that one; decoding all regardless, the link sets it
+    slow = dataclasses.replace(costs, pcie_bandwidth=1e4)
+    assert LayerKVPolicy(costs=slow).current_batch(view, np.arange(4)).tolist() == [0]
+    every = LayerKVPolicy(costs=slow, hide_host_reads=False)
+    assert every.current_tpot(view, np.arange(4)) == pytest.approx(3 * 33 * 4 * 32 / 1e4)
+    assert every.min_allowed_prefill_time(view) == pytest.approx(0.2 * 120 - (2.0 + 1.2672 * 100))
 
 
 def test_algorithm1_admits_while_the_summed_prefill_stays_strictly_below():
@@ -200,11 +222,34 @@ def test_decodes_bring_back_offloaded_requests_oldest_first():
     old = decoding(1.0, 95.0, 1, status=OFFLOADED, device_layers=0)
     new = decoding(2.0, 96.0, 1, status=OFFLOADED, device_layers=0)
     # 5 whole blocks free: the running one grows 0, the older comes back (3 blocks), the
-    # newer (3 more) would leave less than the watermark... it has none with 100 blocks: 1
+    # newer (3 more) would leave less than the watermark... it has none with 100 blocks: 1;
+    # it decodes with its layers on the host instead (or, with the whole-block return, waits)
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([run, old, new], free=5))
-    assert list(plan.run) == [0, 1] and dict(plan.layers) == {1: L}
+    assert list(plan.run) == [0, 1, 2] and dict(plan.layers) == {1: L}
+    whole = LayerKVPolicy(costs=COSTS, decode_from_host=False).schedule(make_view([run, old, new], free=5))
+    assert list(whole.run) == [0, 1] and dict(whole.layers) == {1: L}
     both = LayerKVPolicy(costs=COSTS).schedule(make_view([run, old, new], free=7))
     assert list(both.run) == [0, 1, 2] and dict(both.layers) == {1: L, 2: L}
+
+
+def test_a_host_decode_takes_its_next_block_in_its_kept_layers_and_on_the_host():
+    # 48 tokens computed in 3 blocks, the 49th needs a 4th: keeping 2 of 4 layers it takes a
+    # slot in layers 1 and 3 (one whole block split: the 1-block threshold is still met)
+    # and host slots in layers 0 and 2
+    at_edge = decoding(1.0, 95.0, 17, prompt=32, status=OFFLOADED, device_layers=2, num_blocks=3)
+    none = np.zeros(L, np.int64)
+    plan = LayerKVPolicy(costs=COSTS).schedule(make_view([at_edge], free=1, slots=none))
+    assert plan.run == {0: 1} and plan.allocate == {0: 1} and not plan.layers
+    # no whole block free: Eq. 5's forecast is 4 slots short of its threshold, so the
+    # request offloads its retained layers this step (half frees 3, then all) instead of
+    # decoding
+    plan = LayerKVPolicy(costs=COSTS).schedule(make_view([at_edge], free=0, slots=none))
+    assert dict(plan.layers) == {0: 0} and not plan.run
+    # every layer on the host: host slots alone
+    on_host = dict(at_edge, device_layers=0)
+    plan = LayerKVPolicy(costs=COSTS).schedule(make_view([on_host], free=0, slots=none))
+    assert plan.run == {0: 1} and plan.allocate == {0: 1}
+    assert not LayerKVPolicy(costs=COSTS).schedule(make_view([on_host], free=0, slots=none, free_host=0)).run
 
 
 def test_the_forecast_offloads_retained_layers_of_the_newest_first_half_then_all():
@@ -230,11 +275,14 @@ def test_the_forecast_offloads_retained_layers_of_the_newest_first_half_then_all
     assert offloads(4) == (-8, {2: 0, 1: 1})
 
 
-def test_a_stall_offloads_every_retained_layer():
+def test_a_stall_of_the_whole_block_return_offloads_every_retained_layer():
     # nothing runs; the only OFFLOADED request keeps 2 layers and cannot come back whole
     held = decoding(0.0, 95.0, 1, status=OFFLOADED, device_layers=2)
-    plan = LayerKVPolicy(costs=COSTS).schedule(make_view([held], free=1))
+    plan = LayerKVPolicy(costs=COSTS, decode_from_host=False).schedule(make_view([held], free=1))
     assert dict(plan.layers) == {0: 0} and not plan.run
+    # decoding from the host, it is no stall: it decodes as it is
+    plan = LayerKVPolicy(costs=COSTS).schedule(make_view([held], free=1))
+    assert plan.run == {0: 1} and not plan.layers
 
 
 # --------------------------------------------------------------------------- random traces
@@ -247,6 +295,7 @@ VARIANTS = {
     "layerkv": LayerKVPolicy(bucket_tokens=4),
     "layerkv-costs": LayerKVPolicy(bucket_tokens=4, costs=FAKE_COSTS),
     "layerkv/SLO": LayerKVPolicy(name="layerkv/SLO", slo_aware=False, bucket_tokens=4, costs=FAKE_COSTS),
+    "layerkv-whole": LayerKVPolicy(name="layerkv-whole", decode_from_host=False, bucket_tokens=4, costs=FAKE_COSTS),
 }
 
 
@@ -271,4 +320,19 @@ def test_registered_with_its_ablation():
     assert isinstance(POLICIES["layerkv"](), LayerKVPolicy)
     ablation = POLICIES["layerkv/SLO"]()
     assert ablation.name == "layerkv/SLO" and not ablation.slo_aware
+    whole = POLICIES["layerkv-whole"]()
+    assert whole.name == "layerkv-whole" and not whole.decode_from_host and POLICIES["layerkv"]().decode_from_host
     assert LayerKVPolicy.predictor_kind == "s3"
+
+
+def test_host_decodes_only_while_their_reads_hide_under_the_step():
+    # a running request and two OFFLOADED ones (33 tokens, every layer on the host: 33 * 4 *
+    # 32 bytes a step); a decode step takes 0.05 s. At 1e6 B/s one read (4.2 ms) hides, two
+    # (8.4 ms) too; at 1e5 B/s one takes 42 ms and fits, two do not
+    run = decoding(0.0, 90.0, 5)
+    held = [decoding(1.0 + k, 95.0, 1, status=OFFLOADED, device_layers=0) for k in range(2)]
+    for bandwidth, decoded in ((1e6, [0, 1, 2]), (1e5, [0, 1]), (1e4, [0])):
+        costs = dataclasses.replace(COSTS, pcie_bandwidth=bandwidth)
+        assert list(LayerKVPolicy(costs=costs).schedule(make_view([run, *held], free=0)).run) == decoded
+        every = LayerKVPolicy(costs=costs, hide_host_reads=False).schedule(make_view([run, *held], free=0))
+        assert list(every.run) == [0, 1, 2]

@@ -123,6 +123,15 @@ def tpot(r: RequestRecord) -> float | None:
     return (r.finished_time - r.first_token_time) / (r.output_len - 1)
 
 
+def window_medians(records: Sequence[RequestRecord], metric: Callable[[RequestRecord], float | None],
+                   windows: int = 5) -> list[float | None]:
+    """The median of `metric` over each of `windows` consecutive runs of the requests in
+    arrival order (None where none has a value): level at a load the server sustains,
+    climbing where its queue grows (a run past saturation, or still warming up)."""
+    ordered = sorted(records, key=lambda r: r.arrival_time)
+    return [_pct(_values(map(metric, part)), 50) for part in np.array_split(np.asarray(ordered, object), windows)]
+
+
 def e2e(r: RequestRecord) -> float | None:
     """Arrival to finish, None if the record has no finish time."""
     return None if r.finished_time is None else r.finished_time - r.arrival_time

@@ -67,10 +67,14 @@ class LayerTraffic:
     """Layer blocks (one block of one layer's K and V) a step moves, per layer `[L]`, the
     cost model's input for LayerKV:
 
-    - `prefill_to_host`: this step's prefills' new K/V of offloaded layers, written to the
-      host as each layer computes (the paper overlaps each with the following layers);
+    - `prefill_to_host`: the new K/V this step computes in offloaded layers (a prefill's
+      every block, a decode's block its token lands in), written to the host as each layer
+      computes (the paper overlaps each with the following layers);
     - `to_host`: retained layers offloaded before the step (device slots freed);
-    - `to_device`: offloaded layers brought back before the step;
+    - `to_device`: offloaded layers' blocks brought to the device before the layer
+      computes: those brought back to stay, and the context a partly offloaded request
+      that runs reads from the host for this step (LayerKV Section 4: "during the decode
+      stage, KV cache is transferred layer-by-layer from host memory to GPU memory");
     - `device_copy`: kept layers' slots copied into whole blocks when a request gets every
       layer back (device memory to device memory)."""
 
@@ -100,8 +104,9 @@ class Batch:
     host_dropped: tuple[int, ...] = ()  # seq ids that ended while swapped out
     # Layer residency changes (LayerKV), done before the step's compute after the swaps,
     # every source read before any destination is written: device -> host, host -> device,
-    # and device slots -> whole blocks. `prefill_to_host` is not a copy list: the runner
-    # writes the offloaded layers' new K/V of the sequences in `inputs.layer_tables`.
+    # and device slots -> whole blocks. The step's own host traffic is not a copy list: a
+    # runner reads the offloaded layers' context of the sequences in `inputs.layer_tables`
+    # for the step and writes their new K/V back to the host.
     layers_to_host: tuple[LayerMove, ...] = ()
     layers_to_device: tuple[LayerMove, ...] = ()
     layers_copy: tuple[LayerMove, ...] = ()

@@ -39,7 +39,7 @@ class BatchBuilder:
         layer_moves = {} if layers is None else dict(
             layers_to_host=tuple(layers.to_host), layers_to_device=tuple(layers.to_device),
             layers_copy=tuple(layers.device_copies))
-        traffic = self._traffic(layer_moves, partial) if layer_moves or partial else None
+        traffic = self._traffic(layer_moves, partial, start, query_lens) if layer_moves or partial else None
         return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
                      inputs=inputs, swap_out=moves.swap_out, swap_in=moves.swap_in,
                      host_dropped=host_dropped, layer_traffic=traffic,
@@ -51,8 +51,13 @@ class BatchBuilder:
         found = np.flatnonzero(np.isin(seq_ids, np.fromiter(partial, np.int64, len(partial))))
         return dict(zip(found.tolist(), seq_ids[found].tolist()))
 
-    def _traffic(self, layer_moves: dict[str, tuple[LayerMove, ...]], partial: dict[int, int]) -> LayerTraffic:
-        L = self.residency.num_layers
+    def _traffic(self, layer_moves: dict[str, tuple[LayerMove, ...]], partial: dict[int, int],
+                 start: np.ndarray, query_lens: np.ndarray) -> LayerTraffic:
+        """Layer blocks moved per layer. A partly offloaded request that runs reads each host
+        layer's blocks holding its context (the blocks before `start`, the last partly filled
+        one included) to the device for the step, and writes the blocks its new tokens fill
+        back to the host (a prefill: every block)."""
+        L, bs = self.residency.num_layers, self.blocks.block_size
 
         def per_layer(moves: tuple[LayerMove, ...]) -> np.ndarray:
             out = np.zeros(L, np.int64)
@@ -60,13 +65,15 @@ class BatchBuilder:
                 out[m.layer] += len(m.src)
             return out
 
-        prefill = np.zeros(L, np.int64)
-        for seq_id in partial.values():
-            part = self.residency.partial[seq_id]
-            for layer, host in part.host.items():
-                prefill[layer] += len(host)
-        return LayerTraffic(prefill, *(per_layer(layer_moves.get(k, ()))
-                                       for k in ("layers_to_host", "layers_to_device", "layers_copy")))
+        written, read = np.zeros(L, np.int64), np.zeros(L, np.int64)
+        for i, seq_id in partial.items():
+            host = list(self.residency.partial[seq_id].host)
+            s, end = int(start[i]), int(start[i] + query_lens[i])
+            read[host] += -(-s // bs)
+            written[host] += -(-end // bs) - s // bs
+        to_host, to_device, copies = (per_layer(layer_moves.get(k, ()))
+                                      for k in ("layers_to_host", "layers_to_device", "layers_copy"))
+        return LayerTraffic(written, to_host, to_device + read, copies)
 
     def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray,
                 partial: dict[int, int]) -> BatchInputs:

@@ -46,8 +46,10 @@ class Plan:
        become entirely free count among them). Every release of a plan comes before any
        take, and whole blocks are taken before layer slots. A request that starts now keeping fewer than all runs
        its whole prompt in this step and its offloaded layers' new KV goes to host memory
-       as it is computed. A request runs only a whole prefill with fewer than all layers:
-       it decodes with every layer on the device;
+       as it is computed. A request with fewer than all layers may run any tokens (a
+       decode, as LayerKV's Section 4 has it): for the step, its offloaded layers' context
+       is read from the host to the device layer by layer, and the new K/V is written back;
+       a repeated plan (`repeat`) runs only requests with every layer on the device;
     5. `allocate`: grow a request's table by that many blocks. A waiting request whose
        prompt starts with cached blocks (the view shows them as its `num_computed`) takes
        those over as the first blocks of its table: they count in `allocate` but are

@@ -69,6 +69,8 @@ class PlanApplier:
         for change in changes:
             if change.x < L:
                 self.residency.take_for(change, layer_moves)
+        for seq_id in checked.partial_allocations:  # in the layers the plan leaves them
+            self.residency.allocate(seq_id, checked.plan.allocate[seq_id])
         self._start_runs(checked, now)
         self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
         return Moves(tuple(swap_out), tuple(swap_in), layer_moves)
@@ -138,8 +140,9 @@ class PlanApplier:
         return [c for c in changes if c is not None]
 
     def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
-        """Grow the tables; returns the copies that load host-tier cached blocks. Whole
-        blocks first, then partly offloaded requests' layer slots."""
+        """Grow the tables by whole blocks; returns the copies that load host-tier cached
+        blocks. Partly offloaded requests' layer slots are taken after the residency
+        changes' (`apply`)."""
         loads, partial = [], checked.partial_allocations
         for seq_id, n in checked.plan.allocate.items():
             hit = checked.hits.get(seq_id)
@@ -149,8 +152,6 @@ class PlanApplier:
                 self.blocks.allocate(seq_id, n)
             else:
                 loads += self.reuse.take_over(seq_id, hit, n)
-        for seq_id in partial:
-            self.residency.allocate(seq_id, checked.plan.allocate[seq_id])
         self.live.cols.num_blocks[checked.allocate_rows] += checked.allocate_counts
         return loads
 
@@ -184,11 +185,14 @@ class PlanApplier:
     def _start_runs(self, checked: CheckedPlan, now: float) -> None:
         cols = self.live.cols
         cols.status[checked.run_rows] = RUNNING
-        if checked.plan.layers:  # the status follows the residency the plan set
-            rows = checked.layer_rows
-            cols.status[rows[cols.device_layers[rows] < self.residency.num_layers]] = OFFLOADED
-            cols.status[rows[(cols.device_layers[rows] == self.residency.num_layers)
-                             & (cols.status[rows] == OFFLOADED)]] = RUNNING
+        if checked.plan.layers or self.residency.partial:
+            # the status follows the residency: a request with layers on the host stays
+            # OFFLOADED while it runs (a decode reading them from the host), and one the
+            # plan gives every layer back is RUNNING
+            rows = np.concatenate([checked.run_rows, checked.layer_rows])
+            partial = cols.device_layers[rows] < self.residency.num_layers
+            cols.status[rows[partial]] = OFFLOADED
+            cols.status[rows[~partial & (cols.status[rows] == OFFLOADED)]] = RUNNING
         started = self.live.awaiting_run.intersection(checked.plan.run)
         for seq_id in started:
             metrics = self.live.requests[seq_id].metrics

@@ -149,8 +149,6 @@ class PlanChecker:
             )
         reserve_rows, reserve_counts = self._check_reservations(plan, preempt_rows, switch_rows)
         run_rows, run_lens = self._check_runs(plan, switch_rows)
-        if plan.layers or self.residency.partial:
-            self._check_partial_runs(plan, run_rows, run_lens)
         if plan.repeat != 1:
             self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
@@ -380,26 +378,17 @@ class PlanChecker:
             raise PlanError(f"plan offloads {short} host layer slots more than a layer has free "
                             f"({host_left} whole host blocks left after its swap-outs)")
 
-    def _check_partial_runs(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
-        """A request runs with fewer than all its layers on the device only as a whole
-        prefill, from its first token to its last in one step; it decodes with all of them."""
-        L, cols = self.residency.num_layers, self.live.cols
-        layers = cols.device_layers[rows].astype(np.int64)
-        if plan.layers:
-            layers = np.fromiter(map(plan.layers.get, plan.run, layers.tolist()), np.int64, len(rows))
-        whole_prefill = (cols.num_computed[rows] == 0) & (n == cols.num_tokens[rows])
-        bad = (layers < L) & ~whole_prefill
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise PlanError(f"seq {list(plan.run)[i]}: runs with {layers[i]} of {L} layers on the "
-                            "device; only a whole prefill may (a decode needs every layer back first)")
-
     def _check_repeat(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""
         if plan.repeat < 1:
             raise PlanError(f"plan repeats {plan.repeat} times; at least once")
-        if plan.preempt or plan.swap_in or plan.evict or plan.cache_type:
-            raise PlanError("a plan that preempts, swaps in, evicts or sets cache types cannot repeat")
+        if plan.preempt or plan.swap_in or plan.evict or plan.cache_type or plan.layers:
+            raise PlanError("a plan that preempts, swaps in, evicts or sets cache types or layers "
+                            "cannot repeat")
+        partial = [s for s in plan.run if s in self.residency.partial]
+        if partial:  # its growth is layer slots, and each step reads its host layers
+            raise PlanError(f"seq {partial[0]}: has layers on the host; a repeated plan runs only "
+                            "requests with every layer on the device")
         decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
         if not decoding.all():
             seq = list(plan.run)[int(np.argmin(decoding))]

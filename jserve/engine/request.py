@@ -19,7 +19,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 2
     SWAPPED = 3  # preempted by swapping: its KV waits in host memory, none on the device
     # Prefilled, with some of its layers' KV in host memory (`device_layers` < the model's
-    # layers, LayerKV): it decodes only once a plan brings every layer back.
+    # layers, LayerKV), whether or not it runs: a step that decodes it reads those layers
+    # from the host for the step.
     OFFLOADED = 4
 
 

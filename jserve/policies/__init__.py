@@ -31,6 +31,9 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     # LayerKV without its SLO-aware scheduler (the paper's Figure 8 ablation), named as
     # CacheOpt's ablations are: the policy, then the component switched off.
     "layerkv/SLO": partial(LayerKVPolicy, name="layerkv/SLO", slo_aware=False),
+    # Our earlier reading, to compare: an offloaded request decodes only once brought back
+    # into whole device blocks, not with its layers read from the host at each step.
+    "layerkv-whole": partial(LayerKVPolicy, name="layerkv-whole", decode_from_host=False),
     "apt-serve": AptServePolicy,
     # Apt-Serve on chunked prefill (the paper's Section 6.7), its Figure 10 variant with a
     # decaying factor instead of the near-zero fallback, and its ablations: KV cache only

@@ -25,12 +25,16 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   metric defines it (`(finish - first token) / (output - 1)`): N_past = output tokens
   after the first, T_past = now - first token time (it includes time waiting to decode,
   as the paper says); "the current TPOT" of T_future = the time of a decode iteration of
-  the running batch, from the runner's fitted decode line (`LayerKVCosts.decode_time`; the
-  paper monitors the current iteration; of all of D only while nothing runs:
-  `current_batch`), or without fitted costs each request's own TPOT so far (T_past /
-  N_past). (A step of all of D, OFFLOADED requests included, is a batch that cannot exist:
-  they wait because they do not fit; it read 113 ms where the running batch's took
-  64-75 ms at fixed 2k prompts, issue 28.) N_future = lower edge of the predicted length's bucket - tokens generated, at least
+  the batch that decodes (`current_batch`; the paper monitors the current iteration: the
+  running requests and the OFFLOADED ones that decode from the host beside them): the
+  runner's fitted decode line (`LayerKVCosts.decode_time`) or, when OFFLOADED requests
+  decode in it, the time their host layers take to cross the link if longer (Eq. 4's form
+  read host -> device, `current_tpot`: the copies pipeline with the compute, so the
+  slower of the two sets the step); without fitted costs each request's own TPOT so far
+  (T_past / N_past). OFFLOADED requests that wait for room are not in it (all of D only
+  while none of it would decode): a step of all of D read 113 ms where the running
+  batch's took 64-75 ms at fixed 2k prompts (issue 28), and counting them shut Eq. 2's
+  gate at fixed 2k prompts (1.1x mean TTFT, issue 41). N_future = lower edge of the predicted length's bucket - tokens generated, at least
   1; without a prediction 1 (the conservative end); a request whose length is known
   (`ignore_eos` with a `max_tokens` that fits: `jserve.engine.admission.known_prediction`)
   has N_future = its length - tokens generated, and Eq. 5 ends it at that length. T_tpot is the request's own TBT SLO,
@@ -43,12 +47,25 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   Sections 3.1.1-3.1.2): as many layers as the Eq. 5 forecast's spare slots hold (the
   forecast lets the OFFLOADED requests, older, come back first), fewer than all.
   Which layers: `jserve.cache.layers.kept_layers` (evenly spread, Section 3.1.2).
-- Decoding (Section 4): a request decodes with every layer on the device; a prefilled
-  request with layers on the host (status OFFLOADED) is brought back, all layers at once
-  into whole blocks, when the free blocks cover it and its next token (with vLLM's
-  watermark), oldest first, and decodes in that same step. Offloaded layers are not
-  streamed again at every decode step: the reading the issue calls most consistent with
-  "throughput within 3%".
+- Decoding (Section 4: "during the decode stage, KV cache is transferred layer-by-layer
+  from host memory to GPU memory"; Section 5.2.3: throughput "marginally lower" than
+  vLLM's "due to the need to swap portions of the KV cache from the CPU during the
+  decoding phase"): a prefilled request with layers on the host (status OFFLOADED)
+  decodes as it is, its host layers' context read to the device layer by layer for each
+  step, pipelined with the compute (the engine's `Plan` rules and the runners do the
+  copies), its new blocks taken as slots in its kept layers and on the host for the
+  others. Where the free whole blocks cover it and its next token (with vLLM's
+  watermark), oldest first, it is brought back instead, all layers at once into whole
+  blocks, and decodes in that same step from the device ("maximizing the number of
+  layers retained on the GPU", Section 5.2.3). `decode_from_host = False` (`layerkv-whole`)
+  is our earlier reading, kept to compare: an OFFLOADED request decodes only once it is
+  brought back whole. With fitted costs a request decodes from the host only while the
+  step's host reads, its own added, take no longer than the step's compute
+  (`hide_host_reads`; the others wait to come back whole): Section 3.1.1's overlap
+  condition, which keeps vLLM's throughput, read for the decode. Without it
+  (`hide_host_reads=False`) every OFFLOADED request decodes, and a 2k-token request with
+  every layer on the host reads 1 GiB a step, 43 ms over the L20's PCIe link
+  (`bench/results/layerkv_issue41.md`).
 - Forecast and further offload (Section 3.1.1, Eq. 5): `Avail(t + 1) = Avail(t) +
   Released(t) - Allocated(t)` over `horizon` stages, in device layer slots. Ours: a stage
   is `block_size` decode iterations, the span in which each sequence needs at most the one
@@ -62,9 +79,11 @@ What it changes, against the paper (Section 3 and 4), and where it is ours:
   running requests' forecast (growth and ends only: a join waits for its room anyway, and
   retained layers are offloaded so that running requests are neither blocked nor
   preempted) falls below `threshold`, retained layers of OFFLOADED requests are offloaded,
-  most recently prefilled first: to x/2 (floor) each, then to none. Ours as well, for liveness: when nothing runs and the
-  oldest OFFLOADED request cannot be brought back, every OFFLOADED request's retained
-  layers go to the host, so split blocks merge back into the whole blocks it needs.
+  most recently prefilled first: to x/2 (floor) each, then to none. Ours as well, for
+  liveness of the whole-block return: when nothing runs and the oldest OFFLOADED request
+  cannot be brought back, every OFFLOADED request's retained layers go to the host, so
+  split blocks merge back into the whole blocks it needs (decoding from the host never
+  stalls so).
 - Length predictor: S3's multi-class one (`predictor_kind = "s3"`, 50-token buckets, the
   project's trained head), because the paper's predictor is a multi-class classifier over
   length ranges (it cites the same line of work), and Eq. 1 and Eq. 5 read a range's lower
@@ -85,7 +104,7 @@ import numpy as np
 
 from jserve.cache.layers import layer_demand, layer_shortfall
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.engine.plan import Plan
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -172,6 +191,8 @@ class LayerKVPolicy:
     name: str = "layerkv"
     chunked_prefill: bool = False
     slo_aware: bool = True  # Algorithm 1; False: the paper's ablation
+    decode_from_host: bool = True  # Section 4; False: decode only once brought back whole
+    hide_host_reads: bool = True  # host decodes only while their reads hide under the step
     watermark: float = 0.01  # vLLM's: free blocks kept back from admissions and bring-backs
     horizon: int = 4  # Eq. 5 stages of `block_size` decode iterations (ours)
     threshold: float = 0.01  # Eq. 5's floor, a fraction of the blocks (ours: vLLM's watermark)
@@ -183,6 +204,8 @@ class LayerKVPolicy:
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)
         plan = self._prefills(view, offloads) or self._decodes(view, offloads)
+        if self.decode_from_host and not (plan.run or plan.preempt or plan.layers or offloads):
+            plan = self._unstall(view)
         if offloads:
             plan = Plan(run=plan.run, allocate=plan.allocate, preempt=plan.preempt,
                         layers={**offloads, **plan.layers})
@@ -204,19 +227,52 @@ class LayerKVPolicy:
         if self.costs is None:  # no fitted decode line: each request's own TPOT so far
             tpot = t_past / np.maximum(n_past, 1)
         else:
-            tpot = self.costs.decode_time(*self.current_batch(view, d))
+            tpot = self.current_tpot(view, d)
         return Allowances(d, n_past, n_future, allowed_prefill_time(r.tbt_slo[d], n_past, n_future, t_past, tpot))
 
-    @staticmethod
-    def current_batch(view: SchedulerView, d: np.ndarray) -> tuple[int, int]:
-        """Eq. 1's "current TPOT" is the decode iteration the paper monitors: that of the
-        running batch (sequences, context tokens), not of all of D (the OFFLOADED requests
-        in it wait because they do not fit, so no step decodes them with the rest); of all of
-        D only while nothing runs."""
+    def current_batch(self, view: SchedulerView, d: np.ndarray) -> np.ndarray:
+        """Rows of the decode iteration Eq. 1's "current TPOT" stands for: the running
+        requests and the OFFLOADED ones that decode from the host with them (`hidden_reads`);
+        the other OFFLOADED wait because they do not fit, so no step decodes them with the
+        rest (with the whole-block return, none does). All of D only while none of it would
+        decode."""
         r = view.requests
         running = d[r.status[d] == RUNNING]
-        batch = running if len(running) else d
-        return len(batch), int(r.num_tokens[batch].sum())
+        if self.decode_from_host:
+            running = np.concatenate([running, self.hidden_reads(view, running, d[r.status[d] == OFFLOADED])])
+        return running if len(running) else d
+
+    def hidden_reads(self, view: SchedulerView, batch: np.ndarray, queue: np.ndarray) -> np.ndarray:
+        """Of `queue` (OFFLOADED rows, oldest first), those that decode from the host beside
+        `batch`: with `hide_host_reads` and fitted costs, each whose host layers' reads, with
+        those of the ones before it added, take no longer than the step's compute (Eq. 4's
+        time read host -> device against the decode line); else all of them. Section 3.1.1
+        sets this overlap for the prefill's offload, "computation time fully overlaps with
+        offloading communication time, thereby maintaining QPS", which the paper's
+        throughput within 3% of vLLM's needs of the decode's reads too."""
+        if not (self.hide_host_reads and self.costs is not None) or not len(queue):
+            return queue
+        r, L = view.requests, view.num_layers
+        seqs, context, reads, out = len(batch), int(r.num_tokens[batch].sum()), 0.0, []
+        for i in queue:
+            more = float(self.costs.offload_time(int(r.num_tokens[i]), L - int(r.device_layers[i])))
+            if reads + more <= self.costs.decode_time(seqs + 1, context + int(r.num_tokens[i])):
+                seqs, context, reads = seqs + 1, context + int(r.num_tokens[i]), reads + more
+                out.append(i)
+        return np.asarray(out, np.int64)
+
+    def current_tpot(self, view: SchedulerView, d: np.ndarray) -> float:
+        """Seconds of that iteration: the fitted decode line, or the time its OFFLOADED
+        requests' host layers take to reach the device (Eq. 4's per-token-layer time, the
+        link's other direction) where longer, as copies pipelined with the compute."""
+        r, L = view.requests, view.num_layers
+        batch = self.current_batch(view, d)
+        t = self.costs.decode_time(len(batch), int(r.num_tokens[batch].sum()))
+        host = batch[r.device_layers[batch] < L]
+        if not len(host):
+            return t
+        stream = self.costs.offload_time(r.num_tokens[host], L - r.device_layers[host].astype(np.int64))
+        return max(t, float(np.sum(stream)))
 
     def min_allowed_prefill_time(self, view: SchedulerView) -> float:
         """min_i T_allow over the requests past their prefill (inf when there are none)."""
@@ -276,7 +332,7 @@ class LayerKVPolicy:
         holding = queue[r.device_layers[queue] > 0]
         if not len(holding):
             return {}
-        if self._stalled(view, queue):
+        if not self.decode_from_host and self._stalled(view, queue):
             return {int(s): 0 for s in r.seq_id[holding]}
         if self.spare_slots(view, joins=False) >= 0:
             return {}
@@ -294,6 +350,19 @@ class LayerKVPolicy:
                 if self.spare_slots(view, layers, joins=False) >= 0:
                     return layers
         return layers
+
+    def _unstall(self, view: SchedulerView) -> Plan:
+        """Nothing would run (no OFFLOADED request's next block fits, none comes back): every
+        retained layer goes to the host, so split blocks merge back; with none retained, the
+        newest OFFLOADED request is preempted by recompute, as vLLM preempts the newest."""
+        r = view.requests
+        queue = r.with_status(OFFLOADED)
+        holding = queue[r.device_layers[queue] > 0]
+        if len(holding):
+            return Plan(layers={int(s): 0 for s in r.seq_id[holding]})
+        if len(queue):
+            return Plan(preempt={int(r.seq_id[queue[-1]]): PreemptMode.RECOMPUTE})
+        return Plan()
 
     def _stalled(self, view: SchedulerView, queue: np.ndarray) -> bool:
         """Nothing runs and the oldest OFFLOADED request does not fit in whole blocks."""
@@ -357,17 +426,21 @@ class LayerKVPolicy:
 
     # -------------------------------------------------------------- decodes
     def _decodes(self, view: SchedulerView, offloads: dict[int, int]) -> Plan:
+        """vLLM's decodes; the OFFLOADED requests (but those offloaded further now) come
+        back whole while the free blocks cover them, oldest first, and (`decode_from_host`)
+        the others decode with their layers on the host where their growth fits."""
         r = view.requests
         base = VLLMPolicy(watermark=self.watermark)._decodes(view)
         queue = [i for i in r.with_status(OFFLOADED) if int(r.seq_id[i]) not in offloads]
-        if base.preempt or not queue:
-            if not queue and not (r.status == WAITING).any() and not base.preempt:
+        if not queue:
+            if not (r.status == WAITING).any() and not base.preempt:
                 return base  # vLLM's repeated decodes: nothing waits to be admitted or brought back
             return Plan(run=base.run, allocate=base.allocate, preempt=base.preempt)
         free = view.num_free_blocks - sum(base.allocate.values())
         watermark = int(self.watermark * view.num_blocks) if base.run else 0
         run, allocate, layers = dict(base.run), dict(base.allocate), {}
-        for i in queue:
+        back = 0
+        for i in queue if not base.preempt else ():
             seq, need = int(r.seq_id[i]), int(view.blocks_for(int(r.num_computed[i]) + 1))
             if need > free - watermark:
                 break
@@ -378,7 +451,33 @@ class LayerKVPolicy:
                 allocate[seq] = grow
             free -= need
             watermark = int(self.watermark * view.num_blocks)
-        return Plan(run=run, allocate=allocate, layers=layers)
+            back += 1
+        if self.decode_from_host:
+            self._host_decodes(view, queue[back:], free, run, allocate)
+        return Plan(run=run, allocate=allocate, preempt=base.preempt, layers=layers)
+
+    def _host_decodes(self, view: SchedulerView, queue: list[int], free: int,
+                      run: dict[int, int], allocate: dict[int, int]) -> None:
+        """Add OFFLOADED requests decoding with their layers on the host, oldest first: those
+        `hidden_reads` picks beside the batch, each whose next block (slots in its kept
+        layers, host slots in the others) fits what is left after the whole-block takes
+        (`free`)."""
+        r, L = view.requests, view.num_layers
+        whole, slots = free, _slots(view.free_layer_slots, L)
+        host_whole, host_slots = view.num_free_host_blocks, _slots(view.free_host_layer_slots, L)
+        batch = np.flatnonzero(np.isin(r.seq_id, np.fromiter(run, np.int64, len(run))))
+        for i in self.hidden_reads(view, batch, np.asarray(queue, np.int64)):
+            seq, x = int(r.seq_id[i]), int(r.device_layers[i])
+            grow = int(view.blocks_for(int(r.num_computed[i]) + 1)) - int(r.num_blocks[i])
+            device = layer_demand(L, x, grow)
+            host = grow - device
+            if layer_shortfall(device, slots, whole) or layer_shortfall(host, host_slots, host_whole):
+                continue
+            whole, slots = _take(device, slots, whole)
+            host_whole, host_slots = _take(host, host_slots, host_whole)
+            run[seq] = int(r.num_tokens[i] - r.num_computed[i])
+            if grow:
+                allocate[seq] = grow
 
 
 def _slots(slots: np.ndarray | None, num_layers: int) -> np.ndarray:

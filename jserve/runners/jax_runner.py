@@ -13,10 +13,12 @@ XLA writes new K/V in place.
 Layer-wise residency (LayerKV, built with `layer_staging`): a partly offloaded request's
 layers live in per-layer slots, so a step with one in it carries per-layer block tables
 (`AttentionMetadata.layer_block_tables`, a separately compiled variant of its bucket). Its
-prefill computes the offloaded layers' K/V into staging blocks after the engine's (sized
-to a full token budget, the analogue of the K/V activations vLLM's profiler sets aside),
-from which they are copied to the per-layer host pool (`host_kv.LayerHostPool`) right
-after the step is dispatched. Offloads, bring-backs and slot -> whole-block copies are
+offloaded layers compute in staging blocks after the engine's (sized to a full token
+budget, the analogue of the K/V activations vLLM's profiler sets aside): a decode first
+reads their context there from the per-layer host pool (`host_kv.LayerHostPool`), and the
+blocks the step's new tokens fill (a prefill's every block) are copied back to the host
+pool right after the step is dispatched. Decodes whose context outgrows the staging rows
+run as several steps of consecutive sequences (same tokens). Offloads, bring-backs and slot -> whole-block copies are
 block gathers and scatters per layer before the step, every source read before anything
 is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
 are issued asynchronously and overlap the host's work and the next dispatch, not the
@@ -282,6 +284,39 @@ def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndar
             for layer, ms in grouped.items()}
 
 
+def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
+    """The sequences `rows` (consecutive) of a batch whose copies are done: their tokens,
+    tables and sampling settings."""
+    x, lo, hi = batch.inputs, int(rows[0]), int(rows[-1]) + 1
+    offsets = np.concatenate([[0], np.cumsum(batch.query_lens)])
+    t0, t1 = int(offsets[lo]), int(offsets[hi])
+    inputs = dataclasses.replace(
+        x, token_ids=x.token_ids[t0:t1], block_tables=x.block_tables[lo:hi],
+        temperature=x.temperature[lo:hi], top_p=x.top_p[lo:hi], top_k=x.top_k[lo:hi],
+        seeds=x.seeds[lo:hi], output_index=x.output_index[lo:hi],
+        layer_tables={i - lo: t for i, t in x.layer_tables.items() if lo <= i < hi},
+        next_token_ids=None if x.next_token_ids is None else x.next_token_ids[t0:t1])
+    return Batch(seq_ids=batch.seq_ids[lo:hi], start=batch.start[lo:hi], query_lens=batch.query_lens[lo:hi],
+                 sample=batch.sample[lo:hi], inputs=inputs,
+                 hidden=None if batch.hidden is None else batch.hidden[lo:hi])
+
+
+def _concat_outputs(outs: list[StepOutput]) -> StepOutput:
+    """One step's output from those of its consecutive groups of sequences."""
+    def cat(xs: list[Any]) -> Any:
+        if xs[0] is None:
+            return None
+        if isinstance(xs[0], TopLogprobs):
+            return TopLogprobs(cat([x.token_ids for x in xs]), cat([x.logprobs for x in xs]))
+        if isinstance(xs[0], tuple):
+            return tuple(cat(list(parts)) for parts in zip(*xs))
+        return np.concatenate(xs)
+
+    return StepOutput(next_tokens=cat([o.next_tokens for o in outs]), logprobs=cat([o.logprobs for o in outs]),
+                      top_logprobs=cat([o.top_logprobs for o in outs]),
+                      position_logprobs=cat([o.position_logprobs for o in outs]))
+
+
 def _jit_steps(model: PagedModel, treedef: Any, shardings: tuple[Any, Any] | None = None
                ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The plain and log-probability steps of a model structure; `shardings`: the steps'
@@ -458,15 +493,15 @@ class JaxRunner:
     def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
         """The steps each (T, S) bucket serves, as (T, S, decode_only, layered, hidden): with
         a decode kernel, a T = S bucket is either all decodes or mixed (decodes plus short
-        chunks), and each compiles apart; with layer staging, a step that is not all decodes
-        may also have per-layer tables (a partly offloaded prefill in it); with hidden steps,
+        chunks), and each compiles apart; with layer staging, any step may also have
+        per-layer tables (a partly offloaded request's prefill or decode in it); with hidden steps,
         any step may have hidden-cache sequences (never beside layer tables: the plan check
         refuses a hidden request's layer offload)."""
         layered = (False, True) if self.layer_pool is not None else (False,)
         hidden = (False, True) if self.hidden_steps else (False,)
         return [(t, s, d, lay, h) for t, s in shapes
                 for d in ((False, True) if self.mark_decode and t == s else (False,))
-                for lay in (layered if not d else (False,))
+                for lay in layered
                 for h in (hidden if not lay else (False,))]
 
     def _lower(self, x: StepInputs) -> jax.stages.Lowered:
@@ -521,7 +556,18 @@ class JaxRunner:
         n = batch.num_seqs
         if n == 0:
             return StepOutput.empty()
+        groups = self._staging_groups(batch)
+        if len(groups) > 1:
+            return _concat_outputs([self._compute(_sub_batch(batch, g)) for g in groups])
+        return self._compute(batch)
+
+    def _compute(self, batch: Batch) -> StepOutput:
+        """The step's compute, its copies done: partly offloaded sequences' host layers
+        read into their staging blocks first, their new K/V written back after."""
+        n = batch.num_seqs
         staging = self._staging(batch)
+        if staging:
+            self._stream_in(batch, staging)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
                               self.mark_decode, staging, self.hidden_layout)
         inputs = batch.inputs
@@ -535,30 +581,69 @@ class JaxRunner:
             self._offload_prefills(batch, staging)
         return out
 
+    def _staging_need(self, batch: Batch) -> dict[int, int]:
+        """Staging blocks each partly offloaded sequence needs, by batch index: its context
+        after the step (each offloaded layer's in that layer's own staging rows)."""
+        end = batch.start + batch.query_lens
+        return {i: -(-int(end[i]) // self.block_size) for i in batch.inputs.layer_tables}
+
+    def _staging_groups(self, batch: Batch) -> list[np.ndarray]:
+        """The batch's sequences in consecutive groups whose partly offloaded sequences'
+        context fits the staging rows: one group unless decodes with layers on the host
+        need more (each group is then a step of its own; the tokens are the same)."""
+        if not batch.inputs.layer_tables:
+            return [np.arange(batch.num_seqs)]
+        room = self.scratch_block - self.staging_start
+        need = self._staging_need(batch)
+        groups, first, used = [], 0, 0
+        for i in range(batch.num_seqs):
+            k = need.get(i, 0)
+            if k > room:
+                raise RuntimeError(f"seq {batch.seq_ids[i]} needs {k} staging blocks, {room} exist")
+            if used + k > room:
+                groups.append(np.arange(first, i))
+                first, used = i, 0
+            used += k
+        return groups + [np.arange(first, batch.num_seqs)]
+
     def _staging(self, batch: Batch) -> dict[int, np.ndarray]:
-        """Staging blocks for each partly offloaded sequence's prefill, by batch index."""
+        """Staging blocks for each partly offloaded sequence, by batch index (its offloaded
+        layers' K/V for the step, in each layer's pool)."""
         if not batch.inputs.layer_tables:
             return {}
         if self.layer_pool is None:
-            raise RuntimeError("a partly offloaded prefill needs a runner built with layer_staging "
+            raise RuntimeError("a partly offloaded request needs a runner built with layer_staging "
                                "and a host tier")
         out, nxt = {}, self.staging_start
-        for i in batch.inputs.layer_tables:
-            n = -(-int(batch.query_lens[i]) // self.block_size)
+        for i, n in self._staging_need(batch).items():
             out[i] = np.arange(nxt, nxt + n, dtype=np.int32)
             nxt += n
-        if nxt > self.scratch_block:
-            raise RuntimeError(f"partly offloaded prefills need {nxt - self.staging_start} staging "
-                               f"blocks, {self.scratch_block - self.staging_start} exist")
         return out
 
+    def _host_layer_moves(self, batch: Batch, staging: dict[int, np.ndarray], before: bool) -> list[LayerMove]:
+        """Per offloaded layer of each partly offloaded sequence, host blocks <-> its
+        staging blocks: `before` the step, those holding its context (host -> staging);
+        after it, those its new tokens fill (staging -> host)."""
+        bs, moves = self.block_size, []
+        for i, tables in batch.inputs.layer_tables.items():
+            start = int(batch.start[i])
+            lo, hi = (0, -(-start // bs)) if before else (start // bs, len(staging[i]))
+            for layer, host in enumerate(tables.host):
+                if len(host) and hi > lo:
+                    src, dst = (host, staging[i]) if before else (staging[i], host)
+                    moves.append(LayerMove(-1, layer, src[lo:hi], dst[lo:hi]))
+        return moves
+
+    def _stream_in(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
+        """The offloaded layers' context of partly offloaded sequences past their first
+        token (decodes), host -> staging: one host read and one scatter per layer."""
+        for layer, (src, dst) in _by_layer(self._host_layer_moves(batch, staging, True)).items():
+            self.cache = self.layer_pool.scatter(self.cache, layer, dst, *self.layer_pool.read(layer, src))
+
     def _offload_prefills(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
-        """The offloaded layers' K/V this step's prefills computed, staging -> host pool:
-        one gather and one host write per layer."""
-        moves = [LayerMove(-1, layer, ids, host[: len(ids)])
-                 for i, tables in batch.inputs.layer_tables.items()
-                 for ids in (staging[i],) for layer, host in enumerate(tables.host) if len(host)]
-        for layer, (src, dst) in _by_layer(moves).items():
+        """The offloaded layers' K/V this step computed, staging -> host pool: one gather and
+        one host write per layer."""
+        for layer, (src, dst) in _by_layer(self._host_layer_moves(batch, staging, False)).items():
             self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
 
     def _read_layers(self, batch: Batch) -> list[tuple[str, int, np.ndarray, tuple]]:
