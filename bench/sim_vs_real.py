@@ -152,6 +152,9 @@ def step_table(cost_model: str) -> list[dict]:
     print(f"  {'model':>8} {'tp':>3} " + " ".join(f"{label:>24}" for label, _ in STEP_TABLE_STEPS))
     for model in ("opt-13b", "opt-66b"):
         for tp in STEP_TABLE_TP:
+            if get_config(model).num_params * 2 / tp > get_hardware("a100-80g").memory_bytes:
+                print(f"  {model:>8} {tp:>2}  its weights do not fit {tp} A100-80GB")
+                continue
             cost = make_cost_model(cost_model, get_config(model), get_hardware("a100-80g"), tensor_parallel=tp,
                                    engine_overhead="vllm-0.2.3-offline")
             lines = profile.get((model, tp))
