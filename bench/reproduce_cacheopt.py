@@ -178,18 +178,23 @@ def with_slos(trace: Trace, ttft_base: float, tbt_base: float, seed: int) -> Tra
     return dataclasses.replace(trace, requests=reqs)
 
 
-def measure(run: Run, slos: Trace) -> dict:
-    spec = {r.request_id: r for r in slos.requests}
+def measure(run: Run, slos: Trace | None) -> dict:
+    """The run's figures; its SLO attainments against `slos`' per-request SLOs (None
+    without)."""
     recs = run.records
     ttfts = np.array([ttft(r) for r in recs])
     gaps = [tbt_gaps(r) for r in recs]
     all_gaps = np.concatenate(gaps)
-    ttft_ok = [ttft(r) <= spec[r.request_id].ttft_slo for r in recs]
-    tbt_ok = [len(g) == 0 or g.max() <= spec[r.request_id].tbt_slo for r, g in zip(recs, gaps)]
+    attainment = {"ttft_attainment": None, "tbt_attainment": None}
+    if slos is not None:
+        spec = {r.request_id: r for r in slos.requests}
+        attainment = {
+            "ttft_attainment": float(np.mean([ttft(r) <= spec[r.request_id].ttft_slo for r in recs])),
+            "tbt_attainment": float(np.mean([len(g) == 0 or g.max() <= spec[r.request_id].tbt_slo
+                                             for r, g in zip(recs, gaps)]))}
     return {
         "ttft_p99": float(np.percentile(ttfts, 99)), "ttft_mean": float(ttfts.mean()),
-        "tbt_p99": float(np.percentile(all_gaps, 99)),
-        "ttft_attainment": float(np.mean(ttft_ok)), "tbt_attainment": float(np.mean(tbt_ok)),
+        "tbt_p99": float(np.percentile(all_gaps, 99)), **attainment,
         "norm_latency": float(np.mean([normalized_latency(r) for r in recs])),
         "preemptions": run.preemptions, "swaps": run.swaps,
         "preempted_time": float(sum(r.preempted_time for r in recs)),
@@ -198,11 +203,11 @@ def measure(run: Run, slos: Trace) -> dict:
 
 
 # --------------------------------------------------------------------------- sweeps
-def points(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: list[str],
-           scratch: pathlib.Path) -> list[dict[str, dict]]:
-    """Every method at each (rate, seed) cell, judged against the SLOs the baselines set
-    there: the baselines run first (all cells at once), then the SLO-aware methods on the
-    cell's trace with its SLOs attached, saved under `scratch` for the runs to replay."""
+def slo_runs(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: list[str],
+             scratch: pathlib.Path) -> list[tuple[dict[str, Run], Trace]]:
+    """Every method at each (rate, seed) cell, and the cell's trace with the SLOs the
+    baselines set there: the baselines run first (all cells at once), then the SLO-aware
+    methods on that trace, saved under `scratch` for the runs to replay."""
     base = simulate([bench_config(w, m, rate, seed, s) for rate, seed in cells for m in BASELINES], s)
     paths = []
     for k, (rate, seed) in enumerate(cells):
@@ -215,10 +220,16 @@ def points(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: lis
                      for (rate, seed), path in zip(cells, paths) for m in others], s)
     out = []
     for k, path in enumerate(paths):
-        slos = load_trace(path)
         runs = base[k * len(BASELINES):(k + 1) * len(BASELINES)] + rest[k * len(others):(k + 1) * len(others)]
-        out.append({run.method: measure(run, slos) for run in runs if run.method in methods})
+        out.append(({run.method: run for run in runs if run.method in methods}, load_trace(path)))
     return out
+
+
+def points(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: list[str],
+           scratch: pathlib.Path) -> list[dict[str, dict]]:
+    """`slo_runs`, each run measured against its cell's SLOs."""
+    return [{m: measure(run, slos) for m, run in runs.items()}
+            for runs, slos in slo_runs(w, cells, s, methods, scratch)]
 
 
 def sustainable_rate(rates: list[float], norm: list[float], limit: float) -> float:

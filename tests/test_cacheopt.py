@@ -263,6 +263,26 @@ def test_swap_needs_host_room() -> None:
     assert list(plan.preempt.values()) == [PreemptMode.RECOMPUTE]
 
 
+
+def test_admission_leaves_the_reserve_and_vllms_watermark_free() -> None:
+    # 800 blocks of 4 tokens: while something runs, admissions leave the 8-block reserve
+    # and vLLM's 1% watermark (8 blocks) unpromised. The running request fills all it holds
+    # (nothing to embed into); the waiting 8-token prompt's floor is 4 blocks (8 + B
+    # tokens), and without RSA it is reserved its whole demand, max_len's 25.
+    def view(free: int) -> SchedulerView:
+        held = 800 - free
+        return view_of([dict(status=R, num_tokens=4 * held, max_len=4000, last_token_time=9.0),
+                        dict()], num_blocks=800)
+
+    co, no_gr, no_rsa = CacheOptPolicy(), POLICIES["cacheopt/GR"](), POLICIES["cacheopt/RSA"]()
+    assert co.admission_keep(view(20)) == 16 and no_gr.admission_keep(view(20)) == 8
+    assert 1 in co.schedule(view(20)).run and 1 not in co.schedule(view(19)).run
+    assert 1 in no_gr.schedule(view(12)).run and 1 not in no_gr.schedule(view(11)).run
+    assert 1 in no_rsa.schedule(view(41)).run and 1 not in no_rsa.schedule(view(40)).run
+    # Nothing holds KV: nothing to keep free for.
+    assert co.admission_keep(view_of([dict()], num_blocks=800)) == 0
+
+
 # ------------------------------------------------------------------ ablations
 def test_each_ablation_turns_off_exactly_its_component() -> None:
     base = CacheOptPolicy()
@@ -281,8 +301,9 @@ def test_switches_change_their_component() -> None:
     off = {tag: POLICIES[f"cacheopt/{tag}"]() for tag in CACHEOPT_ABLATIONS}
     # CKA: Hoeffding padding vs 10% of the prediction
     assert co.demand_tokens(view)[1] > 8 + 22 and off["CKA"].demand_tokens(view)[1] == 8 + 22
-    # GR: blocks kept back from admissions while something runs (capped at 1/8 of 64)
-    assert co.reserve_keep(view) == 8 and off["GR"].reserve_keep(view) == 0
+    # GR: blocks kept back from admissions while something runs (capped at 1/8 of 64),
+    # beside vLLM's 1% watermark (0 blocks of 64); the watermark stays without GR.
+    assert co.admission_keep(view) == 8 and off["GR"].admission_keep(view) == 0
     # PA: a request reserved 5 blocks, estimated at 8 + 14 = 22 tokens (6 blocks), has 20:
     # it completes within m = 2 iterations and is topped up to its demand.
     near = view_of([dict(status=R, num_tokens=20, prompt_len=8, predicted_len=12, reserved_blocks=5,

@@ -27,6 +27,7 @@ from jserve.benchmarking.metrics import (
     tpot,
     ttft,
     ttft_slo_met,
+    window_medians,
 )
 
 
@@ -359,3 +360,14 @@ def test_tbt_slo_on_tpot_judges_the_mean_gap_not_the_p99():
     assert "TBT (tpot)" in format_table(s, vllm_report([r], s))
     with pytest.raises(ValueError, match="tpot"):
         summarize([r], tbt_slo_on="mean")
+
+
+def test_window_medians_by_arrival_order() -> None:
+    # Given out of arrival order: A (TTFT 1.0, arrives 0), B (0.5, arrives 1), C (aborted,
+    # arrives 2). Two windows: [A] and [B, C]; C has no TTFT. One window: median of 1.0, 0.5.
+    assert window_medians([C, B, A], ttft, 2) == [1.0, 0.5]
+    assert window_medians([A, B, C], ttft, 1) == [0.75]
+    assert window_medians([C], ttft, 1) == [None]
+    assert window_medians([A, B], ttft, 3) == [None, 1.0, 0.5]
+    with pytest.raises(ValueError):
+        window_medians([A], ttft, 0)

@@ -41,6 +41,7 @@ statistics) or 0 (for counts and sums), never an exception.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ __all__ = [
     "ttft",
     "ttft_slo_met",
     "vllm_report",
+    "window_medians",
 ]
 
 
@@ -121,15 +123,6 @@ def tpot(r: RequestRecord) -> float | None:
     if r.output_len < 2 or r.first_token_time is None or r.finished_time is None:
         return None
     return (r.finished_time - r.first_token_time) / (r.output_len - 1)
-
-
-def window_medians(records: Sequence[RequestRecord], metric: Callable[[RequestRecord], float | None],
-                   windows: int = 5) -> list[float | None]:
-    """The median of `metric` over each of `windows` consecutive runs of the requests in
-    arrival order (None where none has a value): level at a load the server sustains,
-    climbing where its queue grows (a run past saturation, or still warming up)."""
-    ordered = sorted(records, key=lambda r: r.arrival_time)
-    return [_pct(_values(map(metric, part)), 50) for part in np.array_split(np.asarray(ordered, object), windows)]
 
 
 def e2e(r: RequestRecord) -> float | None:
@@ -385,6 +378,19 @@ def tail_excess_latency(ttfts: Iterable[float], threshold: float) -> float:
     """Tail Excess Latency: ``sum(max(ttft - threshold, 0))`` over requests (T-LRU)."""
     arr = np.asarray(list(ttfts), dtype=np.float64)
     return float(np.maximum(arr - threshold, 0.0).sum()) if arr.size else 0.0
+
+
+
+def window_medians(records: Sequence[RequestRecord], metric: Callable[[RequestRecord], float | None],
+                   windows: int) -> list[float | None]:
+    """The median of `metric` over each of `windows` equal slices of the requests taken in
+    arrival order (None for a slice without a value): flat medians say a run is in steady
+    state at its load, medians that keep rising say its queue grows for the whole run."""
+    if windows < 1:
+        raise ValueError(f"windows must be >= 1, got {windows}")
+    ordered = sorted(records, key=lambda r: r.arrival_time)
+    edges = np.linspace(0, len(ordered), windows + 1).astype(int)
+    return [_pct(_values(metric(r) for r in ordered[a:b]), 50) for a, b in itertools.pairwise(edges)]
 
 
 # ----------------------------------------------------------------------------- display

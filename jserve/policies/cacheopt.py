@@ -34,6 +34,10 @@ faithful or our choice and why, is tabled in bench/results/cacheopt_components.m
 - GR, global reserve (3.3.3; `global_reserve`): `reserved_pool_blocks` unreserved blocks
   are kept back from admissions; a request outgrowing its allocation extends from them
   instead of preempting someone.
+- Admission headroom (`admission_keep`): besides the reserve, admissions leave vLLM's
+  watermark (1% of the blocks, `vllm.py`) free. CacheOpt is built on vLLM and Section 4's
+  list of the vLLM functions it changes leaves the watermark alone, while it keeps the
+  reserve "separate from the general allocation pool": the two add up.
 - PP, preemption order (3.4; `preemption_order`): victims by TBT SLO range (loosest
   first), then remaining predicted tokens (most first; the prediction, not the padded
   estimate: `predicted_remaining`), then KV held (least first), the last two in 128-token
@@ -69,6 +73,7 @@ from jserve.policies.reservation import (
     latest_arrival_first,
     swap_in_waiting,
 )
+from jserve.policies.vllm import VLLMPolicy
 
 RT_CLIP = (1e-3, 60.0)  # seconds; our choice: RT weights stay finite without an SLO (inf)
 # The shipped CacheOpt predictor's held-out errors (jserve/predictor/default/noise.json, 500
@@ -222,15 +227,17 @@ class CacheOptPolicy:
     """Defaults are the paper's Section 5 settings where it gives them: B = 8 tokens (one
     8-token block), m = 2 iterations, 8 reserved blocks, confidence 90% (alpha = 0.9),
     beta = 100, embedding buffer b = 8 tokens, 128-token ranges for remaining time and KV
-    occupancy. Ours: TBT ranges at the paper's example edges 0.05 / 0.2 / 0.5 / 2 s,
-    `TRUE_TO_PREDICTED` (the predictor's measured error range), critical_eps = 0 s, and the
-    reserve capped at 1/8 of the cache so that a small cache is not all reserve."""
+    occupancy. vLLM's: the 1% admission watermark. Ours: TBT ranges at the paper's example
+    edges 0.05 / 0.2 / 0.5 / 2 s, `TRUE_TO_PREDICTED` (the predictor's measured error range),
+    critical_eps = 0 s, and the reserve capped at 1/8 of the cache so that a small cache is
+    not all reserve."""
 
     name: str = "cacheopt"
     chunked_prefill: bool = False  # built on vLLM: whole-prompt prefills
     buffer_tokens: int = 8  # B
     proactive_iterations: int = 2  # m
     reserved_pool_blocks: int = 8
+    admission_watermark: float = VLLMPolicy.watermark  # share of the blocks
     alpha: float = 0.9
     beta: float = 100.0
     embed_buffer_tokens: int = 8  # b
@@ -265,13 +272,15 @@ class CacheOptPolicy:
         total = np.where(r.predicted_len > 0, r.prompt_len + out, r.max_len)
         return np.minimum(total, r.max_len)
 
-    def reserve_keep(self, view: SchedulerView) -> int:
-        """Blocks kept back from admissions (GR), while anything holds KV to extend."""
+    def admission_keep(self, view: SchedulerView) -> int:
+        """Blocks admissions and allocations leave free while anything holds KV to extend:
+        the global reserve (GR) plus vLLM's admission watermark, which Section 4 does not
+        list among the vLLM functions CacheOpt changes (`admission_watermark`)."""
         r = view.requests
-        busy = ((r.status == RequestStatus.RUNNING) | (r.status == RequestStatus.SWAPPED)).any()
-        if not (self.global_reserve and busy):
+        if not ((r.status == RequestStatus.RUNNING) | (r.status == RequestStatus.SWAPPED)).any():
             return 0
-        return min(self.reserved_pool_blocks, view.num_blocks // 8)
+        reserve = min(self.reserved_pool_blocks, view.num_blocks // 8) if self.global_reserve else 0
+        return reserve + int(self.admission_watermark * view.num_blocks)
 
     def wants_swap(self, view: SchedulerView, i: int) -> bool:
         return self.swap_selection and swap_preferred(self.preemption_costs,
@@ -307,7 +316,7 @@ class CacheOptPolicy:
             victim_key = latest_arrival_first(view)
         ledger, work = Ledger.of(view), Work()
         swapped = (r.status == RequestStatus.SWAPPED).any()
-        keep = self.reserve_keep(view)
+        keep = self.admission_keep(view)
         if not self.slo_aware and not swapped:  # vLLM: prefill-first steps
             self._top_up(view, ledger, est, keep)
             admit_in_order(view, ledger, work, r.with_status(RequestStatus.WAITING),
