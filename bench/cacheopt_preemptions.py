@@ -43,7 +43,8 @@ from reproduce_cacheopt import CLAIMS, WORKLOADS, Run, Setting, bench_config, me
 
 from jserve.benchmarking.metrics import RequestRecord, tbt_gaps, ttft, window_medians
 from jserve.benchmarking.workload import Trace
-from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL
+from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, describe
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ["vllm", "cacheopt", "cacheopt/CKA", "cacheopt/PA", "cacheopt/GR", "cacheopt/RSA",
@@ -103,7 +104,7 @@ RATIOS = [("ttft_p99", "vLLM/x TTFT"), ("tbt_p99", "vLLM/x TBT"), ("worst_gap_p9
 
 def print_load(rate: float, rows: dict[str, dict], args: argparse.Namespace) -> None:
     print(f"\n== {rate:g} req/s: ShareGPT, OPT-13B, one A100-80G, {args.num_requests} requests, seed {args.seed}, "
-          f"8-token blocks, SLOs {args.slos}, cost model {args.cost_model}")
+          f"8-token blocks, SLOs {args.slos}; {describe(args.cost_model, get_hardware('a100-80g'))}")
     if "vllm" in rows:
         medians = " ".join("-" if x is None else f"{x:.3g}" for x in rows["vllm"]["ttft_window_medians"])
         print(f"vLLM's median TTFT per tenth of the run (s): {medians}")

@@ -75,7 +75,8 @@ from jserve.benchmarking.metrics import RequestRecord, normalized_latency, tbt_g
 from jserve.benchmarking.sweep import run_points
 from jserve.benchmarking.workload import Trace, build_trace, load_trace, save_trace
 from jserve.config import EngineConfig
-from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL
+from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, describe
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 BASELINES = ["vllm", "rlp", "s3", "sarathi"]
@@ -446,8 +447,10 @@ def main() -> None:
     setting = Setting("a100-80g", args.cost_model, args.workers)
     suffix = "" if args.cost_model == DEFAULT_COST_MODEL else f"_{args.cost_model}"
     t0 = time.perf_counter()
+    print(f"simulated: {describe(args.cost_model, get_hardware('a100-80g'))}")
     report: dict = {"setting": {"model": "opt-13b", "hardware": "a100-80g", "block_size": BLOCK_SIZE,
-                                "cost_model": args.cost_model, "opt_175b": "8 x a100-80g, tensor parallel 8",
+                                "cost_model": args.cost_model,
+                                "simulated": describe(args.cost_model, get_hardware("a100-80g")), "opt_175b": "8 x a100-80g, tensor parallel 8",
                                 "seeds": seeds, "slo_scale": [0.5, 2.5], "tail": "P99",
                                 "chunk_tokens": CHUNK_TOKENS, "sustainable_factor": SAT_FACTOR,
                                 "predictions": "noise", "num_requests": n, "skipped": sorted(skip)},

@@ -101,7 +101,8 @@ from jserve.engine.plan import Plan
 from jserve.engine.request import OFFLOADED, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.runners.cost_model import StepShape
-from jserve.runners.testbeds import DEFAULT_COST_MODEL
+from jserve.runners.hardware import get_hardware
+from jserve.runners.testbeds import DEFAULT_COST_MODEL, describe
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODEL, HARDWARE = "llama-2-7b", "l20"
@@ -490,7 +491,8 @@ def goal_main(args: argparse.Namespace) -> None:
         configs = goal_configs(cm, args.share_requests, counts, tuple(args.rates))
         after = run_all(configs, args.workers)
         before = baseline_rows(args.baseline, configs, args.workers) if args.baseline else None
-        lines += goal_table(after, before, f"cost model `{cm}`" + (f"; before = {args.baseline}" if before else ""))
+        lines += goal_table(after, before, describe(cm, get_hardware(HARDWARE))
+                            + (f"; before = {args.baseline}" if before else ""))
         lines += [""]
         record["cells"][cm] = {"after": after, "before": before}
         if args.gate:  # why the gate admits what it does: ShareGPT at the highest rate, fixed 4k prompts
@@ -562,7 +564,7 @@ def main() -> None:
     c = claims(rows, rates, lengths)
     multi_lines, multi_ratios = multi_tables(multi_rows)
     lines = [f"# LayerKV reproduction ({MODEL} on one {HARDWARE}, simulated, cost model `{cost_model}`)"
-             f"{' --quick' if args.quick else ''}", "",
+             f"{' --quick' if args.quick else ''}", "", f"Simulated: {describe(cost_model, get_hardware(HARDWARE))}.", "",
              f"{fixed_n} requests per fixed length; {share_n} ShareGPT requests per rate; seed 0.", ""]
     lines += fixed_table(rows, lengths, cost_model) + [""] + sharegpt_table(rows, rates) + [""] + claims_table(c)
     lines += [""] + multi_lines
