@@ -227,6 +227,10 @@ def fmt_rate(x: float, rates: tuple[float, ...]) -> str:
     return f"> {rates[-1]:g}" if math.isinf(x) else f"{x:.2f}"
 
 
+def fmt_x(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
+
+
 def ratio(a: float, b: float) -> float:
     """Apt-Serve's effective throughput over a baseline's (nan where either is off the grid)."""
     return a / b if 0 < a < math.inf and 0 < b < math.inf else math.nan
@@ -279,7 +283,7 @@ def claims_table(c: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]
            "goal: same sign, >= half |", "|---|---|---|---|---|---|---|"]
     for x in c:
         rates = rates_of[x["dataset"]]
-        ours = "n/a" if math.isnan(x["ours_x"]) else f"{x['ours_x']:.2f}x"
+        ours = fmt_x(x["ours_x"])
         out.append(f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | {ours} | "
                    f"{fmt_rate(x['apt_rate'], rates)} / {fmt_rate(x['baseline_rate'], rates)} | {x['verdict']} |")
     finite = [x["ours_x"] for x in c if math.isfinite(x["ours_x"])]
@@ -301,9 +305,9 @@ def readings_table(rows: list[dict], d: Dataset, rates: tuple[float, ...], polic
         cells = []
         for t in THRESHOLDS:
             x = eff(rows, d, p, rates, t)
-            cells += [fmt_rate(x, rates), f"{ratio(x, eff(rows, d, 'apt-serve', rates, t)):.2f}x"]
+            cells += [fmt_rate(x, rates), fmt_x(ratio(x, eff(rows, d, "apt-serve", rates, t)))]
         if vllm:
-            cells.append(f"{ratio(eff(rows, d, p, rates, 0.9), eff(rows, d, 'vllm', rates, 0.9)):.2f}x")
+            cells.append(fmt_x(ratio(eff(rows, d, p, rates, 0.9), eff(rows, d, "vllm", rates, 0.9))))
         out.append(f"| {p} | " + " | ".join(cells) + " |")
     return out
 
@@ -327,10 +331,10 @@ def paper_consistency(rows: list[dict], d: Dataset, rates: tuple[float, ...], po
             f"(paper: Figure 2a's {PAPER_VLLM_90} req/s; ours: vLLM's crossing above, {fmt_rate(vllm_90, rates)}):")
     table4 = (f"| Table 4, CV 1 | {a0:.1%} at {r0:g} req/s, {a1:.1%} at {r1:g} | {paper_90:.2f} (interpolated) | "
               f"{paper_90 / PAPER_VLLM_90:.2f}x | {ours[r0]:.1%} at {r0:g}, {ours[r1]:.1%} at {r1:g}: "
-              f"{fmt_rate(ours_90, (r0, r1))} (interpolated), {ratio(ours_90, vllm_90):.2f}x |")
+              f"{fmt_rate(ours_90, (r0, r1))} (interpolated), {fmt_x(ratio(ours_90, vllm_90))} |")
     fig8 = (f"| Figure 8 (text) | {fig8_x}x vLLM at 90%, averaged over 13B, 30B, 66B | "
             f"{fig8_x * PAPER_VLLM_90:.2f} (if 13B were the average) | {fig8_x}x | grid crossing "
-            f"{fmt_rate(grid_90, rates)}, {ratio(grid_90, vllm_90):.2f}x |")
+            f"{fmt_rate(grid_90, rates)}, {fmt_x(ratio(grid_90, vllm_90))} |")
     fig10 = (f"| Figure 10 (text, Section 6.6) | over {PAPER_FIG10_ATTAINMENT:.0%} at {PAPER_FIG10_RATE:g} req/s | "
              f">= {PAPER_FIG10_RATE:g} | >= {PAPER_FIG10_RATE / PAPER_VLLM_90:.2f}x | "
              f"{ours[PAPER_FIG10_RATE]:.1%} at {PAPER_FIG10_RATE:g} req/s |")
@@ -453,7 +457,7 @@ def before_table(old: dict, new: dict) -> list[str]:
         if both:
             out += ["", "| dataset | threshold | baseline | paper | before | after |", "|---|---|---|---|---|---|"]
             out += [f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | "
-                    f"{b['ours_x']:.2f}x | {x['ours_x']:.2f}x |" for b, x in both]
+                    f"{fmt_x(b['ours_x'])} | {fmt_x(x['ours_x'])} |" for b, x in both]
     return out
 
 
