@@ -47,8 +47,20 @@ The setting, as the paper states it, and what is ours:
   `apt-serve/hybrid` (KV cache only) and `apt-serve/adaptive` (FCFS), with `apt-serve-decay`
   (Figure 10's decaying factor 0.4) and `apt-serve-upgrade` (ours: a hidden request moved to
   KV recomputes in the same step) beside them.
+- Our readings where the paper and the authors' code settle a point one way (issue 41), each
+  a variant of `apt-serve` in Figure 8's policies or Tables 4-5's ablations:
+  `apt-serve-hidden-fit` (hidden when only the hidden half fits), `apt-serve-count-late`
+  (|W| + |R| counts requests past their SLO), `apt-serve-skip` (the greedy passes over a
+  schedule that does not fit); their effective throughput beside apt-serve's.
+- The paper's own ShareGPT numbers for OPT-13B side by side (printed with Figure 8's
+  ShareGPT): Table 4's Apt-Serve cells at CV 1 (99.5% at 3 req/s, 67.3% at 6) interpolated
+  to a 90% point, over Figure 2a's vLLM 2.6 req/s; Figure 8's 2.3x (a three-model average);
+  Figure 10's text (over 90% at 6 req/s); and ours the same ways.
 - `--before OLD.json`: this script's JSON from a run before a change (another commit), its
   headline cells printed beside this run's.
+
+`--cost-model` names the simulator's step prices (every name of `jserve.runners.testbeds`,
+a paper's testbed or an engine profile); the report says which.
 
 Usage:
     nice -n 5 python bench/reproduce_aptserve.py --cost-model apt-serve     # opt-13b, everything
@@ -82,7 +94,9 @@ BASELINES = ("vllm", "sarathi", "fastgen")
 MAIN = (*BASELINES, "apt-serve", "apt-serve-s")
 TP_MAIN = (*BASELINES, "apt-serve", "apt-serve/hybrid")
 ROBUST = ("vllm", "sarathi", "apt-serve")  # Figure 9's systems
-ABLATIONS = ("apt-serve", "apt-serve/hybrid", "apt-serve/adaptive", "apt-serve-decay", "apt-serve-upgrade")
+READINGS = ("apt-serve-hidden-fit", "apt-serve-count-late", "apt-serve-skip")  # ours, issue 41
+ABLATIONS = ("apt-serve", "apt-serve/hybrid", "apt-serve/adaptive", "apt-serve-decay", "apt-serve-upgrade",
+             *READINGS)
 CVS = (1.0, 5.0, 10.0)
 THRESHOLDS = (0.9, 0.6)
 SECTIONS = ("fig8", "fig9", "tables")
@@ -117,6 +131,8 @@ SETTINGS = (
 # Figure 2a (Section 3.1): vLLM, OPT-13B, one A100-40G, ShareGPT, TTFT and P99 TBT 1 s.
 PAPER_VLLM_90 = 2.6  # "the effective throughput is around 2.6 requests per second"
 PAPER_VLLM_AT_3 = 0.70  # "at 3 requests per second ... drop sharply to approximately 70%"
+# Section 6.6 (Figure 10): on ShareGPT at 6.0 req/s, OPT-13B, "over 90% SLO attainment".
+PAPER_FIG10_RATE, PAPER_FIG10_ATTAINMENT = 6.0, 0.90
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,8 @@ class Model:
 def scaled(tp_slos: tuple[tuple[float, float], ...]) -> tuple[Dataset, ...]:
     """SETTINGS with a larger model's Table 3 SLOs (per dataset, in order) and the rate
     grids of the tensor-parallel runs: the 30B and 66B groups hold fewer K/V tokens than
-    13B's GPU (11.5k and 8.7k tokens against 14.8k, which 13B's hidden cache can stretch
-    to twice that), so their grids start lower."""
+    13B's GPU (11.5k and 8.7k tokens against 12,784, 799 blocks, which 13B's hidden cache
+    can stretch to twice that), so their grids start lower."""
     grids = ((1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8), (5, 10, 15, 20, 25, 30, 35, 40, 50),
              (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3))
     return tuple(replace(d, ttft_slo=ttft, tbt_slo=tbt, rates=rates, quick_rates=rates[::3])
@@ -211,6 +227,10 @@ def fmt_rate(x: float, rates: tuple[float, ...]) -> str:
     return f"> {rates[-1]:g}" if math.isinf(x) else f"{x:.2f}"
 
 
+def fmt_x(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
+
+
 def ratio(a: float, b: float) -> float:
     """Apt-Serve's effective throughput over a baseline's (nan where either is off the grid)."""
     return a / b if 0 < a < math.inf and 0 < b < math.inf else math.nan
@@ -263,13 +283,66 @@ def claims_table(c: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]
            "goal: same sign, >= half |", "|---|---|---|---|---|---|---|"]
     for x in c:
         rates = rates_of[x["dataset"]]
-        ours = "n/a" if math.isnan(x["ours_x"]) else f"{x['ours_x']:.2f}x"
+        ours = fmt_x(x["ours_x"])
         out.append(f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | {ours} | "
                    f"{fmt_rate(x['apt_rate'], rates)} / {fmt_rate(x['baseline_rate'], rates)} | {x['verdict']} |")
     finite = [x["ours_x"] for x in c if math.isfinite(x["ours_x"])]
     out += ["", f"Peak ratio over datasets, thresholds and baselines: paper up to {PAPER_PEAK_X}x, "
                 f"ours {max(finite):.2f}x" if finite else "no finite ratio"]
     return out
+
+
+def readings_table(rows: list[dict], d: Dataset, rates: tuple[float, ...], policies: tuple[str, ...]) -> list[str]:
+    """Effective throughput of our readings (issue 41) beside apt-serve's (the paper's)."""
+    shown = [p for p in READINGS if p in policies]
+    if "apt-serve" not in policies or not shown:
+        return []
+    vllm = "vllm" in policies
+    out = [f"Our readings against apt-serve (the paper's and the authors' code's), {d.name}:", "",
+           "| policy | 90% (req/s) | / apt-serve | 60% (req/s) | / apt-serve |" + (" / vLLM at 90% |" if vllm else ""),
+           "|---|---|---|---|---|" + ("---|" if vllm else "")]
+    for p in ("apt-serve", *shown):
+        cells = []
+        for t in THRESHOLDS:
+            x = eff(rows, d, p, rates, t)
+            cells += [fmt_rate(x, rates), fmt_x(ratio(x, eff(rows, d, "apt-serve", rates, t)))]
+        if vllm:
+            cells.append(fmt_x(ratio(eff(rows, d, p, rates, 0.9), eff(rows, d, "vllm", rates, 0.9))))
+        out.append(f"| {p} | " + " | ".join(cells) + " |")
+    return out
+
+
+def paper_consistency(rows: list[dict], d: Dataset, rates: tuple[float, ...], policies: tuple[str, ...]
+                      ) -> list[str]:
+    """The paper's three statements of Apt-Serve on ShareGPT with OPT-13B, each turned into
+    a 90% point over Figure 2a's vLLM, beside ours read the same ways."""
+    cells = sorted((rate, apt / 100) for (rate, cv), (_, _, apt) in d.paper_tables.items() if cv == 1.0)
+    if d.name != "ShareGPT" or "apt-serve" not in policies or len(cells) != 2:
+        return []
+    (r0, a0), (r1, a1) = cells
+    ours = {r: next((x["slo_attainment"] for x in rows if x["dataset"] == d.name and x["policy"] == "apt-serve"
+                     and x["rate"] == r and x["cv"] == 1.0), math.nan) for r in (r0, r1, PAPER_FIG10_RATE)}
+    paper_90 = interpolated_crossing((r0, r1), (a0, a1), 0.9)
+    ours_90 = interpolated_crossing((r0, r1), (ours[r0], ours[r1]), 0.9)
+    vllm_90 = eff(rows, d, "vllm", rates, 0.9) if "vllm" in policies else math.nan
+    grid_90 = eff(rows, d, "apt-serve", rates, 0.9)
+    fig8_x = d.paper_x[0.9][0]
+    head = (f"The paper's ShareGPT numbers for Apt-Serve on OPT-13B, each as a 90% point over vLLM's "
+            f"(paper: Figure 2a's {PAPER_VLLM_90} req/s; ours: vLLM's crossing above, {fmt_rate(vllm_90, rates)}):")
+    table4 = (f"| Table 4, CV 1 | {a0:.1%} at {r0:g} req/s, {a1:.1%} at {r1:g} | {paper_90:.2f} (interpolated) | "
+              f"{paper_90 / PAPER_VLLM_90:.2f}x | {ours[r0]:.1%} at {r0:g}, {ours[r1]:.1%} at {r1:g}: "
+              f"{fmt_rate(ours_90, (r0, r1))} (interpolated), {fmt_x(ratio(ours_90, vllm_90))} |")
+    fig8 = (f"| Figure 8 (text) | {fig8_x}x vLLM at 90%, averaged over 13B, 30B, 66B | "
+            f"{fig8_x * PAPER_VLLM_90:.2f} (if 13B were the average) | {fig8_x}x | grid crossing "
+            f"{fmt_rate(grid_90, rates)}, {fmt_x(ratio(grid_90, vllm_90))} |")
+    fig10 = (f"| Figure 10 (text, Section 6.6) | over {PAPER_FIG10_ATTAINMENT:.0%} at {PAPER_FIG10_RATE:g} req/s | "
+             f">= {PAPER_FIG10_RATE:g} | >= {PAPER_FIG10_RATE / PAPER_VLLM_90:.2f}x | "
+             f"{ours[PAPER_FIG10_RATE]:.1%} at {PAPER_FIG10_RATE:g} req/s |")
+    note = (f"Table 4 puts Apt-Serve at {a1:.1%} at {PAPER_FIG10_RATE:g} req/s, where Figure 10's text says over "
+            f"{PAPER_FIG10_ATTAINMENT:.0%}; its two cells cross 90% at {paper_90 / PAPER_VLLM_90:.2f}x vLLM's "
+            f"{PAPER_VLLM_90} req/s, not {fig8_x}x.")
+    return [head, "", "| source | statement | 90% point (req/s) | over vLLM | ours, read the same way |",
+            "|---|---|---|---|---|", table4, fig8, fig10, "", note]
 
 
 def robust_table(rows: list[dict], m: Model) -> list[str]:
@@ -295,8 +368,9 @@ def ablation_table(rows: list[dict], m: Model) -> list[str]:
     out = ["### Tables 4 and 5 at the paper's rates: hybrid cache and adaptive scheduling switched off "
            "(SLO attainment %, paper / ours; nan: not run)", "",
            "| dataset | rate | CV | apt-serve | /hybrid (KV only) | /adaptive (FCFS) | apt-serve-decay (0.4) | "
-           "apt-serve-upgrade (ours) | hybrid - KV only (pp) | adaptive - FCFS (pp) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "apt-serve-upgrade (ours) | " + " | ".join(f"{p} (ours)" for p in READINGS) +
+           " | hybrid - KV only (pp) | adaptive - FCFS (pp) |",
+           "|---|---|---|---|---|---|---|---|" + "---|" * len(READINGS) + "---|---|"]
     for d in m.datasets:
         for (rate, cv), (kv, fcfs, apt) in d.paper_tables.items():
             if not any(r["dataset"] == d.name and r["rate"] == rate and r["cv"] == cv for r in rows):
@@ -306,6 +380,7 @@ def ablation_table(rows: list[dict], m: Model) -> list[str]:
             out.append(f"| {d.name} | {rate:g} | {cv:g} | {apt:.1f} / {a['apt-serve']:.1f} | "
                        f"{kv:.1f} / {a['apt-serve/hybrid']:.1f} | {fcfs:.1f} / {a['apt-serve/adaptive']:.1f} | "
                        f"{a['apt-serve-decay']:.1f} | {a['apt-serve-upgrade']:.1f} | "
+                       + "".join(f"{a[p]:.1f} | " for p in READINGS) +
                        f"{apt - kv:+.1f} / {a['apt-serve'] - a['apt-serve/hybrid']:+.1f} | "
                        f"{apt - fcfs:+.1f} / {a['apt-serve'] - a['apt-serve/adaptive']:+.1f} |")
     return out
@@ -343,6 +418,9 @@ def run_model(m: Model, o: Options) -> tuple[list[str], dict]:
                   + ": SLO attainment and effective throughput", ""]
         for d in datasets:
             lines += main_table(rows, m, d, rates_of[d.name], policies) + [""]
+            for extra in (readings_table, paper_consistency) if m.tp == 1 else ():
+                if part := extra(rows, d, rates_of[d.name], policies):
+                    lines += part + [""]
         c = claims(rows, m, rates_of, policies)
         lines += claims_table(c, m, rates_of)
     if m.extras and "fig9" in o.sections:
@@ -379,7 +457,7 @@ def before_table(old: dict, new: dict) -> list[str]:
         if both:
             out += ["", "| dataset | threshold | baseline | paper | before | after |", "|---|---|---|---|---|---|"]
             out += [f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | "
-                    f"{b['ours_x']:.2f}x | {x['ours_x']:.2f}x |" for b, x in both]
+                    f"{fmt_x(b['ours_x'])} | {fmt_x(x['ours_x'])} |" for b, x in both]
     return out
 
 

@@ -1,11 +1,13 @@
 """Apt-Serve's greedy (Eqs. 7-10 and the appendix's V' comparison) on hand-built and random
 instances: feasibility, the 2-approximation against brute force, the paper's refinement,
-the gaps issue 16 names (items that cannot fit alone, S' of the type that fits), and no
-hidden cache where it saves nothing (GQA)."""
+the gaps issue 16 names (items that cannot fit alone, S' of the type that fits), no hidden
+cache where it saves nothing (GQA), and the variants of issue 41 (skipping a schedule that
+does not fit, the hidden fallback, |W| + |R| with late requests)."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,17 @@ from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.view import SchedulerLimits
 from jserve.policies import POLICIES
 from jserve.policies.apt_serve import AptServePolicy
-from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, greedy_types, schedule_values
+from jserve.policies.apt_greedy import (
+    HIDDEN,
+    KV,
+    NONE,
+    Bounds,
+    Candidates,
+    GreedyRules,
+    greedy_types,
+    refined_to_kv,
+    schedule_values,
+)
 
 ROOMY = 10**9
 
@@ -37,12 +49,14 @@ def used_blocks(c: Candidates, choice: np.ndarray) -> int:
     return int(c.kv_blocks[choice == KV].sum() + c.hidden_blocks[choice == HIDDEN].sum())
 
 
-def brute_force(c: Candidates, blocks: int, penalty: float, hidden: bool = True) -> float:
+def brute_force(c: Candidates, blocks: int, penalty: float, hidden: bool = True, refined: bool = False) -> float:
+    """The optimum of Definition 1; with `refined`, over the options the refinement leaves."""
     best = 0.0
     options = (NONE, KV, HIDDEN) if hidden else (NONE, KV)
+    no_hidden = (c.hidden_blocks >= c.kv_blocks) | (refined_to_kv(c, penalty) if refined else False)
     for combo in itertools.product(options, repeat=len(c)):
         choice = np.array(combo, np.int8)
-        if (choice == HIDDEN)[c.hidden_blocks >= c.kv_blocks].any():
+        if (choice == HIDDEN)[no_hidden].any():
             continue
         if used_blocks(c, choice) <= blocks:
             best = max(best, schedule_values(c, choice, penalty))
@@ -101,8 +115,57 @@ def test_token_and_sequence_bounds():
     assert (greedy_types(c, Bounds(blocks=ROOMY, tokens=ROOMY, seqs=1), 0.0) != NONE).sum() == 1
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_two_approximation_against_brute_force(seed):
+def test_greedy_stops_at_the_first_schedule_that_does_not_fit():
+    # By gain per block: 0 (4.5), 1 (2.0, 4 blocks: does not fit after 0), 2 (1.0); V' is 9.
+    c = cands([9.0, 8.0, 1.0], [2, 4, 1], [2, 4, 1])
+    assert greedy_types(c, blocks_only(5), penalty=0.0).tolist() == [KV, NONE, NONE]
+    assert greedy_types(c, blocks_only(5), penalty=0.0, rules=GreedyRules(skip=True)).tolist() == [KV, NONE, KV]
+
+
+def test_a_schedule_over_the_token_budget_is_passed_over():
+    # Blocks are plenty; 1 takes more tokens than 0 leaves, 2 fits after it.
+    c = cands([9.0, 8.0, 1.0], [1, 1, 1], [1, 1, 1], tokens=[6, 8, 2])
+    assert greedy_types(c, Bounds(blocks=ROOMY, tokens=8, seqs=ROOMY), penalty=0.0).tolist() == [KV, NONE, KV]
+
+
+def test_hidden_fallback_only_where_kv_cannot_fit():
+    # Hidden half: (1.0 - 0.3 * 2) / 2 = 0.2 a block, KV whole 0.25: the refinement says KV.
+    c = cands([1.0], [4], [2])
+    fallback = GreedyRules(hidden_fallback=True)
+    assert greedy_types(c, blocks_only(2), penalty=0.3).tolist() == [NONE]
+    assert greedy_types(c, blocks_only(2), penalty=0.3, rules=fallback).tolist() == [HIDDEN]
+    assert greedy_types(c, blocks_only(4), penalty=0.3, rules=fallback).tolist() == [KV]
+
+
+def test_penalty_counts_only_requests_within_their_slo():
+    """|W| + |R| leaves out a request waiting past its TTFT SLO and one whose gap since its
+    last token exceeds its TBT SLO, as the authors' code does; `count_late` keeps them."""
+    nan = float("nan")
+    requests = SimpleNamespace(
+        arrival_time=np.array([0.0, 9.5, 5.0, 5.0]), first_token_time=np.array([nan, nan, 6.0, 6.0]),
+        last_token_time=np.array([nan, nan, 9.9, 8.0]), ttft_slo=np.ones(4), tbt_slo=np.ones(4))
+    view = SimpleNamespace(now=10.0, requests=_Sized(requests, 4), hidden_block_cost=0.5)
+    assert AptServePolicy().penalty(view) == 2 * 0.5
+    assert AptServePolicy(count_late=True).penalty(view) == 4 * 0.5
+
+
+class _Sized:
+    """Request columns with a length, as `RequestArrays` has."""
+
+    def __init__(self, columns, n: int) -> None:
+        self.__dict__.update(vars(columns))
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+
+@pytest.mark.parametrize("rules", [GreedyRules(), GreedyRules(skip=True), GreedyRules(hidden_fallback=True),
+                                   GreedyRules(skip=True, hidden_fallback=True)], ids=repr)
+@pytest.mark.parametrize("seed", range(75))
+def test_two_approximation_against_brute_force(seed, rules):
+    """Within 2 of the optimum over the options offered: the refined ones by default (the
+    appendix's argument), all of them with the hidden fallback."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 7))
     kv = rng.integers(1, 12, n)
@@ -111,13 +174,13 @@ def test_two_approximation_against_brute_force(seed):
     penalty = float(rng.choice([0.0, 0.01, 0.1, 0.5]))
     blocks = int(rng.integers(0, kv.sum() + 2))
     c = cands(value, kv, hidden)
-    choice = greedy_types(c, blocks_only(blocks), penalty)
+    choice = greedy_types(c, blocks_only(blocks), penalty, rules=rules)
     assert used_blocks(c, choice) <= blocks
     assert not (choice == HIDDEN)[hidden >= kv].any()
     got = schedule_values(c, choice, penalty)
-    opt = brute_force(c, blocks, penalty)
+    opt = brute_force(c, blocks, penalty, refined=not rules.hidden_fallback)
     assert got >= opt / 2 - 1e-9, (got, opt, choice)
-    kv_only = greedy_types(c, blocks_only(blocks), penalty, hidden=False)
+    kv_only = greedy_types(c, blocks_only(blocks), penalty, hidden=False, rules=rules)
     assert HIDDEN not in kv_only.tolist()
     assert schedule_values(c, kv_only, penalty) >= brute_force(c, blocks, penalty, hidden=False) / 2 - 1e-9
 

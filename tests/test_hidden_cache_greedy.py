@@ -109,3 +109,15 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
         other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
         other.runner.warmup(shapes=[(16, 8)])
         assert not any(shape[-1] for shape in other.runner._executables), (policy, loaded.config.name)
+
+
+@pytest.mark.parametrize("policy", ["apt-serve", "apt-serve-hidden-fit", "apt-serve-skip"])
+def test_apt_serve_scheduling_keeps_greedy_ids(policy: str) -> None:
+    """Apt-Serve's own choices on tiny-llama-mha's tight cache (which requests run, on which
+    cache type, which are preempted or switched), in its default and the variants of issue
+    41 that change them here (`apt-serve-count-late` differs only once a request is past an
+    SLO, and these have none), give the roomy run's ids; some requests run on the hidden
+    cache."""
+    loaded = _load("tiny-llama-mha")
+    prompts = random_prompts(loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
+    assert _identical(loaded, policy, prompts, 16, **LIMITS)

@@ -42,6 +42,12 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "apt-serve-decay": partial(AptServePolicy, name="apt-serve-decay", decay=PAPER_DECAY),
     # Ours, not the paper's: a hidden request moved to KV recomputes in the same step.
     "apt-serve-upgrade": partial(AptServePolicy, name="apt-serve-upgrade", upgrade_in_step=True),
+    # Ours, not the paper's nor the authors' code (the default before issue 41), one each:
+    # hidden when only the hidden half fits, |W| + |R| counting late requests, the greedy
+    # skipping a schedule that does not fit instead of stopping there.
+    "apt-serve-hidden-fit": partial(AptServePolicy, name="apt-serve-hidden-fit", hidden_fallback=True),
+    "apt-serve-count-late": partial(AptServePolicy, name="apt-serve-count-late", count_late=True),
+    "apt-serve-skip": partial(AptServePolicy, name="apt-serve-skip", skip=True),
     "apt-serve/hybrid": partial(AptServePolicy, name="apt-serve/hybrid", hybrid=False),
     "apt-serve/adaptive": partial(AptServePolicy, name="apt-serve/adaptive", adaptive=False),
 }

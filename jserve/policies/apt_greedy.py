@@ -13,18 +13,33 @@ Where the hidden half gains less per block than KV taken whole (p / k), the requ
 item worth p / k (the paper's refinement); then the gains of a request never increase from
 its first item to its second, so sorting by gain keeps each upgrade behind its hidden half.
 
-The greedy takes items by gain per block while they fit (skipping, not stopping at, one that
-does not), then compares its total value with the best single schedule that fits alone (the
-appendix's 2-approximation, V'). Two gaps in the appendix's argument are closed here, as
-issue 16 asks: items that cannot fit alone are removed before the greedy (the fractional
-bound the argument uses assumes they are), and the single best schedule takes whichever type
-fits (a request whose KV cache does not fit alone may still be the best single schedule on
-the hidden cache).
+The greedy takes items by gain per block and stops at the first one that does not fit in
+the blocks left (the appendix's Algorithm 1, line 20, and the authors'
+`greedy_selection_prefill/_decode`), then
+compares its total value with the best single schedule that fits alone (the appendix's
+2-approximation, V'). Two gaps in the appendix's argument are closed here, as issue 16 asks:
+items that cannot fit alone are removed before the greedy (the fractional bound the argument
+uses assumes they are), and the single best schedule takes whichever of the request's
+offered types fits (a request whose KV cache does not fit alone may still be the best single
+schedule on the hidden cache).
+
+Two of our readings, off by default, are kept as named variants (`GreedyRules`, measured in
+bench/results/aptserve_reproduction.md): `skip` passes over an item that does not fit and
+goes on with the next; `hidden_fallback` offers the hidden half to a request the refinement
+keeps on KV when its KV cache cannot fit alone. Neither is in the appendix or the authors'
+code. The refinement itself can cost the appendix's bound against the unrefined problem (a
+request worth more on the hidden cache than nothing, refined to KV that does not fit), so
+the default's guarantee is against the problem with the refined options; `hidden_fallback`
+restores it against the unrefined one.
 
 Besides blocks, a schedule may be bounded in batched tokens and sequences (vLLM's
-`max_num_batched_tokens` / `max_num_seqs`); the greedy checks every bound at once. With one
-bound (blocks) the result is within a factor 2 of the optimum
-(`tests/test_apt_serve.py` checks it against brute force).
+`max_num_batched_tokens` / `max_num_seqs`, which Definition 1 does not have); the greedy
+checks every bound at once and passes over an item that exceeds the tokens or sequences
+left. The authors' loop stops there too; stopping admits requests on the hidden cache with
+blocks to spare (the upgrade comes after the stop) and made `apt-serve-s` re-admit two
+half-prefilled requests in turn forever (a property-test trace: admitted hidden, switched to
+KV at the next step, preempted). With one bound (blocks) the result is within a factor 2 of
+the optimum (`tests/test_apt_serve.py` checks it against brute force).
 """
 
 from __future__ import annotations
@@ -56,13 +71,30 @@ class Bounds:
     seqs: int
 
 
+@dataclass(frozen=True)
+class GreedyRules:
+    """How the greedy reads two points the appendix settles one way (both False: its way)."""
+
+    skip: bool = False  # pass over an item that does not fit instead of stopping there
+    hidden_fallback: bool = False  # offer the hidden half where the refinement says KV but KV cannot fit
+
+
 def schedule_values(c: Candidates, choice: np.ndarray, penalty: float) -> float:
     """Sum of the chosen schedules' values (the objective of Definition 1)."""
     kv, hid = choice == KV, choice == HIDDEN
     return float(c.value[kv].sum() + (c.value[hid] - penalty * c.hidden_blocks[hid]).sum())
 
 
-def greedy_types(c: Candidates, bounds: Bounds, penalty: float, hidden: bool = True) -> np.ndarray:
+def refined_to_kv(c: Candidates, penalty: float) -> np.ndarray:
+    """The paper's refinement: requests whose hidden half gains less per block than their KV
+    cache taken whole, which it keeps off the hidden cache."""
+    k, h = c.kv_blocks.astype(np.float64), c.hidden_blocks.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (c.value - penalty * h) / np.maximum(h, 1) < c.value / np.maximum(k, 1)
+
+
+def greedy_types(c: Candidates, bounds: Bounds, penalty: float, hidden: bool = True,
+                 rules: GreedyRules = GreedyRules()) -> np.ndarray:
     """Which candidates run and on which cache type (NONE / KV / HIDDEN per candidate).
 
     `penalty` is (|W| + |R|) * rho, seconds per hidden block; `hidden=False` offers the KV
@@ -83,8 +115,9 @@ def greedy_types(c: Candidates, bounds: Bounds, penalty: float, hidden: bool = T
         g_hid = np.where(h > 0, hidden_value / np.maximum(h, 1), np.inf)
         g_up = penalty * h / np.maximum(k - h, 1)
     # A request splits into hidden half + upgrade when the half gains at least as much per
-    # block as KV taken whole, or when only the half fits alone.
-    split = can_hid & ((g_hid >= g_kv) | ~can_kv)
+    # block as KV taken whole (the refinement); with `hidden_fallback`, also when only the
+    # half fits alone. Only a split request is offered the hidden cache.
+    split = can_hid & (~refined_to_kv(c, penalty) | (~can_kv & rules.hidden_fallback))
     whole = can_kv & ~split
     upgrade = split & can_kv
     rows = np.concatenate([np.flatnonzero(whole), np.flatnonzero(split), np.flatnonzero(upgrade)])
@@ -98,13 +131,13 @@ def greedy_types(c: Candidates, bounds: Bounds, penalty: float, hidden: bool = T
     # makes the half's gain >= the upgrade's), then earlier candidates first.
     order = np.lexsort((rows, kind == 2, -gain))
     rows, kind, cost = rows[order], kind[order], cost[order]
-    taken = _take_while_fits(cost, np.array([bounds.blocks, bounds.tokens, bounds.seqs], np.float64),
-                             rows, kind == 2)
+    cap = np.array([bounds.blocks, bounds.tokens, bounds.seqs], np.float64)
+    taken = _take(cost, cap, rows, kind == 2, rules.skip)
     choice[rows[taken & (kind == KV)]] = KV
     choice[rows[taken & (kind == HIDDEN)]] = HIDDEN
     choice[rows[taken & (kind == 2)]] = KV  # hidden half + upgrade: the KV cache
-    # V': the best single schedule that fits alone, of the type that fits.
-    single = np.maximum(np.where(can_kv, v, -np.inf), np.where(can_hid, hidden_value, -np.inf))
+    # V': the best single schedule that fits alone, of an offered type that fits.
+    single = np.maximum(np.where(can_kv, v, -np.inf), np.where(split, hidden_value, -np.inf))
     best = int(np.argmax(single))
     if np.isfinite(single[best]) and single[best] > schedule_values(c, choice, penalty):
         choice[:] = NONE
@@ -112,12 +145,14 @@ def greedy_types(c: Candidates, bounds: Bounds, penalty: float, hidden: bool = T
     return choice
 
 
-def _take_while_fits(cost: np.ndarray, cap: np.ndarray, rows: np.ndarray, is_upgrade: np.ndarray) -> np.ndarray:
-    """The greedy pass over items in order: take each that fits the capacity left, skip the
-    rest, and an upgrade only after its hidden half. Vectorised in rounds: the longest
-    prefix that fits is taken at once; the first item that does not is dropped with every
-    later one that cannot fit the capacity now left (capacity only shrinks), and with the
-    upgrades whose half is gone."""
+def _take(cost: np.ndarray, cap: np.ndarray, rows: np.ndarray, is_upgrade: np.ndarray, skip: bool) -> np.ndarray:
+    """The greedy pass over items in order (columns of `cost`: blocks, tokens, sequences).
+    An item over the tokens or sequences left is passed over; one over the blocks left ends
+    the pass (Algorithm 1), or with `skip` is passed over too. An upgrade is taken only after
+    its hidden half. Vectorised in rounds: the longest prefix that fits is taken at once; the
+    first item that does not is dropped with every later one that cannot fit the capacity
+    now left in a bound it is passed over for (capacity only shrinks), and with the upgrades
+    whose half is gone."""
     n = len(cost)
     taken = np.zeros(n, bool)
     alive = np.ones(n, bool)
@@ -125,6 +160,7 @@ def _take_while_fits(cost: np.ndarray, cap: np.ndarray, rows: np.ndarray, is_upg
     pos = np.empty(int(rows.max()) + 1 if n else 0, np.int64)
     pos[rows[~is_upgrade]] = np.flatnonzero(~is_upgrade)
     halves = pos[rows[ups]]  # position of each upgrade's hidden half
+    passed = slice(0, None) if skip else slice(1, None)  # the bounds an item is passed over for
     while True:
         idx = np.flatnonzero(alive)
         if not len(idx):
@@ -136,7 +172,7 @@ def _take_while_fits(cost: np.ndarray, cap: np.ndarray, rows: np.ndarray, is_upg
             taken[idx[:stop]] = True
             cap = cap - cum[stop - 1]
         alive[idx[:stop + 1]] = False
-        if stop == len(idx):
-            return taken
-        alive &= (cost <= cap).all(axis=1)
+        if stop == len(idx) or (cost[idx[stop], passed] <= cap[passed]).all():
+            return taken  # all taken, or the first that does not fit ends the pass
+        alive &= (cost[:, passed] <= cap[passed]).all(axis=1)
         alive[ups] &= taken[halves] | alive[halves]

@@ -5,7 +5,9 @@ Each iteration (Section 5):
 
 - Values (Eqs. 5-6): request i's pending time p_i (waiting for its first token: since
   arrival; otherwise since its last token) minus, on the hidden cache, the recomputation it
-  adds for everyone, (|W| + |R|) * rho * (its hidden blocks). rho is
+  adds for everyone, (|W| + |R|) * rho * (its hidden blocks). |W| + |R| counts the live
+  requests not past their SLO, as the authors' `_dynamic_priority` does (it subtracts the
+  violators its urgency pass counts; the paper says only "all requests"). rho is
   `view.hidden_block_cost`, seconds of step time per hidden block in the batch, which the
   engine fits from the runner (the simulator's cost model, or a `jserve profile` with a
   hidden-cache entry). The paper writes t_i = rho * m_i with m_i the KV size; per hidden
@@ -26,9 +28,9 @@ Each iteration (Section 5):
   M = M~ - sum_R m_i; we count the blocks running requests actually hold, less vLLM's 1%
   watermark); a decode iteration chooses among running requests within the whole pool they
   hold plus the free blocks. If the chosen prefill admits nobody, the iteration decodes.
-- Batch (Eqs. 7-10): `apt_greedy.greedy_types`, by marginal gain per block, against the
-  single best schedule (the appendix's 2-approximation), also bounded by
-  `max_num_batched_tokens` and `max_num_seqs`.
+- Batch (Eqs. 7-10): `apt_greedy.greedy_types`, by marginal gain per block until the first
+  schedule that does not fit, against the single best schedule (the appendix's
+  2-approximation), also bounded by `max_num_batched_tokens` and `max_num_seqs`.
 - A running request the greedy leaves out is preempted by recompute; one it puts on the
   other cache type switches the paper's way, discarding its cache: it is preempted by
   recompute and re-prefilled when a later iteration admits it (its type is chosen again
@@ -71,6 +73,14 @@ cache there and `apt-serve` is its adaptive scheduling on the KV cache alone (wh
 `apt-serve/hybrid` ablation is everywhere); the same with a prefix cache, where the view
 reports no hidden cache (`hidden_block_tokens` 0: hidden requests cannot share blocks).
 
+Our readings where the paper and the authors' code settle a point one way, each a variant
+that changes only that point (they were the default before issue 41; measured in
+bench/results/aptserve_reproduction.md): `apt-serve-hidden-fit` -- a request the refinement
+keeps on KV is admitted on the hidden cache when only its hidden half fits
+(`hidden_fallback`); `apt-serve-count-late` -- |W| + |R| counts requests already past their
+SLO too (`count_late`); `apt-serve-skip` -- the greedy passes over a schedule that does not
+fit and goes on (`skip`).
+
 Ablations (named as CacheOpt's and LayerKV's: the policy, then the component switched off):
 `apt-serve/hybrid` -- KV cache only (Table 4); `apt-serve/adaptive` -- FCFS instead of the
 adaptive scheduling (Table 5): vLLM's order (prefill whenever the head of the queue fits,
@@ -87,7 +97,7 @@ import numpy as np
 from jserve.engine.plan import CacheType, Plan, PreemptMode
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
-from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, greedy_types
+from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, GreedyRules, greedy_types
 
 FALLBACK_VALUE = 1e-6  # seconds: the "near-zero constant" of a request past its SLO
 PAPER_DECAY = 0.4  # Figure 10's decaying factor ("Apt-Serve's scheduling*")
@@ -126,6 +136,9 @@ class AptServePolicy:
     decay: float | None = None  # None: the near-zero fallback; else its decaying factor
     watermark: float = 0.01  # vLLM's free blocks kept at admission
     upgrade_in_step: bool = False  # True: hidden -> KV recomputes in the same step (ours)
+    count_late: bool = False  # True: |W| + |R| counts requests past their SLO too (ours)
+    hidden_fallback: bool = False  # True: hidden when only the hidden half fits (ours)
+    skip: bool = False  # True: the greedy skips a schedule that does not fit (ours)
 
     @property
     def uses_hidden_cache(self) -> bool:
@@ -159,7 +172,7 @@ class AptServePolicy:
     def _hidden_ok(self, view: SchedulerView) -> bool:
         return self.hybrid and view.hidden_block_tokens > view.block_size
 
-    def _candidates(self, view: SchedulerView, rows: np.ndarray, tokens: np.ndarray) -> Candidates:
+    def candidates(self, view: SchedulerView, rows: np.ndarray, tokens: np.ndarray) -> Candidates:
         """Blocks each request's whole cache takes on each type (m_i): all its tokens, the
         next decode's included; a prompt's whole cache is claimed at admission, also when
         it is computed in chunks (as Sarathi's)."""
@@ -171,8 +184,15 @@ class AptServePolicy:
     def _choose(self, view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bounds) -> np.ndarray:
         if not self.adaptive:
             return fcfs_types(view, rows, c, bounds, self._hidden_ok(view))
-        penalty = len(view.requests) * view.hidden_block_cost  # (|W| + |R|) * rho
-        return greedy_types(c, bounds, penalty, hidden=self._hidden_ok(view))
+        return greedy_types(c, bounds, self.penalty(view), hidden=self._hidden_ok(view),
+                            rules=GreedyRules(skip=self.skip, hidden_fallback=self.hidden_fallback))
+
+    def penalty(self, view: SchedulerView) -> float:
+        """(|W| + |R|) * rho of Eq. 5, seconds per hidden block: |W| + |R| the live requests,
+        less those past their SLO unless `count_late`."""
+        n = len(view.requests)
+        counted = n if self.count_late else n - int(slo_violated(view, np.arange(n)).sum())
+        return counted * view.hidden_block_cost
 
     def _keep_free(self, view: SchedulerView, running: int) -> int:
         return int(self.watermark * view.num_blocks) if running else 0
@@ -192,7 +212,7 @@ class AptServePolicy:
         budget = self._budget(view) - decodes.num_batched_tokens
         remaining = r.num_tokens[waiting] - r.num_computed[waiting]
         tokens = np.minimum(remaining, max(budget, 1)) if self.chunked_prefill else remaining
-        c = self._candidates(view, waiting, tokens)
+        c = self.candidates(view, waiting, tokens)
         choice = self._choose(view, waiting, c, Bounds(blocks=free, tokens=budget, seqs=lim.max_num_seqs - kept))
         run, allocate, types = dict(decodes.run), dict(decodes.allocate), dict(decodes.cache_type)
         for k in np.flatnonzero(choice != NONE):  # arrival order
@@ -216,7 +236,7 @@ class AptServePolicy:
         remaining = (r.num_tokens - r.num_computed)[running]
         decoding = remaining == 1
         tokens = np.where(decoding, 1, np.minimum(remaining, max(1, budget - int(decoding.sum()))))
-        c = self._candidates(view, running, tokens)
+        c = self.candidates(view, running, tokens)
         held = int(r.num_blocks[running].sum())
         choice = self._choose(view, running, c, Bounds(blocks=view.num_free_blocks + held, tokens=budget,
                                                       seqs=lim.max_num_seqs))
