@@ -51,7 +51,7 @@ from jserve.runners.preemption_cost import preemption_costs_from_cost_model
 from jserve.runners.profiling import load_hidden_profile
 from jserve.runners.sharding import TensorParallel, sharded_config
 from jserve.runners.sim_runner import SimRunner
-from jserve.runners.testbeds import make_cost_model
+from jserve.runners.testbeds import cost_model_info, make_cost_model
 from jserve.models.config import ModelConfig
 from jserve.models.hf_checkpoint import checkpoint_dtype, is_checkpoint_dir
 from jserve.models.loading import LoadedModel, load_model
@@ -253,9 +253,14 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
                                      dtype_bytes=config.sim_dtype_bytes,
                                      tensor_parallel=config.tensor_parallel_size, swap_path=SwapPath.GATHERED)
         return CalibratedCostModel.load(config.profile, extras=roofline)
+    stack = cost_model_info(config.cost_model).engine(config.engine_overhead)
+    if stack.pads_prompts and not getattr(config.make_policy(), "pads_prompts", False):
+        # Only a scheduler whose prompt batches pad (vLLM 0.2.x's) pays for the padding:
+        # another scheduler on that stack is taken to run its prompts unpadded, as every
+        # vLLM since 0.2.5 does, not as 0.2.x's model runner would pad batches it never formed.
+        stack = dataclasses.replace(stack, pads_prompts=False)
     return make_cost_model(config.cost_model, config.model_config(), get_hardware(config.hardware),
-                           config.sim_dtype_bytes, config.tensor_parallel_size, SwapPath.PER_BLOCK_LAYER,
-                           config.engine_overhead)
+                           config.sim_dtype_bytes, config.tensor_parallel_size, SwapPath.PER_BLOCK_LAYER, stack)
 
 
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:

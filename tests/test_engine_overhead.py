@@ -82,6 +82,13 @@ def test_a_stack_that_pads_prompts_computes_the_padding() -> None:
     assert plain.kernel_time(batch) < padded.kernel_time(batch)
 
 
+def test_padding_is_charged_only_to_a_scheduler_that_pads() -> None:
+    padded = sim_cost_model(EngineConfig(runner="sim", model="opt-13b", policy="vllm-0.2.3"))
+    plain = sim_cost_model(EngineConfig(runner="sim", model="opt-13b", policy="vllm"))
+    assert padded.engine.name == plain.engine.name == DEFAULT_ENGINE_OVERHEAD
+    assert padded.engine.pads_prompts and not plain.engine.pads_prompts
+
+
 def test_the_engine_overhead_is_chosen_by_name_and_checked() -> None:
     sim = EngineConfig(runner="sim", model="llama-2-7b", engine_overhead="vllm-0.4-offline")
     assert sim_cost_model(sim).engine.name == "vllm-0.4-offline"

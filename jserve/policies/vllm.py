@@ -17,7 +17,8 @@
   admitting when the batch padded to its longest prompt passes the token budget or holds
   more than `max_paddings` padding tokens. Real vLLM 0.2.3 runs batch prompts so
   (../shared/calibration's OPT-13B runs: every batched prefill within 256 padding tokens).
-  The padding's own compute is not charged (at most 256 tokens a step).
+  Such a policy `pads_prompts`: a stack that pads (vLLM 0.2.x's profiles) charges the
+  padding's compute to its steps, and to no other policy's.
 - With `preemption_mode=SWAP` (vLLM's `--preemption-mode swap`, policy `vllm-swap`) victims
   go to host memory while it has room. As in vLLM v0, swapped requests come back before
   anything new is admitted: no prefills run while any are swapped, and they are swapped in
@@ -43,6 +44,11 @@ class VLLMPolicy:
     watermark: float = 0.01
     preemption_mode: PreemptMode = PreemptMode.RECOMPUTE
     max_paddings: int | None = None
+
+    @property
+    def pads_prompts(self) -> bool:
+        """Whether its prefill batches are padded to their longest prompt (vLLM 0.2.x)."""
+        return self.max_paddings is not None
 
     def schedule(self, view: SchedulerView) -> Plan:
         return self._prefills(view) or self._decodes(view)

@@ -89,7 +89,8 @@ class EngineOverhead:
       kernels, unfused operators), a factor on the GPU's work;
     - `pads_prompts`: the prompts of a prefill step are padded to the longest and run as
       one 2-D batch (vLLM 0.2.x's `_prepare_prompt`), so its linear layers compute
-      prompts x longest tokens.
+      prompts x longest tokens; charged only to a policy that `pads_prompts` too (the
+      `vllm-0.2.3` scheduler, which bounds the padding), see `builder.sim_cost_model`.
 
     `estimate` marks a profile no published measurement fixes; `source` says where each term
     comes from, or how it was derived. `fit_range` is what `step` and `per_seq` were fitted
