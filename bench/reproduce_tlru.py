@@ -13,13 +13,19 @@ The setting, as Appendix F and Section 6.1 state it, and what we could not read:
   whose pieces `--sharegpt joined` (the default) puts back together
   (`jserve.datasets.sharegpt.join_split_pieces`). Histories are cut at Vicuna-7B's 4,096
   positions (`--max-total-len`), the most the paper's model can serve.
-- Conversations start Poisson(rate); each turn comes an Exp(turn rate) think time after
-  the previous reply (`exp-think`, Section 5's model). Both rates are blank in our copy;
-  only their ratio orders turns in Algorithm 1's model, and `select` picks it.
-- Capacities 1,000-10,000 tokens bound the idle cached histories (sum X_i <= C), isolated
-  per conversation; Q_hat = 100 tokens (Appendix F's ShareGPT value; Section 6.2's 150 is
-  the same sentence's ShareGPT average, contradicted by the appendix's "approximately 100
-  tokens"); Threshold-LRU caches a conversation only once its history exceeds 1,024 tokens.
+- Conversations start Poisson(rate); each turn comes an Exp(turn rate) gap after the
+  previous turn's arrival (Appendix F draws "inter-arrival times between each turn";
+  `--process open-loop`, where a turn due before the reply it follows has finished
+  arrives when it finishes; `exp-think` counts the gap from the reply). Both rates are
+  blank in our copy; only their ratio orders turns in Algorithm 1's model, and `select`
+  picks it.
+- Capacities 1,000-10,000 tokens bound the cached histories (sum X_i <= C), isolated per
+  conversation; Algorithm 1 counts the arriving conversation's whole history at once
+  (X_theta <- L_theta, then the trim), so the engine counts the blocks running turns hold
+  too (`--capacity-counts all`; `unreferenced` leaves every turn in flight outside C).
+- Q_hat = 100 tokens: Section 6.2 says 150 for ShareGPT, Appendix F (the runs behind
+  Tables 4-6) sets 100, "the average prompt length in ShareGPT". Threshold-LRU caches a
+  conversation only once its history exceeds 1,024 tokens.
 - xi in tokens by one conversion, used everywhere: alpha (seconds per uncached token) from
   the paper's own figures. Under its model TTFT = alpha x uncached tokens, so each LRU
   percentile it states (P50/P90/P95/P99 = 209/1,415/2,447/3,649 ms) over the same
@@ -528,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--xis", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.2],
                    help="engine: T-LRU's xi, seconds (default: 0.1,0.2)")
     p.add_argument("--window", type=int, default=500, help="engine: turns per steady-state window")
-    p.add_argument("--capacity-counts", choices=["unreferenced", "all"], default="unreferenced",
-                   help="engine: the capacity bounds idle cached blocks, or those running turns hold too")
+    p.add_argument("--capacity-counts", choices=["unreferenced", "all"], default="all",
+                   help="engine: the capacity bounds every cached block, those running turns hold too "
+                        "(Algorithm 1 counts the arriving conversation's history at once), or the idle ones")
     p.add_argument("--max-total-len", type=int, default=4096)
     p.add_argument("--section4", type=int, default=200, metavar="N")
     p.add_argument("--seed", type=int, default=0)
