@@ -435,7 +435,9 @@ def report(args: argparse.Namespace) -> str:
     d = pathlib.Path(args.output_dir)
     load = lambda name: json.loads((d / f"tlru_{name}.json").read_text()) if (d / f"tlru_{name}.json").exists() else None
     sel, pap, eng = load("select"), load("paper"), load("engine")
-    parts = ["# Tail-Optimized LRU on ShareGPT (Appendix F setting)"]
+    parts = ["# Tail-Optimized LRU on ShareGPT (Appendix F setting)",
+             ("Written by `python bench/reproduce_tlru.py select|paper|engine|report` from the stages' JSON "
+              "beside it; the commands, their options and what the figures show: tlru_notes.md.")]
     if pap:
         seeds = sorted({r["seed"] for r in pap["runs"]})
         parts += [(f"## 1. Algorithm 1's model: {pap['turns']} turns of `{pap['sharegpt']}` ShareGPT per seed, "
