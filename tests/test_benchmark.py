@@ -160,10 +160,10 @@ def test_reproduce_tlru_quick_run(tmp_path) -> None:
             timeout=600, check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
-    stage("select", "--ratios", "5", "--spts", "600")
-    stage("calibrate", "--rates", "1", "--seeds", "0")
-    stage("compare", "--seeds", "0", "--capacities", "1000,10000", "--xis", "0.2")
-    data = json.loads((tmp_path / "tlru_compare.json").read_text())
-    assert len(data["runs"]) == 2 * (2 + 1)
+    stage("select", "--ratios", "5", "--spts", "600", "--seeds", "0")
+    stage("paper", "--seeds", "0,1")
+    stage("engine", "--seeds", "0", "--xis", "0.2", "--window", "20")
+    data = json.loads((tmp_path / "tlru_engine.json").read_text())
+    assert [r["rule"] for r in data["runs"]] == ["lru", "tlru"] and data["ratio"] == 5
     text = (tmp_path / "tlru_sharegpt.md").read_text()
-    assert "Table 4" in text and "Served from cache" in text and "The issue's goal" in text
+    assert "Table 4" in text and "Table 5" in text and "engine, TTFT" in text

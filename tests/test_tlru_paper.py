@@ -9,6 +9,8 @@ Block size 1, so blocks are tokens.
   either third turn computes 150 (25% less). The caption gives the capacity, the 200 vs 150
   and the 50/50 split; the step sizes (A 100, B 100, then a 100-token prompt) and xi = 150
   are what reproduce them.
+- Threshold-LRU (Section 6.2): a conversation is cached only once its history exceeds
+  the threshold, all of it or nothing.
 - Section 4: with the next prompt's length known (Q_hat = its true length), T-LRU's TEL is
   never above LRU's, checked on random small traces.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jserve.benchmarking.paper_cache import PaperCache
+from jserve.benchmarking.paper_cache import PaperCache, uncached_per_turn
 from jserve.policies.tail_optimized_lru import make_eviction_rule
 
 
@@ -49,6 +51,19 @@ def test_figure1_tlru_keeps_fifty_of_each() -> None:
     for cid, lru_uncached in (("A", 200), ("B", 100)):
         t = figure1("tlru").turn(cid, 100, 0, now=3.0)
         assert t == 150 and max(t - 150, 0) <= max(lru_uncached - 150, 0)
+
+
+def test_threshold_lru_caches_only_histories_past_the_threshold() -> None:
+    cache = PaperCache(1000, make_eviction_rule("lru"), min_history=150)
+    assert cache.turn("A", 100, 50, now=1.0) == 100
+    assert cache.cached == {"A": 0}  # 150 tokens: not past the threshold
+    assert cache.turn("A", 10, 0, now=2.0) == 160  # recomputes its whole history
+    assert cache.cached == {"A": 160}
+    assert cache.turn("A", 10, 0, now=3.0) == 10
+    # In 16-token blocks (messages round up) the threshold is read in tokens like the rest:
+    # 7 + 4 blocks of history are not past 176 tokens, 12 blocks are.
+    turns = [(0.0, "A", 100, 50), (1.0, "A", 10, 0), (2.0, "A", 10, 0)]
+    assert uncached_per_turn(turns, 1024, make_eviction_rule("lru"), 16, min_history=176).tolist() == [112, 192, 16]
 
 
 def tel(rule_name: str, trace: list[tuple[str, int]], capacity: int, prompt: int, xi: float) -> float:

@@ -4,8 +4,7 @@ conversation's whole history cached after its turn (X_theta <- L_theta) and then
 the capacity (sum_i X_i <= C). Units are the caller's: tokens, or blocks of them.
 
 It is the reference the engine is checked against (tests/test_tlru_paper.py: Figure 1 and
-Section 4's claim) and the cheap model `bench/reproduce_tlru.py` picks its conversation and
-turn rates with, before any engine run compares rules.
+Section 4's claim) and `bench/reproduce_tlru.py`'s primary reproduction of Tables 4-5.
 """
 
 from __future__ import annotations
@@ -22,10 +21,14 @@ from jserve.cache.prefix import CachedBlocks, CacheSnapshot, Conversations, Evic
 @dataclass
 class PaperCache:
     """Algorithm 1's state: per conversation its history L_i, cached prefix X_i and last
-    turn's time; `rule` (a jserve eviction rule) picks which units a trim evicts."""
+    turn's time; `rule` (a jserve eviction rule) picks which units a trim evicts.
+    `min_history` is Threshold-LRU's all-or-nothing rule (Section 6.2: cache a
+    conversation only once its history exceeds the threshold), as the engine's
+    `PrefixCacheConfig.min_history_tokens`."""
 
     capacity: int
     rule: EvictionRule
+    min_history: int = -1  # Threshold-LRU: a history of at most this many units is not cached
     history: dict[str, int] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     last: dict[str, float] = field(default_factory=dict)
@@ -36,7 +39,8 @@ class PaperCache:
         """Serve one turn; returns the units it computes (history + prompt - cached)."""
         uncached = self.history.get(cid, 0) + prompt - self.cached.get(cid, 0)
         self.history[cid] = self.history.get(cid, 0) + prompt + response
-        self.cached[cid] = self.history[cid]  # X_theta <- L_theta
+        # X_theta <- L_theta, or nothing for a history Threshold-LRU does not cache
+        self.cached[cid] = self.history[cid] if self.history[cid] > self.min_history else 0
         self.last[cid] = now
         self.num_turns[cid] = self.num_turns.get(cid, 0) + 1
         self._trim(now)
@@ -79,10 +83,11 @@ def instant_turns(schedule: Sequence[ScheduledConversation]) -> list[tuple[float
 
 
 def uncached_per_turn(turns: Sequence[tuple[float, str, int, int]], capacity: int, rule: EvictionRule,
-                      unit: int = 1) -> np.ndarray:
+                      unit: int = 1, min_history: int = -1) -> np.ndarray:
     """Tokens each of `turns` (from `instant_turns`) computes under Algorithm 1 with this
     capacity (tokens) and rule, counting in units of `unit` tokens (a KV block; a prompt or
-    reply rounds up to whole units). The rule's xi and Q_hat must be in the same units."""
-    cache = PaperCache(capacity // unit, rule)
+    reply rounds up to whole units). The rule's xi and Q_hat must be in the same units;
+    `min_history` (tokens) is Threshold-LRU's, -1 for every other rule."""
+    cache = PaperCache(capacity // unit, rule, min_history if min_history < 0 else min_history // unit)
     return np.array([unit * cache.turn(cid, -(-new // unit), -(-reply // unit), at)
                      for at, cid, new, reply in turns], dtype=np.int64)

@@ -43,7 +43,9 @@ __all__ = [
     "Turn",
     "cached_sample_requests",
     "iter_conversations",
+    "join_split_pieces",
     "load_conversations",
+    "load_joined_conversations",
     "sample_requests",
 ]
 
@@ -117,6 +119,45 @@ def load_conversations(path: PathLike | None = None) -> list[Conversation]:
     """
     key = None if path is None else os.path.abspath(os.fspath(path))
     return list(_load_cached(key))
+
+
+def join_split_pieces(conversations: Sequence[Conversation]) -> list[Conversation]:
+    """The conversations a "split" ShareGPT file was cut from, put back together.
+
+    The split file cuts each long conversation into pieces of at most ~2,048 tokens, piece
+    ``{id}_{k}`` starting at message ``k`` of conversation ``id`` (pieces may overlap by
+    a message). Placing every piece's messages at their index rebuilds the conversation;
+    in the bundled file every rebuilt conversation is whole (no missing index) and
+    overlapping messages agree, which this checks. Order: by first piece. An id without a
+    ``_k`` suffix is a conversation of its own.
+    """
+    messages: dict[str, dict[int, Turn]] = {}
+    for conv in conversations:
+        base, _, start = conv.id.rpartition("_")
+        if not base or not start.isdigit():
+            base, start = conv.id, "0"
+        slots = messages.setdefault(base, {})
+        for j, turn in enumerate(conv.turns, int(start)):
+            if slots.setdefault(j, turn) != turn:
+                raise ValueError(f"pieces of ShareGPT conversation {base!r} disagree at message {j}")
+    joined = []
+    for base, slots in messages.items():
+        if len(slots) != (max(slots) + 1 if slots else 0):
+            raise ValueError(f"ShareGPT conversation {base!r} misses a piece")
+        joined.append(Conversation(base, tuple(slots[j] for j in range(len(slots)))))
+    return joined
+
+
+@functools.cache
+def _load_joined(key: str | None) -> tuple[Conversation, ...]:
+    return tuple(join_split_pieces(_load_cached(key)))
+
+
+def load_joined_conversations(path: PathLike | None = None) -> list[Conversation]:
+    """`load_conversations` with the split pieces put back together (`join_split_pieces`),
+    memoized the same way: the longest conversations a split file holds."""
+    key = None if path is None else os.path.abspath(os.fspath(path))
+    return list(_load_joined(key))
 
 
 def sample_requests(
