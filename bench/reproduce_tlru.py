@@ -93,7 +93,7 @@ from jserve.datasets.sharegpt import (
 from jserve.policies.tail_optimized_lru import make_eviction_rule
 from jserve.runners.cost_model import prefill_seconds_per_token
 from jserve.runners.hardware import get_hardware
-from jserve.runners.testbeds import make_cost_model
+from jserve.runners.testbeds import describe, make_cost_model
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CAPACITIES = (1000, 2000, 4000, 6000, 8000, 10000)
@@ -454,7 +454,8 @@ def report(args: argparse.Namespace) -> str:
                    f"scheduling (no mixed batching), `{eng['process']}` arrivals at {eng['rate']:g} "
                    f"conversations/s (turns {eng['rate'] / eng['ratio']:.3g}/s), capacity {eng['capacity']:,} tokens "
                    f"(counting `{eng['capacity_counts']}` blocks), {eng['turns']} turns of "
-                   f"`{eng['sharegpt']}` ShareGPT per seed"),
+                   f"`{eng['sharegpt']}` ShareGPT per seed; "
+                   f"{describe(eng['cost_model'], get_hardware('a100-80g'))} (the paper names no vLLM version)"),
                   engine_tables(eng)]
     if sel:
         parts += ["## 3. The conversation/turn-rate ratio (`select`)", select_table(sel)]
