@@ -11,7 +11,7 @@ import pytest
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.calibrate import run_profile
-from jserve.runners.profiling import load_hidden_profile
+from jserve.runners.profiling import HiddenProjectionProfile, load_hidden_profile
 from jserve.benchmarking.sweep import run_sweep, write_sweep
 from jserve.benchmarking.workload import build_trace, save_trace
 from jserve.builder import build_engine
@@ -91,12 +91,23 @@ def test_profile_calibrates_the_simulator(tmp_path) -> None:
     fitted = run_profile("tiny-llama", str(path), max_len=256, repeats=1, progress=False)
     assert len(fitted.samples) >= 10
     assert CalibratedCostModel.load(path).coefficients == fitted.coefficients
-    hidden = load_hidden_profile(path)  # Apt-Serve's rho: K/V projection time per hidden row
-    assert hidden is not None and hidden.per_row > 0 and hidden.divisor == 1.0
+    # Apt-Serve's rho, the K/V projection time per hidden row: measured by the wall clock, so
+    # its value is a bench's to judge; the fit on given timings is tested below.
+    hidden = load_hidden_profile(path)
+    assert hidden is not None and hidden.per_row >= 0 and hidden.divisor == 1.0
     assert hidden.block_cost(32) == pytest.approx(32 * hidden.per_row)
     r = run_benchmark(_sim(dict(model="tiny-llama", profile=str(path), max_model_len=256,
                                 num_blocks=64)), progress=False)
     assert r.summary.num_finished == 60
+
+
+def test_the_hidden_projections_slope_survives_one_slowed_sample() -> None:
+    """Given timings, not measured ones: a CI host once slowed the 256-row sample tenfold,
+    which a least-squares line turned into a slope of 0."""
+    clean = HiddenProjectionProfile((64, 256, 1024, 4096), (1e-4, 1.5e-4, 3e-4, 9e-4))
+    noisy = dataclasses.replace(clean, seconds=(1e-4, 7.8e-3, 3e-4, 9e-4))
+    assert clean.per_row == pytest.approx(2e-7, rel=0.05)
+    assert noisy.per_row == pytest.approx(clean.per_row, rel=0.3)
 
 
 def test_unknown_engine_is_refused() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jserve.engine.batch import Batch, BatchInputs, BlockMove
-from jserve.runners.cost_model import CalibratedCostModel, StepShape, nnls
+from jserve.runners.cost_model import CalibratedCostModel, StepShape
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import PreemptionProfile
 from jserve.models.config import ModelConfig
@@ -148,7 +148,8 @@ class HiddenProjectionProfile:
     `seconds[i]`), what a hidden-cache request adds to each step it runs in (Apt-Serve's
     Eq. 6). `per_row` is the fitted slope: the fixed cost of a projection is paid once per
     step whatever the number of hidden requests, so rho is the slope times the rows a block
-    holds. `divisor`: the authors' code divides its fitted rho by 5 (unexplained); 1 here
+    holds. The slope is the median of the pairwise slopes (Theil-Sen), so one sample a
+    noisy host slowed (7.8 ms beside 0.1-0.7 ms, seen on CI) cannot flatten it to 0. `divisor`: the authors' code divides its fitted rho by 5 (unexplained); 1 here
     unless asked for (`jserve profile --hidden-cost-divisor 5`)."""
 
     rows: tuple[int, ...]
@@ -157,8 +158,11 @@ class HiddenProjectionProfile:
 
     @property
     def per_row(self) -> float:
-        x = np.stack([np.asarray(self.rows, float), np.ones(len(self.rows))], 1)
-        return float(nnls(x, np.asarray(self.seconds))[0])
+        rows, seconds = np.asarray(self.rows, float), np.asarray(self.seconds)
+        i, j = np.triu_indices(len(rows), 1)
+        apart = rows[j] != rows[i]
+        slopes = (seconds[j] - seconds[i])[apart] / (rows[j] - rows[i])[apart]
+        return max(float(np.median(slopes)), 0.0) if slopes.size else 0.0
 
     def block_cost(self, hidden_block_tokens: int) -> float:
         """rho: seconds per block of `hidden_block_tokens` hidden rows in a batch."""
