@@ -154,14 +154,12 @@ def _write_json(path: str, payload: dict) -> None:
 
 def _say_what_is_simulated(config: BenchConfig) -> None:
     """One line naming the GPU model and the stack a simulated run charges."""
-    from jserve.runners.hardware import get_hardware
-    from jserve.runners.testbeds import describe
+    from jserve.benchmarking.bench import simulated_json
 
-    engine = config.engine
-    if engine.runner == "sim" and config.backend == "inprocess":
-        stack = (f"profile {engine.profile}" if engine.profile else
-                 describe(engine.cost_model, get_hardware(engine.hardware), engine.engine_overhead))
-        print(f"simulating {engine.model_name} on {engine.hardware}: {stack}", file=sys.stderr)
+    simulated = simulated_json(config)
+    if simulated is not None:
+        engine = config.engine
+        print(f"simulating {engine.model_name} on {engine.hardware}: {simulated['description']}", file=sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -135,9 +135,7 @@ class EngineOverhead:
                 f"{', an estimate' if self.estimate else ''})")
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["fit_range"], d["worker_range"] = self.fit_range.to_dict(), self.worker_range.to_dict()
-        return d
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineOverhead:

@@ -93,8 +93,7 @@ class PublishedFit:
     sources: dict[str, str]
 
     def to_dict(self, residuals: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        kernels = dataclasses.asdict(self.kernels) | {"fit_range": self.kernels.fit_range.to_dict()}
-        return {"sources": self.sources, "kernels": kernels,
+        return {"sources": self.sources, "kernels": dataclasses.asdict(self.kernels),
                 "engines": {k: v.to_dict() for k, v in self.engines.items()},
                 "residuals": residuals or []}
 
