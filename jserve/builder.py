@@ -16,6 +16,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from jserve.cache.sizing import (
 from jserve.config import EngineConfig
 from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine, Runner
-from jserve.engine.policy import Policy
+from jserve.engine.policy import Policy, ReadsRunnerCosts, RunnerCosts
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
@@ -145,8 +146,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,
         max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len, attention=config.attention,
-        layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
-        hidden_steps=getattr(policy, "uses_hidden_cache", False) and hidden_tokens > config.block_size,
+        layer_staging=policy.capabilities.offloads_layers, num_host_blocks=num_host_blocks,
+        hidden_steps=policy.capabilities.uses_hidden_cache and hidden_tokens > config.block_size,
         tensor_parallel=tp,
     )
     # Several processes: this one runs the engine loop (process 0), or follows its steps.
@@ -161,10 +162,7 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
                                   swap_path=SwapPath.GATHERED)
         measured = CalibratedCostModel.load(config.profile, extras=swaps)
         cache = _with_prefill_fit(cache, measured)
-        policy = _with_data(policy, "preemption_costs", lambda: preemption_costs_from_cost_model(
-            measured, config.block_size, block_bytes(model, config.block_size, dbytes)))
-        policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
-            measured, model, get_hardware(config.hardware), dbytes, fit_lengths(limits.max_model_len)))
+        policy = _given_costs(policy, lambda: _runner_costs(config, measured, model, dbytes))
     clock = WallClock()
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
@@ -197,7 +195,7 @@ def host_tier_bytes(config: EngineConfig, policy: Policy, model: ModelConfig, db
     devices = config.tensor_parallel_size
     if config.swap_space is not None:
         return config.swap_space * 2**30 * devices
-    if not getattr(policy, "offloads_layers", False):
+    if not policy.capabilities.offloads_layers:
         return DEFAULT_SWAP_SPACE * 2**30 * devices
     limits = config.limits
     longest = limits.max_model_len * block_bytes(model, 1, dbytes)
@@ -254,7 +252,7 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
                                      tensor_parallel=config.tensor_parallel_size, swap_path=SwapPath.GATHERED)
         return CalibratedCostModel.load(config.profile, extras=roofline)
     stack = cost_model_info(config.cost_model).engine(config.engine_overhead)
-    if stack.pads_prompts and not getattr(config.make_policy(), "pads_prompts", False):
+    if stack.pads_prompts and not config.make_policy().capabilities.pads_prompts:
         # Only a scheduler whose prompt batches pad (vLLM 0.2.x's) pays for the padding:
         # another scheduler on that stack is taken to run its prompts unpadded, as every
         # vLLM since 0.2.5 does, not as 0.2.x's model runner would pad batches it never formed.
@@ -265,7 +263,6 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
 
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
     model = config.model_config()
-    hw = get_hardware(config.hardware)
     dbytes = config.sim_dtype_bytes
     tp = config.tensor_parallel_size
     cost = sim_cost_model(config)
@@ -277,10 +274,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     block = block_bytes(model, config.block_size, dbytes)
     hidden_tokens = hidden_block_tokens(model, config.block_size, tp)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    policy = _with_data(config.make_policy(), "preemption_costs", lambda: preemption_costs_from_cost_model(
-        cost, config.block_size, block))
-    policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
-        cost, model, hw, dbytes, fit_lengths(limits.max_model_len)))
+    policy = _given_costs(config.make_policy(), lambda: _runner_costs(config, cost, model, dbytes))
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
@@ -299,9 +293,20 @@ def _with_prefill_fit(cache: PrefixCacheConfig | None, cost: CostModel) -> Prefi
     return dataclasses.replace(cache, prefill_seconds_per_token=prefill_seconds_per_token(cost))
 
 
-def _with_data(policy: Policy, field: str, make: Callable[[], object]) -> Policy:
-    """Fill a policy's runner-derived `field` (CacheOpt's `preemption_costs`, LayerKV's
-    `costs`) when it has one and was not given its own; others are returned as they are."""
-    if getattr(policy, field, False) is not None:
+def _runner_costs(config: EngineConfig, cost: CostModel, model: ModelConfig, dbytes: int) -> RunnerCosts:
+    """The figures a policy may plan with, fitted to `cost` (the simulator's cost model or
+    the real runner's profile) over `model` as the runner holds it."""
+    return RunnerCosts(
+        preemption=preemption_costs_from_cost_model(cost, config.block_size,
+                                                    block_bytes(model, config.block_size, dbytes)),
+        layerkv=layerkv_costs_from_cost_model(cost, model, get_hardware(config.hardware), dbytes,
+                                              fit_lengths(config.limits.max_model_len)),
+    )
+
+
+def _given_costs(policy: Policy, costs: Callable[[], RunnerCosts]) -> Policy:
+    """The policy built with the runner's costs where its capabilities say it reads them
+    (fitted only then); any other policy as it is."""
+    if not policy.capabilities.reads_runner_costs:
         return policy
-    return dataclasses.replace(policy, **{field: make()})
+    return cast(ReadsRunnerCosts, policy).given(costs())

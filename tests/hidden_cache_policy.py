@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 
@@ -38,7 +39,7 @@ class ForcedHiddenCache:
     switch: bool = False
     name: str = "forced-hidden-cache"
     chunked_prefill: bool = False
-    uses_hidden_cache: bool = True
+    capabilities: PolicyCapabilities = PolicyCapabilities(uses_hidden_cache=True)
 
     def _type(self, view: SchedulerView, i: int) -> CacheType:
         want = self.choose(int(view.requests.seq_id[i]))

@@ -22,7 +22,7 @@ import numpy as np
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
 from jserve.engine.plan import Plan, PreemptMode
-from jserve.engine.policy import Policy
+from jserve.engine.policy import Policy, PolicyCapabilities
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -97,7 +97,7 @@ class ForcedLayerOffload:
     host_decodes: bool = False
     name: str = "forced-layer-offload"
     chunked_prefill: bool = False
-    offloads_layers: bool = True
+    capabilities: PolicyCapabilities = PolicyCapabilities(offloads_layers=True)
 
     def schedule(self, view: SchedulerView) -> Plan:
         r, L = view.requests, view.num_layers

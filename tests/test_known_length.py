@@ -51,7 +51,7 @@ class Spy:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.predictor_kind = inner.predictor_kind
+        self.capabilities = inner.capabilities
         self.seen: dict[int, tuple[int, bool]] = {}
 
     def schedule(self, view: SchedulerView) -> Plan:

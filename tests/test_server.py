@@ -27,6 +27,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cli import main
 from jserve.config import EngineConfig, ServerConfig
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
 from jserve.predictor import Prediction
@@ -50,7 +51,7 @@ class SloRecordingPolicy:
     inner: VLLMPolicy = field(default_factory=VLLMPolicy)
     seen: set[tuple[float, float]] = field(default_factory=set)
     predictions: set[tuple[int, int, int]] = field(default_factory=set)  # (prompt, length, dir)
-    predictor_kind = "cacheopt"
+    capabilities: PolicyCapabilities = PolicyCapabilities(predictor_kind="cacheopt")
 
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests

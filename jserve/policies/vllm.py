@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerView
 
@@ -46,9 +47,9 @@ class VLLMPolicy:
     max_paddings: int | None = None
 
     @property
-    def pads_prompts(self) -> bool:
-        """Whether its prefill batches are padded to their longest prompt (vLLM 0.2.x)."""
-        return self.max_paddings is not None
+    def capabilities(self) -> PolicyCapabilities:
+        """Its prefill batches are padded to their longest prompt with `max_paddings` (vLLM 0.2.x)."""
+        return PolicyCapabilities(pads_prompts=self.max_paddings is not None)
 
     def schedule(self, view: SchedulerView) -> Plan:
         return self._prefills(view) or self._decodes(view)

@@ -74,7 +74,7 @@ class LLM:
 
     # ---------------------------------------------------------------- requests
     def _predictor(self, choice: str | None | LengthPredictor) -> LengthPredictor | None:
-        kind = getattr(self.policy, "predictor_kind", None)
+        kind = self.policy.capabilities.predictor_kind
         if choice is None or kind is None:
             return None
         if choice != "auto":
