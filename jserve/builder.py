@@ -13,10 +13,11 @@ model.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ from jserve.cache.sizing import (
 from jserve.config import EngineConfig
 from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine, Runner
+from jserve.engine.admission import PredictionSource
 from jserve.engine.policy import Policy, ReadsRunnerCosts, RunnerCosts
+from jserve.engine.request import Request
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
@@ -58,6 +61,11 @@ from jserve.models.hf_checkpoint import checkpoint_dtype, is_checkpoint_dir
 from jserve.models.loading import LoadedModel, load_model
 from jserve.models.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from jserve.predictor import LengthPredictor
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class BuiltEngine:
@@ -67,6 +75,7 @@ class BuiltEngine:
     clock: WallClock | VirtualClock  # the engine's time; `wait_until` idles to an arrival
     model_config: ModelConfig
     loaded: LoadedModel | None = None  # the real engine's model (weights, tokenizer)
+    predictor: LengthPredictor | None = None  # the real engine's output-length predictor
 
     @property
     def runner(self) -> Runner:
@@ -92,6 +101,7 @@ def assemble_engine(
     tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
     prefix_cache: PrefixCacheConfig | None = None, num_layers: int = 1,
     hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0,
+    predictions: PredictionSource | None = None,
 ) -> Engine:
     """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
     and what tests with a fake runner call directly."""
@@ -100,7 +110,7 @@ def assemble_engine(
         vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
         num_host_blocks=num_host_blocks, num_layers=num_layers,
         hidden_block_tokens=hidden_block_tokens, hidden_block_cost=hidden_block_cost,
-        **(prefix_cache.state_options(block_size) if prefix_cache else {}),
+        predictions=predictions, **(prefix_cache.state_options(block_size) if prefix_cache else {}),
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
     return Engine(state, policy, runner, clock, eviction=eviction)
@@ -164,15 +174,48 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         cache = _with_prefill_fit(cache, measured)
         policy = _given_costs(policy, lambda: _runner_costs(config, measured, model, dbytes))
     clock = WallClock()
+    predictor = _length_predictor(config, policy, loaded)
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
+        predictions=None if predictor is None else PromptPredictions(predictor),
     )
     if config.warmup:
         runner.warmup(progress=True, background=config.background_compile)
-    return BuiltEngine(engine, clock, model, loaded)
+    return BuiltEngine(engine, clock, model, loaded, predictor)
+
+
+@dataclass(frozen=True)
+class PromptPredictions:
+    """A trained output-length predictor as the engine's prediction source: it reads the
+    prompts, a step's arrivals encoded together."""
+
+    predictor: LengthPredictor
+
+    def predict(self, requests: Sequence[Request]) -> list[tuple[int, int]]:
+        prompts = [r.prompt_token_ids for r in requests]
+        return [p.columns for p in self.predictor.predict_batch(prompts)]
+
+
+def _length_predictor(config: EngineConfig, policy: Policy, loaded: LoadedModel) -> LengthPredictor | None:
+    """The real engine's predictor: none for a policy that reads no predictions or
+    `predictor=None`; with 'auto', the shipped one of the policy's kind where it reads the
+    served model's tokens; else the one given."""
+    kind = policy.capabilities.predictor_kind
+    if config.predictor is None or kind is None:
+        return None
+    if config.predictor != "auto":
+        return config.predictor
+    from jserve.predictor import LengthPredictor
+
+    if loaded.tokenizer is None or loaded.config.name != LengthPredictor.base_model():
+        log.warning("policy %s allocates by predicted length, but the shipped predictor "
+                    "reads %s's tokens, not %s's: requests get no prediction",
+                    policy.name, LengthPredictor.base_model(), loaded.config.name)
+        return None
+    return LengthPredictor.load(kind, base=loaded)
 
 
 # vLLM's default swap space, GiB per device.

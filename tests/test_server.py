@@ -44,7 +44,7 @@ HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @dataclass
 class SloRecordingPolicy:
     """vLLM's schedule, noting the SLO and prediction columns it is shown (test-only state).
-    It names a predictor kind, so the server asks the `LLM`'s predictor for every request."""
+    It names a predictor kind, so the engine asks the `LLM`'s predictor about every request."""
 
     name: str = "vllm"
     chunked_prefill: bool = False
@@ -65,8 +65,8 @@ class SloRecordingPolicy:
 class PromptLengthPredictor:
     """Predicts prompt length + 3 tokens, expecting an over-prediction: easy to recognise."""
 
-    def predict(self, prompt_token_ids: list[int]) -> Prediction:
-        return Prediction(len(prompt_token_ids) + 3, over_prob=0.9)
+    def predict_batch(self, prompts: list[list[int]]) -> list[Prediction]:
+        return [Prediction(len(p) + 3, over_prob=0.9) for p in prompts]
 
 
 @dataclass

@@ -75,8 +75,9 @@ class Engine:
         predicted_len: int = 0, predicted_dir: int = 0, conversation_id: str | None = None,
     ) -> Request:
         """The request, waiting. `predicted_len` / `predicted_dir`: an output-length
-        prediction and its expected error direction, for policies that allocate by
-        prediction (see `RequestOptions` in `jserve.engine.admission`).
+        prediction the caller already has and its expected error direction; without one,
+        the state's prediction source is asked (see `RequestOptions` in
+        `jserve.engine.admission`).
         `conversation_id`: the chat this turn belongs to, for the prefix cache."""
         now = self.clock() if arrival_time is None else arrival_time
         return self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,

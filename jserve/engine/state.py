@@ -24,7 +24,7 @@ from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixIndex
-from jserve.engine.admission import Admission, RequestOptions
+from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
@@ -66,6 +66,7 @@ class EngineState:
         num_layers: int = 1,
         hidden_block_tokens: int = 0,
         hidden_block_cost: float = 0.0,
+        predictions: PredictionSource | None = None,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
@@ -81,7 +82,9 @@ class EngineState:
         also holds offloaded layers. `hidden_block_tokens`: tokens one block holds as
         hidden rows (`jserve.cache.sizing.hidden_block_tokens`; 0: no hidden cache, and
         `Plan.cache_type` may not pick it); `hidden_block_cost`: rho, the extra step
-        seconds per hidden block, which the view hands policies (0.0: unknown)."""
+        seconds per hidden block, which the view hands policies (0.0: unknown).
+        `predictions`: where admitted requests' output-length predictions come from
+        (None: only from the caller)."""
         if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
             raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
         if limits.max_num_batched_tokens < limits.max_num_seqs:
@@ -110,7 +113,7 @@ class EngineState:
                                    min_history=cache_min_history)
                        if self.prefix is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
-                                    eos_token_id, self.load, self._reuse, num_layers)
+                                    eos_token_id, self.load, self._reuse, num_layers, predictions)
         if hidden_block_tokens < 0 or hidden_block_cost < 0:
             raise ValueError(f"hidden_block_tokens and hidden_block_cost must be >= 0, got "
                              f"{hidden_block_tokens}, {hidden_block_cost}")
@@ -142,6 +145,15 @@ class EngineState:
         """Admit a request to the waiting set, or raise `InvalidRequestError` saying why."""
         return self._admission.admit(request_id, prompt_token_ids, params, arrival_time, **options)
 
+    @property
+    def predictions(self) -> PredictionSource | None:
+        return self._admission.predictions
+
+    @predictions.setter
+    def predictions(self, source: PredictionSource | None) -> None:
+        """Change where predictions come from (a trace replay brings its own)."""
+        self._admission.predictions = source
+
     def abort(self, request_id: str, now: float) -> Request | None:
         """End a request early (client gone); frees its blocks. Unknown/finished ids: None."""
         req = self.live.by_request_id(request_id)
@@ -160,7 +172,9 @@ class EngineState:
         evictable) less what sharing saves, so that preempting a request frees, as far as
         any policy can tell, exactly the blocks its table lists. Blocks split into layer
         slots (`Plan.layers`) are not free blocks; their free slots are
-        `free_layer_slots`."""
+        `free_layer_slots`. Requests admitted since the last snapshot get their predictions
+        first."""
+        self._admission.predict_arrivals()
         if self._reuse is not None:
             self._reuse.offer()
         host, res = self.host_blocks, self.residency
