@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 import jax
 import jax.numpy as jnp
 
-from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cache.sizing import (
     block_bytes,
     device_kv_budget,
@@ -62,6 +62,7 @@ from jserve.models.loading import LoadedModel, load_model
 from jserve.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from jserve.benchmarking.conversations import ConversationFutures
     from jserve.predictor import LengthPredictor
 
 log = logging.getLogger(__name__)

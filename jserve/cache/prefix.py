@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,21 +67,6 @@ class CacheSnapshot:
     ttft_floor: float = 0.0
 
 
-@dataclass(frozen=True)
-class FutureTurn:
-    """A turn an oracle knows in advance: its new message's length and the think time
-    between the previous turn's reply and its arrival, or where arrivals are fixed in
-    advance (open loop) its scheduled arrival, seconds on the engine's clock."""
-
-    new_tokens: int
-    think_time: float
-    arrival: float | None = None
-
-
-# conversation id -> every turn of it, in order; turn 0's think time is unused.
-ConversationFutures = Mapping[str, Sequence[FutureTurn]]
-
-
 CAPACITY_COUNTS = ("all", "unreferenced")
 XI_FITS = ("offline", "online")
 # Appendix F of the T-LRU paper: "the average prompt length in ShareGPT is approximately 100
@@ -108,8 +93,9 @@ class PrefixCacheConfig:
     # this many tokens of host memory and copied back when a prompt reuses them. 0: off.
     host_capacity_tokens: int = 0
     # What the oracle rules (end-aware-tlru, length-aware-tlru, tbelady) read: the
-    # workload's future turns, which only a benchmark knows.
-    futures: ConversationFutures | None = field(default=None, compare=False, repr=False)
+    # workload's future turns, which only a benchmark knows (its `ConversationFutures`,
+    # `jserve.benchmarking.conversations`; the rules' `KnownFutures`).
+    futures: Mapping[str, Sequence[Any]] | None = field(default=None, compare=False, repr=False)
     # T-LRU's next-message estimate Q_hat in tokens, fixed (the paper's); None: the running
     # mean of arriving messages' new tokens (jserve's earlier variant).
     q_hat: float | None = PAPER_Q_HAT_SHAREGPT
