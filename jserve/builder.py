@@ -111,7 +111,7 @@ def assemble_engine(
         vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
         num_host_blocks=num_host_blocks, num_layers=num_layers,
         hidden_block_tokens=hidden_block_tokens, hidden_block_cost=hidden_block_cost,
-        predictions=predictions, **(prefix_cache.state_options(block_size) if prefix_cache else {}),
+        prefix_cache=prefix_cache.in_blocks(block_size) if prefix_cache else None, predictions=predictions,
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
     return Engine(state, policy, runner, clock, eviction=eviction)

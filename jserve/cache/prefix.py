@@ -145,14 +145,36 @@ class PrefixCacheConfig:
             return self.history_threshold
         return -1
 
-    def state_options(self, block_size: int) -> dict[str, object]:
-        """`EngineState` keyword arguments for this cache."""
+    def in_blocks(self, block_size: int) -> PrefixCacheSize:
+        """This cache as the engine state keeps it, in blocks of `block_size` tokens."""
         capacity = None if self.capacity_tokens is None else self.capacity_tokens // block_size
-        return {"prefix_cache": True, "cache_isolation": self.isolation,
-                "cache_capacity_blocks": capacity,
-                "cache_count_referenced": self.capacity_counts == "all",
-                "cache_min_history": self.min_history_tokens,
-                "host_cache_blocks": self.host_capacity_tokens // block_size}
+        return PrefixCacheSize(isolation=self.isolation, capacity_blocks=capacity,
+                               count_referenced=self.capacity_counts == "all",
+                               min_history=self.min_history_tokens,
+                               host_blocks=self.host_capacity_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class PrefixCacheSize:
+    """A prefix cache as the engine state keeps one: finished requests' full blocks stay
+    cached for later prompts that start the same way, keyed by conversation too with
+    `isolation`. `capacity_blocks` caps how many unreferenced blocks stay cached (None:
+    every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C over idle
+    histories), or with `count_referenced` how many blocks the cache holds, those running
+    requests reuse included; the engine trims the cache to it before each snapshot. A
+    finished turn whose history is at most `min_history` tokens is not cached at all
+    (Threshold-LRU's rule). `host_blocks` adds a host tier that evicted blocks are demoted
+    to and promoted back from (0: none)."""
+
+    isolation: bool = False
+    capacity_blocks: int | None = None
+    count_referenced: bool = False
+    min_history: int = -1
+    host_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks is not None and self.capacity_blocks < 0:
+            raise ValueError(f"cache capacity_blocks must be >= 0, got {self.capacity_blocks}")
 
 
 class EvictionRule(Protocol):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache.prefix import CacheSnapshot, PrefixIndex
+from jserve.cache.prefix import CacheSnapshot, PrefixCacheSize, PrefixIndex
 from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
@@ -57,36 +57,21 @@ class EngineState:
         tokenizer: Tokenizer | None = None,
         chunked_prefill: bool = False,
         num_host_blocks: int = 0,
-        prefix_cache: bool = False,
-        cache_isolation: bool = False,
-        cache_capacity_blocks: int | None = None,
-        cache_count_referenced: bool = False,
-        cache_min_history: int = -1,
-        host_cache_blocks: int = 0,
+        prefix_cache: PrefixCacheSize | None = None,
         num_layers: int = 1,
         hidden_block_tokens: int = 0,
         hidden_block_cost: float = 0.0,
         predictions: PredictionSource | None = None,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
-        plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
-        blocks for later prompts that start the same way; `cache_isolation` keys them by
-        conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
-        cached (None: every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C
-        over idle histories), or with `cache_count_referenced` how many blocks the cache
-        holds, those running requests reuse included; the engine trims the cache to it
-        before each snapshot (`capacity_request`, `trim`); a finished turn whose history is at most `cache_min_history`
-        tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
-        tier that evicted blocks are demoted to and promoted back from (0: none).
-        `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
+        plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
+        (None: none; its trim is `capacity_request` / `trim`). `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
         also holds offloaded layers. `hidden_block_tokens`: tokens one block holds as
         hidden rows (`jserve.cache.sizing.hidden_block_tokens`; 0: no hidden cache, and
         `Plan.cache_type` may not pick it); `hidden_block_cost`: rho, the extra step
         seconds per hidden block, which the view hands policies (0.0: unknown).
         `predictions`: where admitted requests' output-length predictions come from
         (None: only from the caller)."""
-        if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
-            raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             # Every running sequence must be able to decode in the same step (vLLM's rule).
             raise ValueError(
@@ -101,17 +86,17 @@ class EngineState:
                 f"{limits.max_model_len} needs a policy that chunks prefills"
             )
         self.limits = limits
-        self.prefix = PrefixIndex(num_blocks, block_size, isolate=cache_isolation,
-                                  host_capacity_blocks=host_cache_blocks) if prefix_cache else None
+        cache = prefix_cache  # its size, in blocks
+        self.prefix = (PrefixIndex(num_blocks, block_size, isolate=cache.isolation,
+                                   host_capacity_blocks=cache.host_blocks) if cache is not None else None)
         self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
         self.residency = LayerResidency(self.blocks, self.host_blocks, num_layers)
         self.live = LiveRequests()
         self.load = LoadMeter()
-        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache_capacity_blocks,
-                                   count_referenced=cache_count_referenced,
-                                   min_history=cache_min_history)
-                       if self.prefix is not None else None)
+        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache.capacity_blocks,
+                                   count_referenced=cache.count_referenced, min_history=cache.min_history)
+                       if cache is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
                                     eos_token_id, self.load, self._reuse, num_layers, predictions)
         if hidden_block_tokens < 0 or hidden_block_cost < 0:
