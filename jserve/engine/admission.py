@@ -87,7 +87,7 @@ class Admission:
     num_layers: int = 1  # every request starts with all of them on the device
     predictions: PredictionSource | None = None
     # Admitted requests the source has not been asked about yet (`predict_arrivals`).
-    _unpredicted: list[Request] = field(default_factory=list)
+    _unpredicted: list[Request] = field(default_factory=list, init=False, repr=False)
 
     def admit(
         self,
