@@ -36,8 +36,8 @@ Across runs: `effective_throughput` (highest rate whose attainment stays >= 90%)
 `interpolated_crossing`, `ratio` and `tail_excess_latency` (TEL, from the Tail-Optimized
 LRU paper).
 
-Percentiles (`percentiles` for any array) use ``np.percentile(..., method="linear")``. Empty inputs give None (for
-statistics) or 0 (for counts and sums), never an exception.
+Percentiles (`percentiles` for any series) use ``np.percentile(..., method="linear")``.
+Empty inputs give None (for statistics) or 0 (for counts and sums), never an exception.
 """
 
 from __future__ import annotations
@@ -391,8 +391,9 @@ def ratio(a: float | None, b: float | None) -> float:
     """`a` over `b`, NaN where either is missing, not positive or infinite (a rate off a
     sweep's grid): a comparison of two runs' figures that says "no figure" rather than
     dividing by zero or reporting an infinite gain."""
-    ok = lambda x: x is not None and 0 < x < math.inf  # noqa: E731
-    return a / b if ok(a) and ok(b) else math.nan
+    if a is None or b is None or not (0 < a < math.inf and 0 < b < math.inf):
+        return math.nan
+    return a / b
 
 
 def tail_excess_latency(ttfts: Iterable[float], threshold: float) -> float:
