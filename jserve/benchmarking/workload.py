@@ -820,6 +820,15 @@ def build_trace(
     return Trace(workload=workload, requests=requests, seed=int(seed), rate=float(rate), cv=float(cv))
 
 
+def with_slos(trace: Trace, slos: Sequence[tuple[float | None, float | None]]) -> Trace:
+    """The trace with each request's ``(ttft_slo, tbt_slo)`` pair attached, in request
+    order, so that SLO-aware policies read them and the run's records carry them."""
+    if len(slos) != len(trace.requests):
+        raise ValueError(f"{len(trace.requests)} requests but {len(slos)} SLO pairs")
+    requests = tuple(dataclasses.replace(r, ttft_slo=a, tbt_slo=b) for r, (a, b) in zip(trace.requests, slos))
+    return dataclasses.replace(trace, requests=requests)
+
+
 # --------------------------------------------------------------------------- multi-turn
 
 
