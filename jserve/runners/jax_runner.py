@@ -1,41 +1,7 @@
-"""Runs a `Batch` through the model in one jit step on the device.
-
-Shapes are padded to buckets so the step compiles a bounded number of times: tokens `T`
-and sequences `S` are powers of two (at least 8, and `S` at least 16 from `T` = 256) up to
-`max_num_batched_tokens` and `max_num_seqs`. Context length is data, not shape (block
-tables are always `max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time
-(`jit(...).lower(...).compile()`), which finds it in JAX's persistent compile cache when an
-earlier start built it, without executing anything. `warmup()` does that for the buckets a
-vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
-`T == S`); anything else compiles on first use. The KV pages are donated to the step, so
-XLA writes new K/V in place.
-
-Layer-wise residency (LayerKV, built with `layer_staging`): a partly offloaded request's
-layers live in per-layer slots, so a step with one in it carries per-layer block tables
-(`AttentionMetadata.layer_block_tables`, a separately compiled variant of its bucket). Its
-offloaded layers compute in staging blocks after the engine's (sized to a full token
-budget, the analogue of the K/V activations vLLM's profiler sets aside): a decode first
-reads their context there from the per-layer host pool (`host_kv.LayerHostPool`), and the
-blocks the step's new tokens fill (a prefill's every block) are copied back to the host
-pool right after the step is dispatched. Decodes whose context outgrows the staging rows
-run as several steps of consecutive sequences (same tokens). Offloads, bring-backs and slot -> whole-block copies are
-block gathers and scatters per layer before the step, every source read before anything
-is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
-are issued asynchronously and overlap the host's work and the next dispatch, not the
-step's own layers; on XLA:CPU every copy is a memcpy done when issued.
-
-Sampling is compiled apart from the model (`Samplers`): one sampler per sequence bucket `S`,
-shared by every runner in the process, where a sampler inside the step was compiled again
-for every (T, S) bucket and variant and was about half of each one's compile (a tiny-llama
-test's compiles: 12.0 s against 6.3 s without it, at XLA's level 0). It costs one more
-dispatch per step; the logits the step hands it were materialised inside the fused step too.
-Likewise the steps of one model structure are jitted once per process (`_shared_steps`), so
-a second engine over the same model finds each bucket its predecessor built.
-
-A batch with a request that asks for log-probabilities runs a second variant of the step,
-compiled on first use, that also returns the top `MAX_LOGPROBS` of each sampled position
-(and, for prompt log-probabilities, of every position: logits over all T tokens). Nobody
-asking costs nothing: the plain step is unchanged.
+"""Runs a `Batch` through the model in one jit step on the device: shapes padded to buckets so
+the step compiles a bounded number of times, KV pages donated so XLA writes new K/V in place.
+Buckets, layer staging, the sampler compiled apart and the log-probability variant, with what
+was measured: docs/serving.md, The JAX runner.
 """
 
 from __future__ import annotations
