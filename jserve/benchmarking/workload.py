@@ -1,7 +1,7 @@
 """Benchmark workloads: request lengths (and text where there is some) plus arrival times.
 Every runner takes its requests from here, so one named workload at one seed is the same work
 everywhere, and a trace saved to JSONL replays exactly. Where each workload's lengths come
-from: docs/simulator.md, Workloads in detail.
+from, and which are synthetic (lengths without text): docs/simulator.md, Workloads in detail.
 """
 
 from __future__ import annotations
