@@ -1,43 +1,7 @@
-"""Serving metrics, defined once and used by every runner and benchmark.
-
-Input is one `RequestRecord` per request (the engine side builds them from its
-`RequestMetrics`); all times are seconds on one clock, wall or virtual.
-
-Per request:
-
-- TTFT: ``first_token_time - arrival_time``.
-- TBT gaps: every gap between consecutive output tokens (``np.diff(token_times)``);
-  a request with fewer than two tokens has none.
-- P99 TBT: the 99th percentile of that request's own gaps; max TBT: its longest gap.
-- TPOT: ``(finished_time - first_token_time) / (output_len - 1)``; None below 2 tokens.
-- E2E: ``finished_time - arrival_time``; normalized latency: E2E / output tokens.
-
-Over a run (`summarize`):
-
-- Latency statistics cover *finished* requests only (``record.finished``). Aborted or
-  unfinished requests count in ``num_requests`` and as SLO misses, nowhere else.
-- TBT statistics (``tbt_*``) pool every gap of every finished request.
-- SLOs: a request's own ``ttft_slo`` / ``tbt_slo`` override the global ones passed to
-  `summarize`. The TBT SLO is judged on the request's **P99 TBT** (not its mean, not
-  its worst gap), as in Apt-Serve (``tbt_slo_on="p99-tbt"``, the default), on its **TPOT**,
-  the mean time per output token after the first, as in LayerKV (``tbt_slo_on="tpot"``),
-  or on its **max TBT**, every gap, as CacheOpt's reproduction reads Section 5
-  (``tbt_slo_on="max-tbt"``). A request with no gaps (one output token) meets it
-  vacuously either way. The joint attainment asks a request to meet every SLO it has (both,
-  when both are set). An attainment is the fraction of the requests that have that SLO;
-  with no SLO anywhere it is None, never a flattering 1.0.
-- Goodput: requests meeting the joint SLO per second of makespan.
-- Makespan: first arrival to last ``finished_time`` of any record (aborts included:
-  the engine was busy until then). Throughput counts finished requests and their
-  output tokens over it.
-- Preemptions and preempted time are summed over all records.
-
-Across runs: `effective_throughput` (highest rate whose attainment stays >= 90%),
-`interpolated_crossing`, `ratio` and `tail_excess_latency` (TEL, from the Tail-Optimized
-LRU paper).
-
-Percentiles (`percentiles` for any series) use ``np.percentile(..., method="linear")``.
-Empty inputs give None (for statistics) or 0 (for counts and sums), never an exception.
+"""Serving metrics, defined once and used by every runner and benchmark: each request's TTFT,
+TBT gaps, TPOT and E2E from its `RequestRecord` (one clock, wall or virtual), and a run's
+statistics, SLO attainment and goodput (`summarize`). Every definition: docs/simulator.md,
+Metrics.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""Runs a `Batch` through the model in one jit step on the device.
-
-One compiled program per token bucket `T` (a power of two from 16 up to
-`max_num_batched_tokens`), with `S = min(T, max_num_seqs)` sequence rows: a batch's
-composition (prefill chunks, decodes, how many of each) is data, and sampling and
-log-probabilities run inside the same program, the prompt ones under a `lax.cond` that costs
-nothing when nobody asks. The KV pages are donated to the step, so XLA writes new K/V in
-place. Context length is data too (tables are `max_blocks_per_seq` wide).
-
-`dispatch` returns before the device is done (`PendingStep`): the engine plans the next
-step meanwhile, and a token sampled by one step can be the next step's input without the
-host reading it. The step keeps its sampled tokens in a device buffer, and a batch token the
-host does not know yet (`PLACEHOLDER`) is read from that buffer at the row the same sequence
-sampled in the previous step.
-
-Variants compiled only for the policies that need them: per-layer block tables
-(`AttentionMetadata.layer_block_tables`, LayerKV's partly offloaded requests, built with
-`layer_staging`), hidden-cache sequences (Apt-Serve, `hidden_steps`), and, on a backend with
-a decode kernel, all-decode steps. Layer copies and swaps are block gathers and scatters
-outside the step's jit, every source read before anything is written.
+"""Runs a `Batch` through the model on the device: one compiled program per token bucket,
+with sampling and log-probabilities inside, the KV pages donated so XLA writes new K/V in
+place, and `dispatch` returning before the device is done so the engine plans the next step
+meanwhile. Buckets, variants, the token feed and layer staging: docs/serving.md, The JAX
+runner.
 """
 
 from __future__ import annotations
