@@ -41,7 +41,7 @@ import tempfile
 import numpy as np
 from reproduce_cacheopt import CLAIMS, WORKLOADS, Run, Setting, bench_config, measure, simulate, slo_runs
 
-from jserve.benchmarking.metrics import RequestRecord, tbt_gaps, ttft, window_medians
+from jserve.benchmarking.metrics import RequestRecord, max_tbt, percentiles, tbt_gaps, ttft, window_medians
 from jserve.benchmarking.workload import Trace
 from jserve.runners.hardware import get_hardware
 from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, describe
@@ -69,11 +69,11 @@ def first_token_steps(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndar
 def row(run: Run, slos: Trace | None) -> dict:
     m = measure(run, slos)
     step, batched = first_token_steps(run.records)
-    gaps = [tbt_gaps(r) for r in run.records]
+    worst = [w for r in run.records if (w := max_tbt(r)) is not None]
     return {**{k: m[k] for k in ("preemptions", "swaps", "requests_preempted", "preempted_time", "ttft_p99",
                                   "tbt_p99", "ttft_mean", "ttft_attainment", "tbt_attainment")},
-            "gaps": int(sum(len(g) for g in gaps)),
-            "worst_gap_p99": float(np.percentile([g.max() for g in gaps if len(g)], 99)),
+            "gaps": int(sum(len(tbt_gaps(r)) for r in run.records)),
+            "worst_gap_p99": percentiles(worst, (99,))[0],
             "first_step_p50": float(np.median(step)), "first_step_p99": float(np.percentile(step, 99)),
             "first_step_decodes_p50": float(np.median(batched)),
             "ttft_window_medians": window_medians(run.records, ttft, WINDOWS)}

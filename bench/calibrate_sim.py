@@ -33,6 +33,7 @@ import tempfile
 import numpy as np
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.metrics import percentiles
 from jserve.benchmarking.published_fit import (
     DTYPE_BYTES,
     PROFILED_ON,
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
           f"the weights alone would leave "
           f"{kv_blocks_without_activations()} blocks")
     for rate, run in runs.items():
-        if rate != CAPACITY_RATE and percentiles_ttft_p90(run) > 1.0:
+        if rate != CAPACITY_RATE and percentiles(run.ttft, (90,))[0] > 1.0:
             print(f"  held out: the {rate:g} req/s run peaks at {run_peak_blocks(run)} blocks, "
                   f"the simulator at {sim_peak_blocks(run, distserve_engine().sim_kv_blocks())}")
     if args.check and abs(factor - ACTIVATION_PEAK_FACTOR) > 0.05 * ACTIVATION_PEAK_FACTOR:
@@ -179,9 +180,6 @@ def kv_blocks_without_activations() -> int:
     free = engine.gpu_memory_utilization * hw.memory_bytes - cfg.num_params * DTYPE_BYTES
     return int(free // block_bytes(cfg, engine.block_size, DTYPE_BYTES))
 
-
-def percentiles_ttft_p90(run: PublishedRun) -> float:
-    return float(np.percentile(run.ttft, 90))
 
 
 def _close(a: PublishedFit, b: PublishedFit) -> bool:

@@ -152,8 +152,8 @@ def main() -> None:
                                          runner.scratch_block, runner.mark_decode))
 
     def device_step():
-        tokens, _ = runner._run(x)
-        return tokens
+        result, runner.cache, runner._fed = runner._executable(x)(runner._weights, runner.cache, runner._fed, x)
+        return result.tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)
     backend = select_attention(args.attention)

@@ -65,10 +65,7 @@ def main() -> int:
     max_model_len = args.prompt_len + args.max_tokens
     llm = LLM(MODEL, num_blocks=args.max_num_seqs * math.ceil(max_model_len / 16) * 2,
               max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=max(512, args.max_num_seqs), warmup=False)
-    # A burst packs many prompts into one prefill step: compile every bucket up front so
-    # no compilation lands inside the measured run.
-    llm.runner.warmup(progress=True, shapes=llm.runner.buckets.all_shapes())
+              max_num_batched_tokens=max(512, args.max_num_seqs))
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     failures: list[str] = []

@@ -33,6 +33,7 @@ import jax
 from device_timing import median_seconds, random_like, today
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
+from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.config import EngineConfig
 from jserve.runners.host_kv import LayerHostPool, memory_shardings
 from jserve.runners.jax_runner import JaxRunner
@@ -144,16 +145,16 @@ def table(rows: dict[str, dict], put: dict) -> list[str]:
     def ratio(a, b):
         return f"{a / b:.2f}x" if a and b else "-"
 
-    out = ["| | vllm | layerkv | vllm / layerkv |", "|---|---|---|---|"]
+    out = markdown_head(["", "vllm", "layerkv", "vllm / layerkv"])
     for label, key in (("mean TTFT (s)", "ttft_mean"), ("P99 TTFT (s)", "ttft_p99"),
                        ("mean TPOT (s)", "tpot_mean")):
-        out.append(f"| {label} | {v[key]:.3f} | {l[key]:.3f} | {ratio(v[key], l[key])} |")
+        out.append(markdown_row([label, f"{v[key]:.3f}", f"{l[key]:.3f}", ratio(v[key], l[key])]))
     for label, key in (("partly offloaded prefills", "offloaded_prefills"),
                        ("layer blocks to host", "layer_blocks_to_host"),
                        ("layer blocks to device", "layer_blocks_to_device"),
                        ("layer blocks copied on device", "layer_blocks_copied_on_device"),
                        ("steps", "steps"), ("preemptions", "preemptions"), ("finished", "finished")):
-        out.append(f"| {label} | {v[key]} | {l[key]} | |")
+        out.append(markdown_row([label, v[key], l[key], ""]))
     out.append("")
     if l["layer_copy_bytes_per_s"]:
         out.append(f"LayerKV's layer copies: {l['host_bytes_moved'] / 1e6:.1f} MB to and from host in "

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from jserve.predictor import DEFAULT_DIR, load_noise_model
+from jserve.benchmarking.tables import markdown_table
 from jserve.predictor.data import build_dataset, cached_features
 from jserve.predictor.encoder import EncoderConfig, PromptEncoder
 from jserve.predictor.heads import HeadConfig, make_head, predict_features
@@ -144,24 +145,22 @@ def markdown(per_seed: dict[int, dict], noise: dict[str, dict[str, float]], meta
         "`+features`: it also reads the base's features, as the paper has it. "
         "Shipped: out_of_fold.",
         "",
-        f"| quantity | {' | '.join(VARIANTS)} |",
-        "|---|" + "---|" * len(VARIANTS),
     ]
-    for label, key in rows:
-        cells = [_mean_sd([per_seed[s][v][key] for s in seeds]) for v in VARIANTS]
-        lines.append(f"| {label} | {' | '.join(cells)} |")
-    lines += ["", "| length layer (held out) | value |", "|---|---|"]
-    for label, key in (("MAE (tokens)", "final_mae"),
-                       ("coverage of [lo, hi], widened on out-of-fold (target 0.90)", "range_coverage"),
-                       ("mean width hi - lo (tokens)", "range_width")):
-        lines.append(f"| {label} | {_mean_sd([per_seed[s]['out_of_fold'][key] for s in seeds])} |")
-
-    lines += ["", "| diagnostics (step-1 length layer) | value |", "|---|---|"]
-    for key in per_seed[seeds[0]]["labels"]:
-        lines.append(f"| {key} | {_mean_sd([per_seed[s]['labels'][key] for s in seeds])} |")
+    lines += markdown_table(["quantity", *VARIANTS],
+                            ([label, *(_mean_sd([per_seed[s][v][key] for s in seeds]) for v in VARIANTS)]
+                             for label, key in rows))
+    lines += [""] + markdown_table(
+        ["length layer (held out)", "value"],
+        ([label, _mean_sd([per_seed[s]["out_of_fold"][key] for s in seeds])]
+         for label, key in (("MAE (tokens)", "final_mae"),
+                            ("coverage of [lo, hi], widened on out-of-fold (target 0.90)", "range_coverage"),
+                            ("mean width hi - lo (tokens)", "range_width"))))
+    lines += [""] + markdown_table(["diagnostics (step-1 length layer)", "value"],
+                                   ([key, _mean_sd([per_seed[s]["labels"][key] for s in seeds])]
+                                    for key in per_seed[seeds[0]]["labels"]))
     shipped, drawn = noise["shipped_head"], noise["noise_model_draws"]
-    lines += ["", "| shipped cacheopt head, held out | real head | noise model draws |", "|---|---|---|"]
-    lines += [f"| {k} | {shipped[k]:.3f} | {drawn[k]:.3f} |" for k in shipped]
+    lines += [""] + markdown_table(["shipped cacheopt head, held out", "real head", "noise model draws"],
+                                   ([k, f"{shipped[k]:.3f}", f"{drawn[k]:.3f}"] for k in shipped))
     return "\n".join(lines) + "\n"
 
 

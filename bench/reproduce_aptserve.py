@@ -82,8 +82,9 @@ import time
 from dataclasses import dataclass, replace
 
 from jserve.benchmarking.bench import BenchConfig
-from jserve.benchmarking.metrics import interpolated_crossing
+from jserve.benchmarking.metrics import interpolated_crossing, ratio
 from jserve.benchmarking.sweep import run_points
+from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.cache.sizing import hidden_block_tokens
 from jserve.config import EngineConfig
 from jserve.builder import sim_cost_model
@@ -234,21 +235,16 @@ def fmt_x(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:.2f}x"
 
 
-def ratio(a: float, b: float) -> float:
-    """Apt-Serve's effective throughput over a baseline's (nan where either is off the grid)."""
-    return a / b if 0 < a < math.inf and 0 < b < math.inf else math.nan
-
-
 def main_table(rows: list[dict], m: Model, d: Dataset, rates: tuple[float, ...], policies: tuple[str, ...]
                ) -> list[str]:
     out = [f"#### {m.name}, {d.name} (TTFT {d.ttft_slo:g} s, P99 TBT {d.tbt_slo:g} s): SLO attainment by rate", "",
-           "| rate | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+           *markdown_head(["rate", *policies])]
     for rate in rates:
-        out.append(f"| {rate:g} | " + " | ".join(
-            f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}" for p in policies) + " |")
+        out.append(markdown_row([f"{rate:g}", *(f"{pick(rows, d.name, p, rate)['slo_attainment']:.1%}"
+                                               for p in policies)]))
     for t in THRESHOLDS:
-        out.append(f"| eff. throughput at {t:.0%} (interpolated, req/s) | " + " | ".join(
-            fmt_rate(eff(rows, d, p, rates, t), rates) for p in policies) + " |")
+        out.append(markdown_row([f"eff. throughput at {t:.0%} (interpolated, req/s)",
+                                 *(fmt_rate(eff(rows, d, p, rates, t), rates) for p in policies)]))
     if d.name == "ShareGPT" and "vllm" in policies and m.tp == 1:
         at3 = next((r["slo_attainment"] for r in rows if r["dataset"] == d.name and r["policy"] == "vllm"
                     and r["rate"] == 3 and r["cv"] == 1.0), None)
@@ -299,13 +295,14 @@ def claims(rows: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]], p
 
 def claims_table(c: list[dict], m: Model, rates_of: dict[str, tuple[float, ...]]) -> list[str]:
     out = [f"### Figure 8's claims, {m.name}: Apt-Serve's effective throughput over each baseline's", "",
-           f"| dataset | threshold | baseline | paper (3-model avg) | ours ({m.name}) | rates (apt / baseline, req/s) | "
-           "goal: same sign, >= half |", "|---|---|---|---|---|---|---|"]
+           *markdown_head(["dataset", "threshold", "baseline", "paper (3-model avg)", f"ours ({m.name})",
+                           "rates (apt / baseline, req/s)", "goal: same sign, >= half"])]
     for x in c:
         rates = rates_of[x["dataset"]]
-        ours = fmt_x(x["ours_x"])
-        out.append(f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | {ours} | "
-                   f"{fmt_rate(x['apt_rate'], rates)} / {fmt_rate(x['baseline_rate'], rates)} | {x['verdict']} |")
+        out.append(markdown_row([x["dataset"], f"{x['threshold']:.0%}", x["baseline"], f"{x['paper_x']}x",
+                                 fmt_x(x["ours_x"]),
+                                 f"{fmt_rate(x['apt_rate'], rates)} / {fmt_rate(x['baseline_rate'], rates)}",
+                                 x["verdict"]]))
     finite = [x["ours_x"] for x in c if math.isfinite(x["ours_x"])]
     out += ["", f"Peak ratio over datasets, thresholds and baselines: paper up to {PAPER_PEAK_X}x, "
                 f"ours {max(finite):.2f}x" if finite else "no finite ratio"]
@@ -319,8 +316,8 @@ def readings_table(rows: list[dict], d: Dataset, rates: tuple[float, ...], polic
         return []
     vllm = "vllm" in policies
     out = [f"Our readings against apt-serve (the paper's and the authors' code's), {d.name}:", "",
-           "| policy | 90% (req/s) | / apt-serve | 60% (req/s) | / apt-serve |" + (" / vLLM at 90% |" if vllm else ""),
-           "|---|---|---|---|---|" + ("---|" if vllm else "")]
+           *markdown_head(["policy", "90% (req/s)", "/ apt-serve", "60% (req/s)", "/ apt-serve",
+                           *(["/ vLLM at 90%"] if vllm else [])])]
     for p in ("apt-serve", *shown):
         cells = []
         for t in THRESHOLDS:
@@ -328,7 +325,7 @@ def readings_table(rows: list[dict], d: Dataset, rates: tuple[float, ...], polic
             cells += [fmt_rate(x, rates), fmt_x(ratio(x, eff(rows, d, "apt-serve", rates, t)))]
         if vllm:
             cells.append(fmt_x(ratio(eff(rows, d, p, rates, 0.9), eff(rows, d, "vllm", rates, 0.9))))
-        out.append(f"| {p} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([p, *cells]))
     return out
 
 
@@ -349,26 +346,27 @@ def paper_consistency(rows: list[dict], d: Dataset, rates: tuple[float, ...], po
     fig8_x = d.paper_x[0.9][0]
     head = (f"The paper's ShareGPT numbers for Apt-Serve on OPT-13B, each as a 90% point over vLLM's "
             f"(paper: Figure 2a's {PAPER_VLLM_90} req/s; ours: vLLM's crossing above, {fmt_rate(vllm_90, rates)}):")
-    table4 = (f"| Table 4, CV 1 | {a0:.1%} at {r0:g} req/s, {a1:.1%} at {r1:g} | {paper_90:.2f} (interpolated) | "
-              f"{paper_90 / PAPER_VLLM_90:.2f}x | {ours[r0]:.1%} at {r0:g}, {ours[r1]:.1%} at {r1:g}: "
-              f"{fmt_rate(ours_90, (r0, r1))} (interpolated), {fmt_x(ratio(ours_90, vllm_90))} |")
-    fig8 = (f"| Figure 8 (text) | {fig8_x}x vLLM at 90%, averaged over 13B, 30B, 66B | "
-            f"{fig8_x * PAPER_VLLM_90:.2f} (if 13B were the average) | {fig8_x}x | grid crossing "
-            f"{fmt_rate(grid_90, rates)}, {fmt_x(ratio(grid_90, vllm_90))} |")
-    fig10 = (f"| Figure 10 (text, Section 6.6) | over {PAPER_FIG10_ATTAINMENT:.0%} at {PAPER_FIG10_RATE:g} req/s | "
-             f">= {PAPER_FIG10_RATE:g} | >= {PAPER_FIG10_RATE / PAPER_VLLM_90:.2f}x | "
-             f"{ours[PAPER_FIG10_RATE]:.1%} at {PAPER_FIG10_RATE:g} req/s |")
+    table4 = markdown_row(["Table 4, CV 1", f"{a0:.1%} at {r0:g} req/s, {a1:.1%} at {r1:g}",
+                           f"{paper_90:.2f} (interpolated)", f"{paper_90 / PAPER_VLLM_90:.2f}x",
+                           f"{ours[r0]:.1%} at {r0:g}, {ours[r1]:.1%} at {r1:g}: {fmt_rate(ours_90, (r0, r1))} "
+                           f"(interpolated), {fmt_x(ratio(ours_90, vllm_90))}"])
+    fig8 = markdown_row(["Figure 8 (text)", f"{fig8_x}x vLLM at 90%, averaged over 13B, 30B, 66B",
+                         f"{fig8_x * PAPER_VLLM_90:.2f} (if 13B were the average)", f"{fig8_x}x",
+                         f"grid crossing {fmt_rate(grid_90, rates)}, {fmt_x(ratio(grid_90, vllm_90))}"])
+    fig10 = markdown_row(["Figure 10 (text, Section 6.6)",
+                          f"over {PAPER_FIG10_ATTAINMENT:.0%} at {PAPER_FIG10_RATE:g} req/s",
+                          f">= {PAPER_FIG10_RATE:g}", f">= {PAPER_FIG10_RATE / PAPER_VLLM_90:.2f}x",
+                          f"{ours[PAPER_FIG10_RATE]:.1%} at {PAPER_FIG10_RATE:g} req/s"])
     note = (f"Table 4 puts Apt-Serve at {a1:.1%} at {PAPER_FIG10_RATE:g} req/s, where Figure 10's text says over "
             f"{PAPER_FIG10_ATTAINMENT:.0%}; its two cells cross 90% at {paper_90 / PAPER_VLLM_90:.2f}x vLLM's "
             f"{PAPER_VLLM_90} req/s, not {fig8_x}x.")
-    return [head, "", "| source | statement | 90% point (req/s) | over vLLM | ours, read the same way |",
-            "|---|---|---|---|---|", table4, fig8, fig10, "", note]
+    return [head, "", *markdown_head(["source", "statement", "90% point (req/s)", "over vLLM",
+                                      "ours, read the same way"]), table4, fig8, fig10, "", note]
 
 
 def robust_table(rows: list[dict], m: Model) -> list[str]:
     out = ["### Figure 9: SLO attainment under Gamma arrivals (burstiness CV) at the paper's rates", "",
-           "| dataset | rate | CV | " + " | ".join(ROBUST) + " | apt-serve / best baseline |",
-           "|---|---|---|" + "---|" * (len(ROBUST) + 1)]
+           *markdown_head(["dataset", "rate", "CV", *ROBUST, "apt-serve / best baseline"])]
     best = 0.0
     for d in m.datasets:
         if not any(r["dataset"] == d.name and r["rate"] == d.robust_rate for r in rows):
@@ -378,8 +376,8 @@ def robust_table(rows: list[dict], m: Model) -> list[str]:
             base = max(att[p] for p in ROBUST if p != "apt-serve")
             x = att["apt-serve"] / base if base else math.inf
             best = max(best, x if math.isfinite(x) else 0.0)
-            out.append(f"| {d.name} | {d.robust_rate:g} | {cv:g} | " + " | ".join(f"{att[p]:.1%}" for p in ROBUST)
-                       + f" | {x:.2f}x |")
+            out.append(markdown_row([d.name, f"{d.robust_rate:g}", f"{cv:g}", *(f"{att[p]:.1%}" for p in ROBUST),
+                                     f"{x:.2f}x"]))
     out += ["", f"Largest gain over the best baseline: paper up to {PAPER_BURST_X}x, ours {best:.2f}x"]
     return out
 
@@ -387,22 +385,21 @@ def robust_table(rows: list[dict], m: Model) -> list[str]:
 def ablation_table(rows: list[dict], m: Model) -> list[str]:
     out = ["### Tables 4 and 5 at the paper's rates: hybrid cache and adaptive scheduling switched off "
            "(SLO attainment %, paper / ours; nan: not run)", "",
-           "| dataset | rate | CV | apt-serve | /hybrid (KV only) | /adaptive (FCFS) | apt-serve-decay (0.4) | "
-           "apt-serve-upgrade (ours) | " + " | ".join(f"{p} (ours)" for p in READINGS) +
-           " | hybrid - KV only (pp) | adaptive - FCFS (pp) |",
-           "|---|---|---|---|---|---|---|---|" + "---|" * len(READINGS) + "---|---|"]
+           *markdown_head(["dataset", "rate", "CV", "apt-serve", "/hybrid (KV only)", "/adaptive (FCFS)",
+                           "apt-serve-decay (0.4)", "apt-serve-upgrade (ours)", *(f"{p} (ours)" for p in READINGS),
+                           "hybrid - KV only (pp)", "adaptive - FCFS (pp)"])]
     for d in m.datasets:
         for (rate, cv), (kv, fcfs, apt) in d.paper_tables.items():
             if not any(r["dataset"] == d.name and r["rate"] == rate and r["cv"] == cv for r in rows):
                 continue
             a = {p: next((100 * r["slo_attainment"] for r in rows if r["dataset"] == d.name and r["policy"] == p
                           and r["rate"] == rate and r["cv"] == cv), math.nan) for p in ABLATIONS}
-            out.append(f"| {d.name} | {rate:g} | {cv:g} | {apt:.1f} / {a['apt-serve']:.1f} | "
-                       f"{kv:.1f} / {a['apt-serve/hybrid']:.1f} | {fcfs:.1f} / {a['apt-serve/adaptive']:.1f} | "
-                       f"{a['apt-serve-decay']:.1f} | {a['apt-serve-upgrade']:.1f} | "
-                       + "".join(f"{a[p]:.1f} | " for p in READINGS) +
-                       f"{apt - kv:+.1f} / {a['apt-serve'] - a['apt-serve/hybrid']:+.1f} | "
-                       f"{apt - fcfs:+.1f} / {a['apt-serve'] - a['apt-serve/adaptive']:+.1f} |")
+            out.append(markdown_row([
+                d.name, f"{rate:g}", f"{cv:g}", f"{apt:.1f} / {a['apt-serve']:.1f}",
+                f"{kv:.1f} / {a['apt-serve/hybrid']:.1f}", f"{fcfs:.1f} / {a['apt-serve/adaptive']:.1f}",
+                *(f"{a[p]:.1f}" for p in ("apt-serve-decay", "apt-serve-upgrade", *READINGS)),
+                f"{apt - kv:+.1f} / {a['apt-serve'] - a['apt-serve/hybrid']:+.1f}",
+                f"{apt - fcfs:+.1f} / {a['apt-serve'] - a['apt-serve/adaptive']:+.1f}"]))
     return out
 
 
@@ -462,22 +459,22 @@ def before_table(old: dict, new: dict) -> list[str]:
         key = lambda r: (r["dataset"], r["policy"], r["rate"], r["cv"])  # noqa: E731
         was = {key(r): r for r in before["runs"]}
         out += [f"### {name}: SLO attainment of the runs both have (changed ones marked)", "",
-                "| dataset | policy | rate | CV | before | after | preemptions before / after |",
-                "|---|---|---|---|---|---|---|"]
+                *markdown_head(["dataset", "policy", "rate", "CV", "before", "after", "preemptions before / after"])]
         for r in sorted(after["runs"], key=key):
             b = was.get(key(r))
             if b is None:
                 continue
             mark = " *" if b["slo_attainment"] != r["slo_attainment"] else ""
-            out.append(f"| {r['dataset']} | {r['policy']} | {r['rate']:g} | {r['cv']:g} | {b['slo_attainment']:.1%} | "
-                       f"{r['slo_attainment']:.1%}{mark} | {b['num_preemptions']} / {r['num_preemptions']} |")
+            out.append(markdown_row([r["dataset"], r["policy"], f"{r['rate']:g}", f"{r['cv']:g}",
+                                     f"{b['slo_attainment']:.1%}", f"{r['slo_attainment']:.1%}{mark}",
+                                     f"{b['num_preemptions']} / {r['num_preemptions']}"]))
         old_claims = {(x["dataset"], x["threshold"], x["baseline"]): x for x in before["claims"]}
         both = [(old_claims[(x["dataset"], x["threshold"], x["baseline"])], x) for x in after["claims"]
                 if (x["dataset"], x["threshold"], x["baseline"]) in old_claims]
         if both:
-            out += ["", "| dataset | threshold | baseline | paper | before | after |", "|---|---|---|---|---|---|"]
-            out += [f"| {x['dataset']} | {x['threshold']:.0%} | {x['baseline']} | {x['paper_x']}x | "
-                    f"{fmt_x(b['ours_x'])} | {fmt_x(x['ours_x'])} |" for b, x in both]
+            out += ["", *markdown_head(["dataset", "threshold", "baseline", "paper", "before", "after"])]
+            out += [markdown_row([x["dataset"], f"{x['threshold']:.0%}", x["baseline"], f"{x['paper_x']}x",
+                                  fmt_x(b["ours_x"]), fmt_x(x["ours_x"])]) for b, x in both]
     return out
 
 

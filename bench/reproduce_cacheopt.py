@@ -71,9 +71,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.benchmarking.bench import BenchConfig, make_trace
-from jserve.benchmarking.metrics import RequestRecord, normalized_latency, tbt_gaps, ttft
+from jserve.benchmarking.metrics import (
+    RequestRecord,
+    assign_slos,
+    attach_slos,
+    interpolated_crossing,
+    summarize,
+)
 from jserve.benchmarking.sweep import run_points
-from jserve.benchmarking.workload import Trace, build_trace, load_trace, save_trace
+from jserve.benchmarking.workload import Trace, build_trace, load_trace, save_trace, with_slos
 from jserve.config import EngineConfig
 from jserve.runners.hardware import get_hardware
 from jserve.runners.testbeds import COST_MODELS, DEFAULT_COST_MODEL, describe
@@ -85,6 +91,7 @@ ABLATIONS = ["cacheopt", "cacheopt/CKA", "cacheopt/RSA", "cacheopt/PA", "cacheop
              "cacheopt/PP", "cacheopt/PSS"]
 BLOCK_SIZE = 8  # Section 5's B, in tokens
 CHUNK_TOKENS = 512  # Sarathi's token budget: the chunk a long prompt's TTFT SLO is scaled by
+SLO_SCALE = (0.5, 2.5)  # Section 5: each request's SLOs are the means x U[0.5, 2.5]
 RELATIVE_LOADS = (0.5, 0.75, 1.0, 1.25)
 CONTESTED = 0.75  # relative loads from here up count as contested
 SAT_FACTOR = 2.0  # sustainable: normalised latency within 2x vLLM's at the lowest rate
@@ -165,40 +172,30 @@ def simulate(configs: list[BenchConfig], s: Setting) -> list[Run]:
 # --------------------------------------------------------------------------- metrics
 def slo_bases(runs: list[Run]) -> tuple[float, float]:
     """Mean TTFT and mean TBT over the given methods' runs (every request, every gap)."""
-    ttfts = [t for run in runs for r in run.records if (t := ttft(r)) is not None]
-    gaps = np.concatenate([tbt_gaps(r) for run in runs for r in run.records])
-    return float(np.mean(ttfts)), float(np.mean(gaps))
+    s = summarize([r for run in runs for r in run.records])
+    return s.ttft_mean, s.tbt_mean
 
 
-def with_slos(trace: Trace, ttft_base: float, tbt_base: float, seed: int) -> Trace:
+def section5_slos(trace: Trace, ttft_base: float, tbt_base: float, seed: int) -> Trace:
     """Section 5's SLOs: base x U[0.5, 2.5] per request, the TTFT one x its prompt's chunks."""
-    scales = np.random.default_rng([seed, 13]).uniform(0.5, 2.5, size=(len(trace.requests), 2))
-    reqs = tuple(dataclasses.replace(r, ttft_slo=ttft_base * a * math.ceil(r.prompt_len / CHUNK_TOKENS),
-                                     tbt_slo=tbt_base * b)
-                 for r, (a, b) in zip(trace.requests, scales))
-    return dataclasses.replace(trace, requests=reqs)
+    pairs = assign_slos(len(trace.requests), ttft_base, tbt_base, SLO_SCALE, [seed, 13])
+    return with_slos(trace, [(a * math.ceil(r.prompt_len / CHUNK_TOKENS), b)
+                             for r, (a, b) in zip(trace.requests, pairs)])
 
 
 def measure(run: Run, slos: Trace | None) -> dict:
     """The run's figures; its SLO attainments against `slos`' per-request SLOs (None
-    without)."""
+    without), the TBT one asking every gap to meet it (`tbt_slo_on="max-tbt"`)."""
     recs = run.records
-    ttfts = np.array([ttft(r) for r in recs])
-    gaps = [tbt_gaps(r) for r in recs]
-    all_gaps = np.concatenate(gaps)
-    attainment = {"ttft_attainment": None, "tbt_attainment": None}
     if slos is not None:
-        spec = {r.request_id: r for r in slos.requests}
-        attainment = {
-            "ttft_attainment": float(np.mean([ttft(r) <= spec[r.request_id].ttft_slo for r in recs])),
-            "tbt_attainment": float(np.mean([len(g) == 0 or g.max() <= spec[r.request_id].tbt_slo
-                                             for r, g in zip(recs, gaps)]))}
+        spec = {r.request_id: (r.ttft_slo, r.tbt_slo) for r in slos.requests}
+        recs = attach_slos(recs, [spec[r.request_id] for r in recs])
+    s = summarize(recs, tbt_slo_on="max-tbt")
     return {
-        "ttft_p99": float(np.percentile(ttfts, 99)), "ttft_mean": float(ttfts.mean()),
-        "tbt_p99": float(np.percentile(all_gaps, 99)), **attainment,
-        "norm_latency": float(np.mean([normalized_latency(r) for r in recs])),
-        "preemptions": run.preemptions, "swaps": run.swaps,
-        "preempted_time": float(sum(r.preempted_time for r in recs)),
+        "ttft_p99": s.ttft_p99, "ttft_mean": s.ttft_mean, "tbt_p99": s.tbt_p99,
+        "ttft_attainment": s.ttft_slo_attainment, "tbt_attainment": s.tbt_slo_attainment,
+        "norm_latency": s.norm_latency_mean, "preemptions": run.preemptions, "swaps": run.swaps,
+        "preempted_time": s.preempted_time_total,
         "requests_preempted": int(sum(r.num_preemptions > 0 for r in recs)),
     }
 
@@ -214,7 +211,7 @@ def slo_runs(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: l
     for k, (rate, seed) in enumerate(cells):
         trace = make_trace(bench_config(w, "vllm", rate, seed, s))
         path = scratch / f"{w.name}_{s.hardware}_{s.cost_model}_{rate:.6g}_{seed}.jsonl"
-        save_trace(with_slos(trace, *slo_bases(base[k * len(BASELINES):(k + 1) * len(BASELINES)]), seed), path)
+        save_trace(section5_slos(trace, *slo_bases(base[k * len(BASELINES):(k + 1) * len(BASELINES)]), seed), path)
         paths.append(path)
     others = [m for m in methods if m not in BASELINES]
     rest = simulate([bench_config(w, m, rate, seed, s, path)
@@ -236,15 +233,7 @@ def points(w: Workload, cells: list[tuple[float, int]], s: Setting, methods: lis
 def sustainable_rate(rates: list[float], norm: list[float], limit: float) -> float:
     """The highest rate whose normalised latency stays within `limit` (linear between
     rates; the lowest rate if none does, the highest if all do)."""
-    best = rates[0]
-    for k, (r, n) in enumerate(zip(rates, norm)):
-        if n > limit:
-            if k:
-                r0, n0 = rates[k - 1], norm[k - 1]
-                best = r0 + (r - r0) * (limit - n0) / (n - n0)
-            return best
-        best = r
-    return best
+    return min(max(interpolated_crossing(rates, norm, limit, rising=True), rates[0]), rates[-1])
 
 
 def vllm_saturation(w: Workload, s: Setting, seed: int) -> tuple[float, list]:
@@ -255,7 +244,7 @@ def vllm_saturation(w: Workload, s: Setting, seed: int) -> tuple[float, list]:
     while len(norms) < len(grid) and not (norms and norms[-1] > 3 * SAT_FACTOR * norms[0]):
         chunk = grid[len(norms):len(norms) + 3]
         runs = simulate([bench_config(w, "vllm", rate, seed, s) for rate in chunk], s)
-        norms += [float(np.mean([normalized_latency(r) for r in run.records])) for run in runs]
+        norms += [summarize(run.records).norm_latency_mean for run in runs]
     return sustainable_rate(grid[: len(norms)], norms, SAT_FACTOR * norms[0]), list(zip(grid, norms))
 
 
@@ -451,7 +440,7 @@ def main() -> None:
     report: dict = {"setting": {"model": "opt-13b", "hardware": "a100-80g", "block_size": BLOCK_SIZE,
                                 "cost_model": args.cost_model,
                                 "simulated": describe(args.cost_model, get_hardware("a100-80g")), "opt_175b": "8 x a100-80g, tensor parallel 8",
-                                "seeds": seeds, "slo_scale": [0.5, 2.5], "tail": "P99",
+                                "seeds": seeds, "slo_scale": list(SLO_SCALE), "tail": "P99",
                                 "chunk_tokens": CHUNK_TOKENS, "sustainable_factor": SAT_FACTOR,
                                 "predictions": "noise", "num_requests": n, "skipped": sorted(skip)},
                     "workloads": {}}

@@ -92,9 +92,10 @@ from jserve.benchmarking.bench import (
     trace_predictions,
     trace_prompt_ids,
 )
-from jserve.benchmarking.metrics import tpot, ttft, window_medians
+from jserve.benchmarking.metrics import ratio, tpot, ttft, window_medians
 from jserve.benchmarking.replay import replay
 from jserve.benchmarking.sweep import run_points
+from jserve.benchmarking.tables import cell, markdown_head, markdown_row
 from jserve.builder import build_engine, sim_cost_model
 from jserve.config import EngineConfig
 from jserve.engine.plan import Plan
@@ -224,47 +225,43 @@ def probe_table(rows: list[dict]) -> list[str]:
     out = ["## Why the SLO-aware scheduler admits little: Algorithm 1's gate, measured", "",
            "Over the steps with a prompt waiting: how often min T_allow <= the first waiting prompt's Eq. 3 "
            "time (closed), and, when closed, the request that set the minimum.", "",
-           "| run | steps | gate closed | ...binding N_future = 1 | ...N_past + N_future <= 2 | "
-           "...binding waits to decode | median share of D below the head's time |", "|---|---|---|---|---|---|---|"]
-    def pct(x: float | None, digits: int = 0) -> str:
-        return "-" if x is None or math.isnan(x) else f"{x:.{digits}%}"
-
+           *markdown_head(["run", "steps", "gate closed", "...binding N_future = 1", "...N_past + N_future <= 2",
+                           "...binding waits to decode", "median share of D below the head's time"])]
     for r in rows:
-        out.append(f"| {r['workload']} at {r['rate']:g} req/s | {r['steps_with_a_prompt_waiting']} | "
-                   f"{pct(r['gate_closed'])} | {pct(r['closed_binding_n_future_1'])} | "
-                   f"{pct(r['closed_binding_n_past_plus_future_le_2'])} | {pct(r['closed_binding_waits_to_decode'])} | "
-                   f"{pct(r['closed_median_share_of_requests_below_head'], 1)} |")
+        out.append(markdown_row([
+            f"{r['workload']} at {r['rate']:g} req/s", r["steps_with_a_prompt_waiting"],
+            *(cell(r[k], ".0%") for k in ("gate_closed", "closed_binding_n_future_1",
+                                          "closed_binding_n_past_plus_future_le_2", "closed_binding_waits_to_decode")),
+            cell(r["closed_median_share_of_requests_below_head"], ".1%")]))
     return out
-
-
-def ratio(a: float | None, b: float | None) -> float:
-    return math.nan if not a or not b else a / b
 
 
 def fixed_table(rows: list[dict], lengths: tuple[int, ...], cost_model: str) -> list[str]:
     out = ["## Figures 1 and 4: fixed prompts, 512 output tokens, 1 req/s", "",
-           "| prompt | policy | mean TTFT (s) | queueing (s) | prefill (s) | mean TPOT (ms) | "
-           "throughput (req/s) | tok/s | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
+           *markdown_head(["prompt", "policy", "mean TTFT (s)", "queueing (s)", "prefill (s)", "mean TPOT (ms)",
+                           "throughput (req/s)", "tok/s", "preemptions"])]
     for n in lengths:
         for p in POLICIES:
             r = next(x for x in rows if x["workload"] == f"fixed:{n}:{OUTPUT_LEN}" and x["policy"] == p)
             pre = lone_prefill(n, cost_model)
-            out.append(f"| {n} | {p} | {r['ttft_mean']:.2f} | {max(r['ttft_mean'] - pre, 0):.2f} | {pre:.2f} | "
-                       f"{r['tpot_mean'] * 1e3:.1f} | {r['throughput_rps']:.3f} | {r['output_tokens_per_s']:.0f} | "
-                       f"{r['num_preemptions']} |")
+            out.append(markdown_row([n, p, f"{r['ttft_mean']:.2f}", f"{max(r['ttft_mean'] - pre, 0):.2f}",
+                                     f"{pre:.2f}", f"{r['tpot_mean'] * 1e3:.1f}", f"{r['throughput_rps']:.3f}",
+                                     f"{r['output_tokens_per_s']:.0f}", r["num_preemptions"]]))
     return out
 
 
 def sharegpt_table(rows: list[dict], rates: tuple[float, ...]) -> list[str]:
     out = ["## Figures 6-8: ShareGPT across rates (TTFT SLO 3 s, TPOT SLO 200 ms)", "",
-           "| rate | policy | mean TTFT (s) | P99 TTFT (s) | mean TPOT (ms) | throughput (req/s) | "
-           "SLO violation | TTFT viol. | TPOT viol. | preemptions |", "|---|---|---|---|---|---|---|---|---|---|"]
+           *markdown_head(["rate", "policy", "mean TTFT (s)", "P99 TTFT (s)", "mean TPOT (ms)", "throughput (req/s)",
+                           "SLO violation", "TTFT viol.", "TPOT viol.", "preemptions"])]
     for rate in rates:
         for p in POLICIES:
             r = pick(rows, "sharegpt", rate, p)
-            out.append(f"| {rate:g} | {p} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} | {r['tpot_mean'] * 1e3:.1f} | "
-                       f"{r['throughput_rps']:.3f} | {r['slo_violation']:.1%} | {r['ttft_slo_violation']:.1%} | "
-                       f"{r['tpot_slo_violation']:.1%} | {r['num_preemptions']} |")
+            out.append(markdown_row([f"{rate:g}", p, f"{r['ttft_mean']:.3f}", f"{r['ttft_p99']:.3f}",
+                                     f"{r['tpot_mean'] * 1e3:.1f}", f"{r['throughput_rps']:.3f}",
+                                     *(f"{r[k]:.1%}" for k in ("slo_violation", "ttft_slo_violation",
+                                                                "tpot_slo_violation")),
+                                     r["num_preemptions"]]))
     return out
 
 
@@ -317,10 +314,9 @@ def multi_tables(rows: list[dict]) -> tuple[list[str], dict]:
     points = sorted({multi_key(r) for r in rows}, key=lambda k: (k[0], k[1], int(k[2].split(":")[1])))
     out = ["## Figures 4-5 on several L20s (PCIe only, tensor parallel): fixed prompts, 512 output "
            "tokens, 1 req/s", "",
-           "| model | TP | prompt | KV blocks | mean TTFT vLLM (s) | LayerKV (s) | vLLM / LayerKV | "
-           "mean TPOT vLLM / LayerKV (ms) | throughput vLLM (req/s) | LayerKV gap | "
-           "without the SLO-aware scheduler: vLLM / it |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           *markdown_head(["model", "TP", "prompt", "KV blocks", "mean TTFT vLLM (s)", "LayerKV (s)", "vLLM / LayerKV",
+                           "mean TPOT vLLM / LayerKV (ms)", "throughput vLLM (req/s)", "LayerKV gap",
+                           "without the SLO-aware scheduler: vLLM / it"])]
     ratios = {}
     for model, tp, workload in points:
         v, lk, ab = (next(r for r in rows if multi_key(r) == (model, tp, workload) and r["policy"] == p)
@@ -328,9 +324,10 @@ def multi_tables(rows: list[dict]) -> tuple[list[str], dict]:
         x, gap = ratio(v["ttft_mean"], lk["ttft_mean"]), 1 - lk["throughput_rps"] / v["throughput_rps"]
         ab_x = ratio(v["ttft_mean"], ab["ttft_mean"])
         ratios[f"{model} tp{tp} {workload}"] = {"mean_ttft_x": x, "throughput_gap": gap, "ablation_mean_ttft_x": ab_x}
-        out.append(f"| {model} | {tp} | {workload.split(':')[1]} | {v['num_blocks']} | {v['ttft_mean']:.2f} | "
-                   f"{lk['ttft_mean']:.2f} | {x:.2f}x | {1e3 * v['tpot_mean']:.0f} / {1e3 * lk['tpot_mean']:.0f} | "
-                   f"{v['throughput_rps']:.3f} | {100 * gap:.1f}% | {ab_x:.2f}x |")
+        out.append(markdown_row([model, tp, workload.split(":")[1], v["num_blocks"], f"{v['ttft_mean']:.2f}",
+                                 f"{lk['ttft_mean']:.2f}", f"{x:.2f}x",
+                                 f"{1e3 * v['tpot_mean']:.0f} / {1e3 * lk['tpot_mean']:.0f}",
+                                 f"{v['throughput_rps']:.3f}", f"{100 * gap:.1f}%", f"{ab_x:.2f}x"]))
     out += ["", "Paper (text): Figure 4, the TTFT gap widens with the length 'up to an order of "
             "magnitude' and the throughputs are 'nearly identical'; Figure 5, 'notable TTFT "
             "reductions' at every degree, the throughput gap narrowing as it grows. Ours: the "
@@ -343,28 +340,29 @@ def claims_table(c: dict) -> list[str]:
         return "met" if ours >= paper / 2 else "missed"
 
     pp = c["slo_pp"]
-    lines = ["## The paper's claims beside ours", "",
-             "| claim | paper | ours | goal (same sign, >= half) |", "|---|---|---|---|",
-             f"| mean TTFT, vLLM / LayerKV (max over rates) | up to {PAPER['mean_ttft_x']:.0f}x | "
-             f"{c['mean_ttft_x']:.2f}x | {half(c['mean_ttft_x'], PAPER['mean_ttft_x'])} |",
-             f"| P99 TTFT, vLLM / LayerKV (max over rates) | up to {PAPER['p99_ttft_x']:.0f}x | "
-             f"{c['p99_ttft_x']:.2f}x | {half(c['p99_ttft_x'], PAPER['p99_ttft_x'])} |",
-             f"| SLO violations lower, pp (rates vLLM violates >= 10%: {c['contested_rates']}) | 17.7-28.7 | "
-             + (f"{pp[0]:.1f} to {pp[1]:.1f} | {half(pp[0], PAPER['slo_pp'][0])} (low end), "
-                f"{half(pp[1], PAPER['slo_pp'][1])} (high end) |" if pp else "no contested rate | - |"),
-             f"| throughput lower than vLLM (max over rates) | < 3% | {100 * c['throughput_gap']:.1f}% | "
-             f"{'met' if c['throughput_gap'] < 2 * PAPER['throughput_gap'] else 'missed'} (within 6%) |",
-             f"| without the SLO-aware scheduler: violations above vLLM's at | some rates (5.5) | "
-             f"{c['ablation_worse_than_vllm_at'] or 'none'} | - |",
-             f"| without the SLO-aware scheduler (`layerkv/SLO`): mean / P99 TTFT, vLLM / it (max) | - | "
-             f"{c['ablation_mean_ttft_x']:.1f}x / {c['ablation_p99_ttft_x']:.1f}x | - |",
-             f"| without it: SLO violations lower than vLLM's, pp, by contested rate | - | "
-             f"{', '.join(f'{r:g}: {x:.1f}' for r, x in c['ablation_slo_pp_by_rate'].items()) or '-'} | - |",
-             f"| fixed prompts (Figure 4): mean TTFT, vLLM / LayerKV, by length | \"up to an order of magnitude\" | "
-             f"{', '.join(f'{n}: {x:.1f}x' for n, x in c['fixed_mean_ttft_x'].items())} | - |",
-             f"| fixed prompts: the same without the SLO-aware scheduler | - | "
-             f"{', '.join(f'{n}: {x:.1f}x' for n, x in c['fixed_ablation_mean_ttft_x'].items())} | - |"]
-    return lines
+    rows = [
+        ["mean TTFT, vLLM / LayerKV (max over rates)", f"up to {PAPER['mean_ttft_x']:.0f}x",
+         f"{c['mean_ttft_x']:.2f}x", half(c["mean_ttft_x"], PAPER["mean_ttft_x"])],
+        ["P99 TTFT, vLLM / LayerKV (max over rates)", f"up to {PAPER['p99_ttft_x']:.0f}x",
+         f"{c['p99_ttft_x']:.2f}x", half(c["p99_ttft_x"], PAPER["p99_ttft_x"])],
+        [f"SLO violations lower, pp (rates vLLM violates >= 10%: {c['contested_rates']})", "17.7-28.7",
+         *([f"{pp[0]:.1f} to {pp[1]:.1f}",
+            f"{half(pp[0], PAPER['slo_pp'][0])} (low end), {half(pp[1], PAPER['slo_pp'][1])} (high end)"]
+           if pp else ["no contested rate", "-"])],
+        ["throughput lower than vLLM (max over rates)", "< 3%", f"{100 * c['throughput_gap']:.1f}%",
+         f"{'met' if c['throughput_gap'] < 2 * PAPER['throughput_gap'] else 'missed'} (within 6%)"],
+        ["without the SLO-aware scheduler: violations above vLLM's at", "some rates (5.5)",
+         c["ablation_worse_than_vllm_at"] or "none", "-"],
+        ["without the SLO-aware scheduler (`layerkv/SLO`): mean / P99 TTFT, vLLM / it (max)", "-",
+         f"{c['ablation_mean_ttft_x']:.1f}x / {c['ablation_p99_ttft_x']:.1f}x", "-"],
+        ["without it: SLO violations lower than vLLM's, pp, by contested rate", "-",
+         ", ".join(f"{r:g}: {x:.1f}" for r, x in c["ablation_slo_pp_by_rate"].items()) or "-", "-"],
+        ["fixed prompts (Figure 4): mean TTFT, vLLM / LayerKV, by length", '"up to an order of magnitude"',
+         ", ".join(f"{n}: {x:.1f}x" for n, x in c["fixed_mean_ttft_x"].items()), "-"],
+        ["fixed prompts: the same without the SLO-aware scheduler", "-",
+         ", ".join(f"{n}: {x:.1f}x" for n, x in c["fixed_ablation_mean_ttft_x"].items()), "-"]]
+    return ["## The paper's claims beside ours", "",
+            *markdown_head(["claim", "paper", "ours", "goal (same sign, >= half)"]), *map(markdown_row, rows)]
 
 
 # --------------------------------------------------------------------------- issue 28's cells
@@ -403,10 +401,10 @@ def goal_table(after: list[dict], before: list[dict] | None, label: str) -> list
     prompts with its mean TPOT within the SLO, and the ShareGPT violations' sign. `ceiling`
     beside each: what keeping vLLM's mean end-to-end time allows."""
     out = [f"### {label}", "",
-           "| cell | paper | vLLM mean TTFT (s) | LayerKV mean TTFT (s) | vLLM / LayerKV | LayerKV mean / max TPOT (ms) | "
-           "TPOT violations | late ones met without the 1st->2nd token wait | mean E2E vLLM / LayerKV (s) | "
-           "ceiling | before: vLLM / LayerKV, TPOT (ms) | goal |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           *markdown_head(["cell", "paper", "vLLM mean TTFT (s)", "LayerKV mean TTFT (s)", "vLLM / LayerKV",
+                           "LayerKV mean / max TPOT (ms)", "TPOT violations",
+                           "late ones met without the 1st->2nd token wait", "mean E2E vLLM / LayerKV (s)", "ceiling",
+                           "before: vLLM / LayerKV, TPOT (ms)", "goal"])]
     def find(rows, workload, requests, rate, policy):
         return next((x for x in rows or [] if x["workload"] == workload and x["requests"] == requests
                      and x["rate"] == rate and x["policy"] == policy), None)
@@ -420,14 +418,15 @@ def goal_table(after: list[dict], before: list[dict] | None, label: str) -> list
         was = f"{ratio(bv['ttft_mean'], b['ttft_mean']):.1f}x, {1e3 * b['tpot_mean']:.0f}" if b and bv else "-"
         rescued = r["tpot_late_met_without_first_gap"]
         e2e_v, e2e_l, top = mean_e2e(v), mean_e2e(r), ceiling(v)
-        out.append(f"| {r['workload'].split(':')[1]} x {r['requests']}, {r['policy']} | 69x (ShareGPT; Fig. 4 'an order of magnitude') | "
-                   f"{v['ttft_mean']:.2f} | {r['ttft_mean']:.2f} | {x:.1f}x | {1e3 * r['tpot_mean']:.0f} / "
-                   f"{1e3 * r['tpot_max']:.0f} | {r['tpot_slo_violation']:.1%} | "
-                   f"{'-' if rescued is None else f'{rescued:.0%}'} | {e2e_v:.1f} / {e2e_l:.1f} | "
-                   f"{'none' if math.isinf(top) else f'{top:.1f}x'} | {was} | {'met' if met else 'missed'} |")
-    out += ["", "| ShareGPT rate | policy | vLLM SLO violations | LayerKV | vLLM - LayerKV (pp; paper +17.7 to +28.7) | "
-            "LayerKV TTFT / TPOT violations | throughput vs vLLM | before: vLLM - LayerKV (pp) | sign as the paper's |",
-            "|---|---|---|---|---|---|---|---|---|"]
+        out.append(markdown_row([
+            f"{r['workload'].split(':')[1]} x {r['requests']}, {r['policy']}",
+            "69x (ShareGPT; Fig. 4 'an order of magnitude')", f"{v['ttft_mean']:.2f}", f"{r['ttft_mean']:.2f}",
+            f"{x:.1f}x", f"{1e3 * r['tpot_mean']:.0f} / {1e3 * r['tpot_max']:.0f}", f"{r['tpot_slo_violation']:.1%}",
+            cell(rescued, ".0%"), f"{e2e_v:.1f} / {e2e_l:.1f}", "none" if math.isinf(top) else f"{top:.1f}x", was,
+            "met" if met else "missed"]))
+    out += ["", *markdown_head(["ShareGPT rate", "policy", "vLLM SLO violations", "LayerKV",
+                                "vLLM - LayerKV (pp; paper +17.7 to +28.7)", "LayerKV TTFT / TPOT violations",
+                                "throughput vs vLLM", "before: vLLM - LayerKV (pp)", "sign as the paper's"])]
     verdict: dict[str, list[float]] = {}
     for r in after:
         if not r["policy"].startswith("layerkv") or r["workload"] != "sharegpt":
@@ -438,9 +437,11 @@ def goal_table(after: list[dict], before: list[dict] | None, label: str) -> list
             verdict.setdefault(r["policy"], []).append(pp)
         b, bv = (find(before, "sharegpt", r["requests"], r["rate"], p) for p in (r["policy"], "vllm"))
         was = f"{100 * (bv['slo_violation'] - b['slo_violation']):+.1f}" if b and bv else "-"
-        out.append(f"| {r['rate']:g} | {r['policy']} | {v['slo_violation']:.1%} | {r['slo_violation']:.1%} | {pp:+.1f} | "
-                   f"{r['ttft_slo_violation']:.1%} / {r['tpot_slo_violation']:.1%} | "
-                   f"{r['throughput_rps'] / v['throughput_rps'] - 1:+.1%} | {was} | {'yes' if pp > 0 else 'no'} |")
+        out.append(markdown_row([f"{r['rate']:g}", r["policy"], f"{v['slo_violation']:.1%}",
+                                 f"{r['slo_violation']:.1%}", f"{pp:+.1f}",
+                                 f"{r['ttft_slo_violation']:.1%} / {r['tpot_slo_violation']:.1%}",
+                                 f"{r['throughput_rps'] / v['throughput_rps'] - 1:+.1%}", was,
+                                 "yes" if pp > 0 else "no"]))
     out += ["", f"Goal (rates where vLLM violates for at least {VIOLATING:.0%}): at least +{GOAL_PP:.2f} pp at one "
             f"of them and never below {WORST_PP:+.0f} pp."]
     for policy, pps in verdict.items():
@@ -448,12 +449,12 @@ def goal_table(after: list[dict], before: list[dict] | None, label: str) -> list
         out.append(f"- {policy}: best {max(pps):+.1f} pp, worst {min(pps):+.1f} pp: {'met' if met else 'missed'}")
     out += ["", f"Per-window medians ({WINDOWS} windows of the requests in arrival order): TTFT (s) / TPOT (ms). "
             "Level medians: the load is sustained; climbing: the queue grows (overload).", "",
-            "| workload | rate | policy | median TTFT by window (s) | median TPOT by window (ms) |", "|---|---|---|---|---|"]
+            *markdown_head(["workload", "rate", "policy", "median TTFT by window (s)", "median TPOT by window (ms)"])]
     for r in after:
         w = r["workload"] if r["workload"] == "sharegpt" else f"{r['workload']} x {r['requests']}"
-        out.append(f"| {w} | {r['rate']:g} | {r['policy']} | "
-                   f"{' / '.join('-' if x is None else f'{x:.2f}' for x in r['ttft_windows'])} | "
-                   f"{' / '.join('-' if x is None else f'{1e3 * x:.0f}' for x in r['tpot_windows'])} |")
+        out.append(markdown_row([w, f"{r['rate']:g}", r["policy"],
+                                 " / ".join(cell(x, ".2f") for x in r["ttft_windows"]),
+                                 " / ".join(cell(None if x is None else 1e3 * x, ".0f") for x in r["tpot_windows"])]))
     return out
 
 

@@ -75,8 +75,9 @@ from jserve.benchmarking.conversations import (
     schedule_conversations,
     synthetic_message_ids,
 )
-from jserve.benchmarking.metrics import RequestRecord, tail_excess_latency, ttft
+from jserve.benchmarking.metrics import RequestRecord, percentiles, tail_excess_latency, ttft
 from jserve.benchmarking.paper_cache import instant_turns, uncached_per_turn
+from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.benchmarking.workload import ConversationTrace, multiturn_conversations
 from jserve.builder import build_engine
 from jserve.cache.prefix import (
@@ -162,7 +163,7 @@ def _cut(new: float, old: float) -> float:
 
 
 def tails(x: np.ndarray) -> list[float]:
-    return [float(v) for v in np.percentile(x, PERCENTILES)]
+    return percentiles(x, PERCENTILES)
 
 
 def model_uncached(turns: list, cap: int, rule: str, xi_tokens: float | None = None) -> np.ndarray:
@@ -332,37 +333,29 @@ def engine(args: argparse.Namespace, pap: dict) -> dict:
 # ----------------------------------------------------------------------------- tables
 
 
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _head(cells: list[str]) -> str:
-    return _row(cells) + "\n" + _row(["---"] * len(cells))
-
-
 def _span(v: list[float]) -> str:
     return f"{np.mean(v):+.1f} [{min(v):+.1f},{max(v):+.1f}]"
 
 
 def select_table(sel: dict) -> str:
     spts = sorted({r["spt"] for r in sel["rows"]})
-    lines = [_head(["conv rate / turn rate", *(f"{1e6 * s:.0f} us/token" for s in spts)])]
+    lines = markdown_head(["conv rate / turn rate", *(f"{1e6 * s:.0f} us/token" for s in spts)])
     for ratio in sorted({r["ratio"] for r in sel["rows"]}):
         d = {r["spt"]: r["distance"] for r in sel["rows"] if r["ratio"] == ratio}
-        lines.append(_row([f"{ratio:g}", *(f"{d[s]:.2f}" if s in d else "" for s in spts)]))
+        lines.append(markdown_row([f"{ratio:g}", *(f"{d[s]:.2f}" if s in d else "" for s in spts)]))
     return (f"Mean |T-LRU's cut - Table 4| over its 60 cells (points), Algorithm 1's model, seed 0, "
             f"`{sel.get('sharegpt', 'split')}` ShareGPT:\n\n" + "\n".join(lines)
             + f"\n\nNearest: ratio {sel['ratio']:g}.")
 
 
 def data_table(pap: dict) -> str:
-    lines = [_head(["ShareGPT", "turns / conversation", "mean new message, tokens",
-                    "LRU uncached P95/P90", "LRU uncached P99/P50"])]
+    lines = markdown_head(["ShareGPT", "turns / conversation", "mean new message, tokens",
+                    "LRU uncached P95/P90", "LRU uncached P99/P50"])
     p = PAPER_LRU_MS
-    lines.append(_row(["paper (App. F; TTFT)", f"{PAPER_TURNS_PER_CONVERSATION}", "~100",
+    lines.append(markdown_row(["paper (App. F; TTFT)", f"{PAPER_TURNS_PER_CONVERSATION}", "~100",
                        f"{p[2] / p[1]:.2f}", f"{p[3] / p[0]:.1f}"]))
     for name, s in pap["data"].items():
-        lines.append(_row([name, f"{s['turns_per_conversation']:.2f}", f"{s['prompt_mean']:.0f}",
+        lines.append(markdown_row([name, f"{s['turns_per_conversation']:.2f}", f"{s['prompt_mean']:.0f}",
                            f"{s['p95_over_p90']:.2f}", f"{s['p99_over_p50']:.1f}"]))
     return "\n".join(lines)
 
@@ -382,9 +375,9 @@ def conversion_text(pap: dict) -> str:
 
 def paper_table(pap: dict, versus: str) -> str:
     cells, table = paper_cells(pap, versus), VERSUS[versus]
-    lines = [_head(["capacity", *(f"xi={1000 * x:.0f}ms {p}" for x in TABLE45_XIS for p in ("P90", "P95"))])]
+    lines = markdown_head(["capacity", *(f"xi={1000 * x:.0f}ms {p}" for x in TABLE45_XIS for p in ("P90", "P95"))])
     for cap in CAPACITIES:
-        lines.append(_row([f"{cap:,}", *(f"{_span(cells[(cap, x, i)])} ({table[cap][j][i - 1]:.1f})"
+        lines.append(markdown_row([f"{cap:,}", *(f"{_span(cells[(cap, x, i)])} ({table[cap][j][i - 1]:.1f})"
                                           for j, x in enumerate(TABLE45_XIS) for i in (1, 2))]))
     return "\n".join(lines) + f"\n\nMean |seed mean - paper| over the 60 cells: {mean_abs_difference(cells, table):.2f} points."
 
@@ -405,12 +398,12 @@ def engine_cells(eng: dict) -> dict[tuple[float, str, int], list[float]]:
 
 
 def engine_tables(eng: dict) -> str:
-    lines = [_head(["seed", "rule", "xi ms (tokens)", f"TTFT P50 ms per {eng['window']} turns", "P90 ms per window",
+    lines = markdown_head(["seed", "rule", "xi ms (tokens)", f"TTFT P50 ms per {eng['window']} turns", "P90 ms per window",
                     "uncached tokens P50 per window",
-                    "TTFT P50/P90/P95/P99 ms", "from cache", "TTFT = us/token x uncached + ms (scatter sd ms)"])]
+                    "TTFT P50/P90/P95/P99 ms", "from cache", "TTFT = us/token x uncached + ms (scatter sd ms)"])
     for r in sorted(eng["runs"], key=lambda r: (r["seed"], r["xi"] or 0)):
         xi = "" if r["xi"] is None else f"{1000 * r['xi']:.0f} ({r['xi'] / eng['alpha']:.0f})"
-        lines.append(_row([str(r["seed"]), r["rule"], xi, " ".join(f"{w['p50']:.0f}" for w in r["windows"]),
+        lines.append(markdown_row([str(r["seed"]), r["rule"], xi, " ".join(f"{w['p50']:.0f}" for w in r["windows"]),
                            " ".join(f"{w['p90']:.0f}" for w in r["windows"]),
                            " ".join(f"{w['uncached_p50']:.0f}" for w in r["windows"]),
                            "/".join(f"{1000 * t:.0f}" for t in r["ttft"]), f"{100 * r['cached_fraction']:.1f}%",
@@ -420,10 +413,10 @@ def engine_tables(eng: dict) -> str:
     names = {"model_instant": "Algorithm 1, the schedule's arrivals (uncached tokens)",
              "model_engine_arrivals": "Algorithm 1, each engine run's arrivals (uncached tokens)",
              "uncached": "engine, uncached tokens", "ttft": "engine, TTFT"}
-    cut = [_head(["T-LRU vs LRU", *(f"xi={1000 * x:.0f}ms {p}" for x in sorted({k[0] for k in cells})
-                                    for p in ("P90", "P95"))])]
+    cut = markdown_head(["T-LRU vs LRU", *(f"xi={1000 * x:.0f}ms {p}" for x in sorted({k[0] for k in cells})
+                                    for p in ("P90", "P95"))])
     for m, name in names.items():
-        cut.append(_row([name, *(_span(cells[(x, m, i)]) for x in sorted({k[0] for k in cells}) for i in (1, 2))]))
+        cut.append(markdown_row([name, *(_span(cells[(x, m, i)]) for x in sorted({k[0] for k in cells}) for i in (1, 2))]))
     paper10k = PAPER_T4[10000]
     ref = ", ".join(f"xi={1000 * x:.0f}ms P90 {paper10k[TABLE45_XIS.index(x)][0]} / P95 {paper10k[TABLE45_XIS.index(x)][1]}"
                     for x in sorted({k[0] for k in cells}) if x in TABLE45_XIS)

@@ -31,7 +31,7 @@ from jserve.models.dense_reference import dense_logits
 from jserve.models.gguf_loader import load_llama_gguf
 from jserve.models.loading import _REAL_WEIGHTS
 from jserve.models.tokenizer import Tokenizer
-from jserve.runners.jax_runner import Samplers
+from jserve.runners.jax_runner import rows_per_pass
 from jserve.runners.sampling import CANDIDATES, _bisected_cutoffs, _cutoffs
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -61,7 +61,7 @@ def main() -> None:
     every, no_cut = jnp.ones(rows, bool), jnp.zeros(rows, bool)
     mass = np.asarray(jax.lax.top_k(jax.nn.softmax(x, axis=-1), CANDIDATES)[0].sum(-1))
     wide = int((mass < args.top_p).sum())
-    per_pass = Samplers.rows_per_pass(jax.default_backend())
+    per_pass = rows_per_pass(jax.default_backend())
     now = jax.jit(functools.partial(_cutoffs, rows_per_pass=per_pass))
     bisect = jax.jit(functools.partial(_bisected_cutoffs, rows_per_pass=per_pass))
     np.testing.assert_array_equal(np.asarray(now(x, k, top_p, every)), np.asarray(bisect(x, k, top_p)))

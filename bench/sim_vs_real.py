@@ -37,7 +37,7 @@ import tempfile
 import numpy as np
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
-from jserve.benchmarking.metrics import RequestRecord, tpot, ttft
+from jserve.benchmarking.metrics import RequestRecord, percentiles, tpot, ttft
 from jserve.benchmarking.published_fit import WORKER_FIT_AT, read_distserve_profile
 from jserve.benchmarking.published_runs import PublishedRun, distserve_engine, read_distserve_runs
 from jserve.benchmarking.sweep import run_points
@@ -70,9 +70,9 @@ STEP_TABLE_STEPS = (("prefill 512", StepShape.prefill(512)), ("prefill 2048", St
                     ("decode 128 x 500", StepShape.decode([500] * 128)))
 
 
-def percentiles(values: np.ndarray) -> dict[str, float]:
-    values = values[np.isfinite(values)]
-    return {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+def by_percentile(values: np.ndarray) -> dict[str, float | None]:
+    """PERCENTILES of the finite values (a request without a TPOT is NaN), keyed p50, p90."""
+    return dict(zip((f"p{p}" for p in PERCENTILES), percentiles(values[np.isfinite(values)], PERCENTILES)))
 
 
 def sim_latencies(records: list[RequestRecord], run: PublishedRun) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +100,7 @@ def replay(runs: list[PublishedRun], cost_models: list[str], workers: int | None
         row = {"cost_model": cost_models[k // len(runs)], "run": run.name, "rate": run.rate,
                "held_out": run.rate not in CALIBRATED_RATES, "preemptions": result.num_preemptions}
         for name, real, sim in (("ttft", run.ttft, sim_ttft), ("tpot", run.tpot, sim_tpot)):
-            r, s = percentiles(real), percentiles(sim)
+            r, s = by_percentile(real), by_percentile(sim)
             for p in r:
                 row[f"{name}_{p}"] = {"real": r[p], "sim": s[p], "ratio": s[p] / r[p]}
         rows.append(row)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     print_rows(rows)
     report: dict = {"rows": rows, "goal": GOAL, "saturation": {}, "offline": {}}
     rates = [run.rate for run in runs]
-    real = saturation_rate(rates, [run_p90 for run_p90 in (percentiles(r.ttft)["p90"] for r in runs)])
+    real = saturation_rate(rates, [run_p90 for run_p90 in (by_percentile(r.ttft)["p90"] for r in runs)])
     for cost_model in cost_models:
         mine = [row for row in rows if row["cost_model"] == cost_model]
         sim = saturation_rate(rates, [row["ttft_p90"]["sim"] for row in mine])

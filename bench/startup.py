@@ -133,9 +133,9 @@ def _child_llm(model: str, num_blocks: int | None) -> None:
     t_drain = time.perf_counter() - t0 - t_llm
     compiles = [{"trace": trace, "lower": lower, "compile": compile_} for trace, lower, compile_
                 in zip(phases["trace"], phases["lower"], phases["compile"])]
-    shapes = llm.runner.buckets.warmup_shapes()
+    shapes = llm.runner.buckets.shapes()
     for record, shape in zip(compiles, shapes if len(shapes) == len(compiles) else []):
-        record["bucket"] = list(shape)
+        record["bucket"] = [shape]
     in_warmup = sum(c["trace"] + c["lower"] + c["compile"] for c in compiles)
     report = {
         "import": t_import, "llm_init": t_llm, "drain": t_drain,
@@ -239,6 +239,7 @@ def _serve_start(args: argparse.Namespace, tree: pathlib.Path, cache_dir: str) -
                     time.sleep(0.5)
                 all_compiled = time.perf_counter() - t0 if _log_has(log, BACKGROUND_DONE) else None
             metrics = _get(f"{base}/metrics")[1]
+            rss = _rss_bytes(proc.pid)
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -246,11 +247,21 @@ def _serve_start(args: argparse.Namespace, tree: pathlib.Path, cache_dir: str) -
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    blocks = next((float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("jserve_kv_blocks_total")), None)
+    blocks = _gauge(metrics, "jserve_kv_blocks_total")
     return {"total": ready, "first_answer": first_answer, "all_compiled": all_compiled,
             "num_blocks": None if blocks is None else int(blocks),
-            "compile_cache_entries": len(os.listdir(cache_dir))}
+            "compile_cache_entries": len(os.listdir(cache_dir)), "rss_bytes": rss}
+
+
+def _rss_bytes(pid: int) -> int:
+    """The process's resident memory, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib * 1024
+
+
+def _gauge(metrics: str, name: str) -> float | None:
+    return next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name)), None)
 
 
 def _starts(run: Any, args: argparse.Namespace, name: str,
@@ -279,6 +290,8 @@ def _starts(run: Any, args: argparse.Namespace, name: str,
 def _print_start(name: str, which: str, r: dict[str, Any]) -> None:
     print(f"\n{name}, {which} start: ready after {r['total']:.1f} s "
           f"({r['num_blocks']} KV blocks, {r['compile_cache_entries']} compile-cache entries)")
+    if r.get("rss_bytes"):
+        print(f"  resident memory after the first answer: {r['rss_bytes'] / 2**30:.2f} GiB")
     if "first_answer" in r:
         print(f"  first answer after {r['first_answer']:.1f} s; every bucket compiled after "
               + (f"{r['all_compiled']:.1f} s (in the background)" if r["all_compiled"]
@@ -306,9 +319,9 @@ def _print_start(name: str, which: str, r: dict[str, Any]) -> None:
           f"{max(0.0, r['warmup_execute']):.2f} s")
     for b in buckets:
         bucket = "x".join(map(str, b.get("bucket", ["?"])))
-        print(f"    T x S {bucket:>10s}: trace {b['trace']:5.2f}  lower {b['lower']:5.2f}  "
+        print(f"    T {bucket:>10s}: trace {b['trace']:5.2f}  lower {b['lower']:5.2f}  "
               f"compile/load {b['compile']:5.2f}")
-    print(f"  other compiles: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["other_compiles"].items()))
+    print("  other compiles: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["other_compiles"].items()))
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from jserve.cache.sizing import block_bytes
+from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
 from jserve.runners.cost_model import RooflineCostModel, SwapPath, recompute_time
 from jserve.runners.hardware import get_hardware
@@ -154,17 +155,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             "`L_s(S) = g*S + d` (seconds; swap = out and back in), fitted to the profile; the "
             f"paper's Figure 8 puts the crossing at about {PAPER_SWEET_SPOT} tokens (OPT-13B, A100, "
             f"block 32). OPT-13B's context is {OPT13B_CONTEXT} tokens."), "",
-           "| setting | a | k | e | g | d | sweet spot | in profiled range | profile: swap faster at S = | swap GB/s (paper's 4k needs) | with the model's context |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           *markdown_head(["setting", "a", "k", "e", "g", "d", "sweet spot", "in profiled range",
+                           "profile: swap faster at S =", "swap GB/s (paper's 4k needs)", "with the model's context"])]
     for r in rows:
         f = r["fit"]
         spot = SweetSpot(r["sweet_spot"]["kind"], r["sweet_spot"]["tokens"])
-        out.append(f"| {r['setting']} | {f['a']:.2e} | {f['k']:.2e} | {f['e']:.2e} | {f['g']:.2e} | "
-                   f"{f['d']:.2e} | {spot.describe()} | {'yes' if r['within_profile'] else 'no'} | "
-                   f"{', '.join(map(str, r['profile_swap_faster_at'])) or 'none'} | "
-                   f"{r['effective_swap_gb_s']:.1f}"
-                   + (f" ({r['paper_implied_swap_gb_s']:.1f})" if "paper_implied_swap_gb_s" in r else "") + " | "
-                   f"{r['meaning']} |")
+        out.append(markdown_row([
+            r["setting"], *(f"{f[k]:.2e}" for k in "akegd"), spot.describe(), "yes" if r["within_profile"] else "no",
+            ", ".join(map(str, r["profile_swap_faster_at"])) or "none",
+            f"{r['effective_swap_gb_s']:.1f}"
+            + (f" ({r['paper_implied_swap_gb_s']:.1f})" if "paper_implied_swap_gb_s" in r else ""),
+            r["meaning"]]))
     return "\n".join(out) + "\n"
 
 

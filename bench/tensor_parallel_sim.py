@@ -44,6 +44,7 @@ from contextlib import redirect_stdout
 
 from jserve.benchmarking.bench import BenchConfig
 from jserve.benchmarking.sweep import run_points
+from jserve.benchmarking.tables import cell, markdown_table
 from jserve.builder import sim_cost_model
 from jserve.config import EngineConfig
 from jserve.runners.cost_model import LayerTransfers, RooflineCostModel, StepShape
@@ -117,31 +118,33 @@ def serving_rows(requests: int) -> list[dict]:
     return rows
 
 
+def numbers(columns: int) -> list[str]:
+    """A label column, then right-aligned figures."""
+    return ["---"] + ["---:"] * (columns - 1)
+
+
 def report(steps: dict, serving: list[dict], contention: dict) -> None:
     for (model, hardware, tp) in SETTINGS:
         key = f"{model} on {tp} x {hardware}"
         hw = get_hardware(hardware)
         print(f"\n## {key} ({hw.interconnect.kind}, {hw.interconnect.bandwidth / 1e9:.0f} GB/s a "
               f"direction per GPU; published vLLM step time: none found)\n")
-        print("| step | predicted ms | compute | memory | all-reduce | overhead | bandwidth floor ms |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for r in steps[key]:
-            floor = "" if r["bandwidth_floor_ms"] is None else f"{r['bandwidth_floor_ms']:.1f}"
-            print(f"| {r['step']} | {r['ms']:.1f} | {r['compute']:.1f} | {r['memory']:.1f} | "
-                  f"{r['allreduce']:.1f} | {r['overhead']:.1f} | {floor} |")
+        print("\n".join(markdown_table(
+            ["step", "predicted ms", "compute", "memory", "all-reduce", "overhead", "bandwidth floor ms"],
+            ([r["step"], *(f"{r[k]:.1f}" for k in ("ms", "compute", "memory", "allreduce", "overhead")),
+              cell(r["bandwidth_floor_ms"], ".1f", "")] for r in steps[key]), numbers(7))))
     print("\n## ShareGPT under vllm (simulated)\n")
-    print("| setting | rate req/s | KV blocks | mean TPOT ms | median ITL ms | mean TTFT ms | finished | preemptions |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in serving:
-        print(f"| {r['model']} / {r['tp']} x {r['hardware']} | {r['rate']} | {r['kv_blocks']} | "
-              f"{r['mean_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} | {r['mean_ttft_ms']:.0f} | "
-              f"{r['finished']} | {r['preemptions']} |")
+    print("\n".join(markdown_table(
+        ["setting", "rate req/s", "KV blocks", "mean TPOT ms", "median ITL ms", "mean TTFT ms", "finished",
+         "preemptions"],
+        ([f"{r['model']} / {r['tp']} x {r['hardware']}", r["rate"], r["kv_blocks"], f"{r['mean_tpot_ms']:.1f}",
+          f"{r['median_itl_ms']:.1f}", f"{r['mean_ttft_ms']:.0f}", r["finished"], r["preemptions"]]
+         for r in serving), numbers(8))))
     print(f"\n## LayerKV's layer copies and the all-reduces on PCIe ({CONTENTION_SETTING})\n")
-    print("| step | without copies ms | all-reduces on their own link ms | on the copies' PCIe link ms |")
-    print("|---|---:|---:|---:|")
-    for r in contention:
-        print(f"| {r['step']} | {r['without_copies_ms']:.1f} | {r['link_separate_ms']:.1f} | "
-              f"{r['link_shared_ms']:.1f} |")
+    print("\n".join(markdown_table(
+        ["step", "without copies ms", "all-reduces on their own link ms", "on the copies' PCIe link ms"],
+        ([r["step"], *(f"{r[k]:.1f}" for k in ("without_copies_ms", "link_separate_ms", "link_shared_ms"))]
+         for r in contention), numbers(4))))
 
 
 def main() -> None:

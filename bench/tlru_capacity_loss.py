@@ -30,6 +30,7 @@ from jserve.benchmarking.bench import (
     run_conversation_benchmark,
 )
 from jserve.benchmarking.conversations import run_conversations, synthetic_message_ids
+from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.builder import build_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.config import EngineConfig
@@ -90,8 +91,8 @@ def main() -> int:
              "1/s, turn rate 0.1/s, end rate 0.05/s), isolated caches, xi = 0.2 s; the earlier jserve "
              "variants vs the paper's definitions.",
              "TEL is measured at the xi T-LRU planned with (LRU's at 0.2 s).",
-             "| variant | capacity | rule | xi s | xi tokens | from cache | P90 ms | P95 ms | P99 ms | > 200 ms | TEL s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *markdown_head(["variant", "capacity", "rule", "xi s", "xi tokens", "from cache", "P90 ms", "P95 ms",
+                             "P99 ms", "> 200 ms", "TEL s"])]
     for v in VARIANTS:
         for cap in CAPACITIES:
             for rule, xi in (("lru", XI), ("tlru", XI), ("tlru", XI_NEAR_P90)):
@@ -100,9 +101,9 @@ def main() -> int:
                 m = res[(rule, cap, v, xi)]
                 tok = (f"{online_res[cap][2]:.0f} (online, at the end)" if v == "earlier" and rule == "tlru"
                        else "" if rule == "lru" else f"{m['xi_tokens']:.0f}")
-                lines.append(f"| {v} | {cap:,} | {rule} | {xi} | {tok} | {100 * m['cached_prompt_fraction']:.0f}% | "
-                             + " | ".join(f"{1000 * m[k]:.0f}" for k in ("ttft_p90", "ttft_p95", "ttft_p99"))
-                             + f" | {100 * m['slo_violation']:.1f}% | {m['tel']:.1f} |")
+                lines.append(markdown_row([v, f"{cap:,}", rule, xi, tok, f"{100 * m['cached_prompt_fraction']:.0f}%",
+                                           *(f"{1000 * m[k]:.0f}" for k in ("ttft_p90", "ttft_p95", "ttft_p99")),
+                                           f"{100 * m['slo_violation']:.1f}%", f"{m['tel']:.1f}"]))
     lines.append("\nOnline fit at the end of T-LRU's earlier-variant runs (floor s, tokens/s): "
                  + "; ".join(f"{cap:,}: {f:.3f} s, {r:.0f} tok/s" for cap, (f, r, _) in online_res.items()))
     text = "\n".join(lines)

@@ -101,7 +101,7 @@ def assemble_engine(
     block_size: int, limits: SchedulerLimits, vocab_size: int, eos_token_id: int | None = None,
     tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
     prefix_cache: PrefixCacheConfig | None = None, num_layers: int = 1,
-    hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0,
+    hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0, pipelined: bool = False,
     predictions: PredictionSource | None = None,
 ) -> Engine:
     """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
@@ -114,7 +114,7 @@ def assemble_engine(
         prefix_cache=prefix_cache.in_blocks(block_size) if prefix_cache else None, predictions=predictions,
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
-    return Engine(state, policy, runner, clock, eviction=eviction)
+    return Engine(state, policy, runner, clock, eviction=eviction, pipelined=pipelined)
 
 
 def _enable_compilation_cache() -> None:
@@ -181,6 +181,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
+        pipelined=(config.async_scheduling and cache is None and isinstance(runner, JaxRunner)
+                   and runner.layer_pool is None and not runner.hidden_steps),
         predictions=None if predictor is None else PromptPredictions(predictor),
     )
     if config.warmup:

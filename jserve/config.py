@@ -104,6 +104,10 @@ class EngineConfig:
             smallest first; a step that meets a bucket not built yet builds it (or waits for
             it) first. Every bucket warm-up covers is compiled once that thread ends. On by
             default in `jserve serve`, so the server answers early.
+        async_scheduling: plan each step while the device computes the one before, reading
+            its tokens a step late (vLLM's `--async-scheduling`; `jserve.engine.loop.Engine`).
+            The tokens are the same; a request an EOS or stop string ends runs one step more.
+            Used by the real runner without a prefix cache, layer offload or hidden cache.
         hardware: the accelerator the simulator models (`jserve.runners.hardware`); on the
             real engine only its host link is read, to price swaps for `profile`.
         cost_model: how the simulator prices a step's GPU work when no `profile` is given:
@@ -144,6 +148,7 @@ class EngineConfig:
     attention: str = "auto"
     warmup: bool = True
     background_compile: bool = False
+    async_scheduling: bool = True
     hardware: str = "a100-80g"
     profile: str | None = None
     cost_model: str = DEFAULT_COST_MODEL
@@ -335,6 +340,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
                         help="with --warmup, compile what a short request needs first and the "
                              "other shapes in the background (default: on for serve, off "
                              "otherwise)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=d.async_scheduling,
+                        help="plan each step while the device runs the previous one (real runner; "
+                             "off with a prefix cache, layer offload or hidden cache; default: "
+                             "%(default)s)")
     if benchmark:
         parser.add_argument("--engine", dest="runner", choices=RUNNERS, default="sim",
                             help="real: run the model here; sim: same engine loop, steps charged "
@@ -409,7 +419,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_space=args.kv_cache_space,
         swap_space=args.swap_space, prefix_cache=cache, runner=getattr(args, "runner", "real"),
         attention=args.attention, warmup=args.warmup,
-        background_compile=args.background_compile, hardware=args.hardware, profile=args.profile,
+        background_compile=args.background_compile, async_scheduling=args.async_scheduling,
+        hardware=args.hardware, profile=args.profile,
         cost_model=args.cost_model, engine_overhead=args.engine_overhead,
         tensor_parallel_size=args.tensor_parallel_size,
     )

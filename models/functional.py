@@ -32,7 +32,7 @@ from jserve.models.paged import AttentionFn, KVCache
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from jserve.pallas_kernels.backends import select_attention
 
-__all__ = ["KVCache", "PagedBatch", "PagedModel", "init", "make_batch", "paged_batch", "pow2_at_least", "split"]
+__all__ = ["KVCache", "PagedBatch", "PagedModel", "decode_batch", "init", "make_batch", "paged_batch", "pow2_at_least", "split"]
 
 Params = nnx.State
 
@@ -88,6 +88,23 @@ def make_batch(cache: KVCache, tokens: Sequence[Sequence[int]], start: Sequence[
         num_tokens=pow2_at_least(int(lens.sum()), min_tokens), num_seqs=pow2_at_least(len(lens), 8),
         max_blocks=-(-max_len // block_size), block_size=block_size,
         scratch_block=cache.scratch_block)
+
+
+def decode_batch(token_ids: jax.Array, positions: jax.Array, block_tables: jax.Array, *,
+                 block_size: int, decode_only: bool = True) -> PagedBatch:
+    """A decode step built from arrays, in jnp, so it can be made inside a caller's `jit`
+    (a `lax.scan` or `fori_loop` decode): sequence `i` computes `token_ids[i]` at
+    `positions[i]`, writing its K/V into `block_tables[i]` (`[S, max_blocks]`), which must
+    hold that position. Nothing is padded: every row is a sequence. Token ids are the
+    caller's to keep within the vocabulary (an id past it reads an arbitrary embedding row
+    under jit, where `LLM` refuses it). `decode_only` lets a backend pick its decode kernel."""
+    s = token_ids.shape[0]
+    positions = positions.astype(jnp.int32)
+    rows = jnp.arange(s)
+    slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(positions, slots.astype(jnp.int32), jnp.arange(s + 1, dtype=jnp.int32),
+                             positions + 1, block_tables.astype(jnp.int32), decode_only)
+    return PagedBatch(token_ids.astype(jnp.int32), meta, rows.astype(jnp.int32))
 
 
 @dataclass(frozen=True)

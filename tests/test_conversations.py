@@ -68,7 +68,7 @@ def test_schedule_is_seeded_and_reproducible() -> None:
 
 def test_birth_death_turn_counts_and_think_times() -> None:
     # 1 + turn_rate/end_rate = 3 turns per conversation, think times 1/turn_rate = 10 s
-    # over turns (see the module docstring), when the conversations are long enough
+    # over turns (docs/simulator.md), when the conversations are long enough
     # (40 turns) never to be cut.
     arrivals = ConversationArrivals("birth-death", conversation_rate=1.0)
     schedule = schedule_conversations(_conversations(10_000, 40), arrivals, seed=0)

@@ -192,13 +192,15 @@ def test_reserving_policies_identical_on_a_tight_cache(tiny_loaded: LoadedModel,
     assert state.blocks.num_free == 12 and len(state.table) == 0
 
 
-def test_warmup_compiles_square_buckets_for_mixed_and_all_decode_steps(tiny_loaded: LoadedModel
+def test_warmup_compiles_decode_and_mixed_steps_of_small_buckets(tiny_loaded: LoadedModel
                                                                       ) -> None:
-    """With a decode kernel, a T = S bucket serves all-decode steps and mixed ones (decodes
-    plus a short chunk): warm-up compiles both, or the first mixed step compiles mid-serving."""
-    llm = LLM(tiny_loaded, num_blocks=32, attention="pallas-interpret", warmup=False)
-    llm.runner.warmup(shapes=[(8, 8), (16, 8)])
-    assert set(llm.runner._executables) == {(8, 8, False, False, False), (8, 8, True, False, False), (16, 8, False, False, False)}
+    """With a decode kernel, a token bucket that can hold an all-decode step serves those and
+    mixed ones (decodes plus a short chunk): warm-up compiles both, or the first mixed step
+    compiles mid-serving. Beyond the sequence limit no step is all decodes."""
+    llm = LLM(tiny_loaded, num_blocks=32, max_num_seqs=16, attention="pallas-interpret", warmup=False)
+    llm.runner.warmup(shapes=[16, 32])
+    assert set(llm.runner._executables) == {(16, False, False, False), (16, True, False, False),
+                                            (32, False, False, False)}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,9 +18,12 @@ from jserve.benchmarking.metrics import (
     effective_throughput,
     format_table,
     interpolated_crossing,
+    max_tbt,
     vllm_report,
     normalized_latency,
     p99_tbt,
+    percentiles,
+    ratio,
     summarize,
     tail_excess_latency,
     tbt_gaps,
@@ -371,3 +375,38 @@ def test_window_medians_by_arrival_order() -> None:
     assert window_medians([A, B], ttft, 3) == [None, 1.0, 0.5]
     with pytest.raises(ValueError):
         window_medians([A], ttft, 0)
+
+
+def test_max_tbt_asks_every_gap_to_meet_the_slo() -> None:
+    # A's gaps .5 1.0 .5: its worst gap is 1.0, its P99 0.99; an SLO of 0.995 lies between.
+    assert max_tbt(A) == pytest.approx(1.0)
+    assert max_tbt(C) is None
+    r = dataclasses.replace(A, tbt_slo=0.995)
+    assert tbt_slo_met(r, on="p99-tbt") is True and tbt_slo_met(r, on="max-tbt") is False
+    one = rec("one", 0.0, (1.0,), tbt_slo=0.1)  # no gap: met vacuously
+    assert tbt_slo_met(one, on="max-tbt") is True
+    s = summarize([r, one, dataclasses.replace(C, tbt_slo=5.0)], tbt_slo_on="max-tbt")
+    assert s.tbt_slo_attainment == pytest.approx(1 / 3) and s.tbt_slo_on == "max-tbt"
+
+
+def test_percentiles_of_any_series() -> None:
+    # linear: index q/100 * (n - 1) into the sorted values
+    assert percentiles([4.0, 1.0, 3.0, 2.0], (0, 50, 90, 100)) == pytest.approx([1.0, 2.5, 3.7, 4.0])
+    assert percentiles(np.array([2.0]), [99]) == [2.0]
+    assert percentiles([], (50, 99)) == [None, None]
+    assert percentiles((x for x in (1.0, 2.0)), (50,)) == [1.5]  # any iterable, read once
+
+
+def test_ratio_is_nan_without_two_usable_figures() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    for a, b in ((None, 1.0), (1.0, None), (0.0, 1.0), (1.0, 0.0), (math.inf, 1.0), (1.0, math.inf),
+                 (-1.0, 1.0)):
+        assert math.isnan(ratio(a, b))
+
+
+def test_assign_slos_takes_a_seed_sequence() -> None:
+    # CacheOpt's reproduction seeds its SLO draws with [seed, 13]: U[0.5, 2.5] factors of that stream
+    got = assign_slos(3, 2.0, 0.1, (0.5, 2.5), [7, 13])
+    want = np.random.default_rng([7, 13]).uniform(0.5, 2.5, size=(3, 2)) * [2.0, 0.1]
+    np.testing.assert_array_equal(got, want)
+    assert got != assign_slos(3, 2.0, 0.1, (0.5, 2.5), 7)

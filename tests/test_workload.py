@@ -22,6 +22,7 @@ from jserve.benchmarking.workload import (
     multiturn_conversations,
     sample_lengths,
     save_trace,
+    with_slos,
 )
 from jserve.datasets.sharegpt import Conversation, Turn
 
@@ -306,3 +307,13 @@ def test_synthetic_lengths_match_the_cacheopt_papers_table_1(workload: str, prom
                                     (np.array([s[1] for s in samples]), output)):
         assert lengths.mean() == pytest.approx(mean, rel=0.02)
         assert lo <= lengths.min() and lengths.max() <= hi
+
+
+def test_with_slos_attaches_each_pair_in_request_order() -> None:
+    trace = build_trace("fixed:8:4", 3, 2.0, seed=1)
+    got = with_slos(trace, [(1.0, 0.1), (None, 0.2), (3.0, None)])
+    assert [(r.ttft_slo, r.tbt_slo) for r in got.requests] == [(1.0, 0.1), (None, 0.2), (3.0, None)]
+    assert [dataclasses.replace(r, ttft_slo=None, tbt_slo=None) for r in got.requests] == list(trace.requests)
+    assert (got.workload, got.seed, got.rate) == (trace.workload, trace.seed, trace.rate)
+    with pytest.raises(ValueError, match="3 requests but 2"):
+        with_slos(trace, [(1.0, 0.1)] * 2)

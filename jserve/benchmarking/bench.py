@@ -44,6 +44,7 @@ from jserve.benchmarking.workload import (
     get_workload,
     load_trace,
     multiturn_conversations,
+    with_slos,
 )
 from jserve.builder import BuiltEngine, build_engine
 from jserve.cache.prefix import PrefixCacheConfig
@@ -196,9 +197,7 @@ def make_trace(cfg: BenchConfig) -> Trace:
         raise ValueError("scaled SLOs need both --ttft-slo and --tbt-slo")
     else:
         slos = assign_slos(len(trace.requests), cfg.ttft_slo, cfg.tbt_slo, cfg.slo_scale, cfg.seed)
-    requests = tuple(dataclasses.replace(r, ttft_slo=a, tbt_slo=b)
-                     for r, (a, b) in zip(trace.requests, slos))
-    return dataclasses.replace(trace, requests=requests)
+    return with_slos(trace, slos)
 
 
 def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, int]] | None:

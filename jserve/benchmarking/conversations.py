@@ -1,48 +1,7 @@
-"""Multi-turn chat arrivals, closed loop: the workload of the prefix-cache experiments.
-
-A chat's turn k sends the whole history (every earlier message and reply) plus a new user
-message, so a prefix cache that still holds the history only prefills the new part. And a
-user types turn k only after reading the reply to turn k-1: turns arrive a *think time*
-after the previous reply finished, not at times fixed in advance. That feedback is why this
-is its own driver rather than a `Trace` for `jserve.benchmarking.replay.replay` (open loop): the gap
-between two turns of one conversation, which is what decides whether its history is still
-cached, depends on how fast the engine answered.
-
-Four arrival processes (`ConversationArrivals`); in all, conversations start as a Poisson
-process of rate ``conversation_rate`` (lambda):
-
-- ``"exp-think"``: the T-LRU paper's Appendix F as its model reads (ShareGPT with
-  synthetic timestamps, Section 5's conversations): every conversation runs all its
-  ShareGPT turns, each an Exp(``turn_rate``) think time after the previous *reply*. In the
-  paper's model a reply joins the history at once, so a gap from the reply and a gap from
-  the previous arrival are the same thing there; on a server that takes seconds to answer
-  only the first keeps the user reading the reply before typing.
-- ``"open-loop"``: the same gaps drawn from the previous turn's *arrival*, in advance, so
-  arrivals do not wait for the engine (jserve's first reading of Appendix F). One
-  exception keeps the chat a chat: a turn's prompt holds the previous reply, so a turn due
-  before that reply has finished arrives when it finishes (the driver counts these in
-  ``ConversationRecord.delayed``); on a loaded server most turns then arrive the moment
-  their history is released.
-
-- ``"birth-death"``: the stochastic model of the Tail-Optimized LRU paper. Conversation i
-  draws its own turn rate r_i ~ Exp(mean ``turn_rate``). After each reply it ends at rate
-  ``end_rate`` (mu) racing its next turn at rate r_i: it continues with probability
-  r_i / (r_i + mu), and the next turn then comes after an Exp(r_i) think time (drawn from
-  r_i alone, as the model states it; a literal race of the two clocks would make the
-  winner's wait Exp(r_i + mu)). It also ends when its ShareGPT conversation runs out of
-  turns. Without that cut, a conversation makes
-  1 + r_i/mu turns on average, i.e. ``1 + turn_rate/end_rate`` over conversations (3 at
-  the defaults), and the think times average ``1/turn_rate`` over turns (10 s at the
-  default 0.1/s): a conversation with a slow r_i has long gaps but few of them. The
-  paper fixes the model, not these rates; 0.1/s and 0.05/s are our choice (a reply takes
-  seconds to read, a chat a few turns).
-- ``"think-time"``: every conversation runs all its ShareGPT turns, each a fixed
-  ``think_time`` after the previous reply: a deterministic baseline.
-
-`schedule_conversations` draws everything random up front (seeded), so every eviction rule
-of an experiment sees the same conversations, turns and think times; only the engine's
-answers, and so the arrival times, differ. `conversation_futures` hands that schedule to
-the oracle rules (Tail-Optimized Belady) that are allowed to read the future.
+"""Multi-turn chat arrivals, closed loop: the workload of the prefix-cache experiments. A turn
+arrives a think time after the previous reply, so the gap that decides whether a history is
+still cached depends on how fast the engine answered: hence a driver of its own rather than a
+replayed `Trace`. The four arrival processes: docs/simulator.md, Multi-turn conversations.
 """
 
 from __future__ import annotations
@@ -119,7 +78,7 @@ def _is_count(x: Any, least: int) -> bool:
 
 @dataclass(frozen=True)
 class ConversationArrivals:
-    """How conversations start and how their turns follow each other (module docstring).
+    """How conversations start and how their turns follow each other (docs/simulator.md).
 
     Rates are per second. ``turn_rate`` is read by ``"birth-death"``, ``"open-loop"`` and
     ``"exp-think"``,

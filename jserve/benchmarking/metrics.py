@@ -1,41 +1,7 @@
-"""Serving metrics, defined once and used by every runner and benchmark.
-
-Input is one `RequestRecord` per request (the engine side builds them from its
-`RequestMetrics`); all times are seconds on one clock, wall or virtual.
-
-Per request:
-
-- TTFT: ``first_token_time - arrival_time``.
-- TBT gaps: every gap between consecutive output tokens (``np.diff(token_times)``);
-  a request with fewer than two tokens has none.
-- P99 TBT: the 99th percentile of that request's own gaps.
-- TPOT: ``(finished_time - first_token_time) / (output_len - 1)``; None below 2 tokens.
-- E2E: ``finished_time - arrival_time``; normalized latency: E2E / output tokens.
-
-Over a run (`summarize`):
-
-- Latency statistics cover *finished* requests only (``record.finished``). Aborted or
-  unfinished requests count in ``num_requests`` and as SLO misses, nowhere else.
-- TBT statistics (``tbt_*``) pool every gap of every finished request.
-- SLOs: a request's own ``ttft_slo`` / ``tbt_slo`` override the global ones passed to
-  `summarize`. The TBT SLO is judged on the request's **P99 TBT** (not its mean, not
-  every gap), as in Apt-Serve (``tbt_slo_on="p99-tbt"``, the default), or on its
-  **TPOT**, the mean time per output token after the first, as in LayerKV
-  (``tbt_slo_on="tpot"``). A request with no gaps (one output token) meets it
-  vacuously either way. The joint attainment asks a request to meet every SLO it has (both, when
-  both are set). An attainment is the fraction of the requests that have that SLO;
-  with no SLO anywhere it is None, never a flattering 1.0.
-- Goodput: requests meeting the joint SLO per second of makespan.
-- Makespan: first arrival to last ``finished_time`` of any record (aborts included:
-  the engine was busy until then). Throughput counts finished requests and their
-  output tokens over it.
-- Preemptions and preempted time are summed over all records.
-
-Across runs: `effective_throughput` (highest rate whose attainment stays >= 90%) and
-`tail_excess_latency` (TEL, from the Tail-Optimized LRU paper).
-
-Percentiles use ``np.percentile(..., method="linear")``. Empty inputs give None (for
-statistics) or 0 (for counts and sums), never an exception.
+"""Serving metrics, defined once and used by every runner and benchmark: each request's TTFT,
+TBT gaps, TPOT and E2E from its `RequestRecord` (one clock, wall or virtual), and a run's
+statistics, SLO attainment and goodput (`summarize`). Every definition: docs/simulator.md,
+Metrics.
 """
 
 from __future__ import annotations
@@ -59,8 +25,11 @@ __all__ = [
     "effective_throughput",
     "interpolated_crossing",
     "format_table",
+    "max_tbt",
     "normalized_latency",
     "p99_tbt",
+    "percentiles",
+    "ratio",
     "summarize",
     "tail_excess_latency",
     "tbt_gaps",
@@ -118,6 +87,12 @@ def p99_tbt(r: RequestRecord) -> float | None:
     return _pct(tbt_gaps(r), 99)
 
 
+def max_tbt(r: RequestRecord) -> float | None:
+    """The request's longest gap between tokens, None without gaps."""
+    gaps = tbt_gaps(r)
+    return float(gaps.max()) if gaps.size else None
+
+
 def tpot(r: RequestRecord) -> float | None:
     """Time per output token after the first; None below two tokens or if unfinished."""
     if r.output_len < 2 or r.first_token_time is None or r.finished_time is None:
@@ -148,13 +123,15 @@ def ttft_slo_met(r: RequestRecord, slo: float | None = None) -> bool | None:
     return bool(r.finished and t is not None and t <= bound)
 
 
-# What the TBT SLO bounds: each request's P99 gap (Apt-Serve, CacheOpt) or its TPOT (LayerKV).
-TBT_SLO_MEASURES: dict[str, Callable[[RequestRecord], float | None]] = {"p99-tbt": p99_tbt, "tpot": tpot}
+# What the TBT SLO bounds: each request's P99 gap (Apt-Serve, CacheOpt), its TPOT (LayerKV)
+# or its longest gap (CacheOpt's reproduction: every gap within the SLO).
+TBT_SLO_MEASURES: dict[str, Callable[[RequestRecord], float | None]] = {
+    "p99-tbt": p99_tbt, "tpot": tpot, "max-tbt": max_tbt}
 
 
 def tbt_slo_met(r: RequestRecord, slo: float | None = None, on: str = "p99-tbt") -> bool | None:
-    """Whether the request's P99 TBT (`on="p99-tbt"`) or TPOT (`on="tpot"`) met its TBT
-    SLO (its own, else `slo`).
+    """Whether the request's P99 TBT (`on="p99-tbt"`), TPOT (`on="tpot"`) or longest gap
+    (`on="max-tbt"`) met its TBT SLO (its own, else `slo`).
 
     None if it has no TBT SLO. A finished request with no gaps meets it vacuously;
     an aborted or unfinished request misses it.
@@ -190,14 +167,14 @@ def assign_slos(
     ttft_mean: float,
     tbt_mean: float,
     scale: tuple[float, float] | None = (0.5, 2.5),
-    seed: int | None = 0,
+    seed: int | Sequence[int] | None = 0,
 ) -> list[tuple[float, float]]:
     """Per-request ``(ttft_slo, tbt_slo)`` pairs, one per record (or `n` of them).
 
     With ``scale=None`` every request gets the fixed pair ``(ttft_mean, tbt_mean)``.
     Otherwise each SLO is its mean times a factor drawn from U[lo, hi] (CacheOpt uses
     U[0.5, 2.5]); the TTFT and TBT factors of a request are drawn independently. The
-    same `seed` gives the same pairs.
+    same `seed` (anything `np.random.default_rng` takes) gives the same pairs.
     """
     n = records_or_n if isinstance(records_or_n, int) else len(records_or_n)
     if n < 0:
@@ -259,7 +236,7 @@ class Summary:
     goodput_rps: float | None  # requests meeting the joint SLO per second of makespan
     num_preemptions: int
     preempted_time_total: float
-    tbt_slo_on: str = "p99-tbt"  # what the TBT SLO bounds: "p99-tbt" or "tpot"
+    tbt_slo_on: str = "p99-tbt"  # what the TBT SLO bounds: a key of TBT_SLO_MEASURES
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -272,7 +249,7 @@ def summarize(
     tbt_slo_on: str = "p99-tbt",
 ) -> Summary:
     """Summarize one run; per-request SLOs in `records` override `ttft_slo`/`tbt_slo`;
-    `tbt_slo_on`: the TBT SLO bounds each request's "p99-tbt" or its "tpot"."""
+    `tbt_slo_on`: the TBT SLO bounds each request's "p99-tbt", "tpot" or "max-tbt"."""
     _measure(tbt_slo_on)
     records = list(records)
     done = [r for r in records if r.finished]
@@ -374,6 +351,15 @@ def interpolated_crossing(rates: Sequence[float], values: Sequence[float], level
     return math.inf
 
 
+def ratio(a: float | None, b: float | None) -> float:
+    """`a` over `b`, NaN where either is missing, not positive or infinite (a rate off a
+    sweep's grid): a comparison of two runs' figures that says "no figure" rather than
+    dividing by zero or reporting an infinite gain."""
+    if a is None or b is None or not (0 < a < math.inf and 0 < b < math.inf):
+        return math.nan
+    return a / b
+
+
 def tail_excess_latency(ttfts: Iterable[float], threshold: float) -> float:
     """Tail Excess Latency: ``sum(max(ttft - threshold, 0))`` over requests (T-LRU)."""
     arr = np.asarray(list(ttfts), dtype=np.float64)
@@ -391,6 +377,14 @@ def window_medians(records: Sequence[RequestRecord], metric: Callable[[RequestRe
     ordered = sorted(records, key=lambda r: r.arrival_time)
     edges = np.linspace(0, len(ordered), windows + 1).astype(int)
     return [_pct(_values(metric(r) for r in ordered[a:b]), 50) for a, b in itertools.pairwise(edges)]
+
+
+def percentiles(values: Iterable[float], qs: Iterable[float]) -> list[float | None]:
+    """The `qs` percentiles of any series (linear, as every statistic here), None for an
+    empty one: the same rule for figures not read from `RequestRecord`s, such as a
+    published run's latencies or a cache model's uncached tokens."""
+    a = np.asarray(list(values), dtype=np.float64)
+    return [_pct(a, q) for q in qs]
 
 
 # ----------------------------------------------------------------------------- display

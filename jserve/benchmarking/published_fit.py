@@ -1,24 +1,7 @@
 """Fits of the simulator's measured kernels and engine-overhead profiles to published
-measurements (none of their code is used here, only their figures; the sources are named
-beside each number in the shipped fit):
-
-- Vidur's operator profiles of vLLM on an A100-80GB (microsoft/vidur, MIT, in
-  `../shared/calibration/`): every linear layer, norm, activation and residual add of
-  Llama-2-7B over token counts and tensor-parallel degrees, the FlashAttention prefill and
-  paged decode kernels over batch shapes -> the kernel efficiencies (`KernelFit`); vLLM's
-  per-step CPU time by batch size and its Ray workers' time at TP > 1 -> `vllm-0.4-offline`.
-- DistServe's real vLLM 0.2.3 server runs (OPT-13B, one A100-80GB, ShareGPT) -> each
-  request's decoding window -> `vllm-0.2.3-server`.
-- DistServe's fitted step times of vLLM 0.2.3 run offline with Ray workers (OPT-13B at TP 1
-  and 2 fitted; OPT-13B at TP 4 and OPT-66B at TP 2-8 held out; `bench/data/`) ->
-  `vllm-0.2.3-offline`.
-- vLLM PR #1440's eager-vs-graph decode times -> the eager launch cost; vLLM's v0.6.0 blog's
-  profile of v0.5.3 -> the API server's share, for the `vllm-0.5-*` estimates.
-- `bench/engine_overhead.py`'s measurement of this engine's bookkeeping -> `jserve`.
-
-Each fit is a least-squares fit of relative error (short steps count as much as long ones)
-and returns its residuals, which `bench/calibrate_sim.py` prints. The fitted numbers ship as
-`jserve/runners/data/published_a100.json`; `jserve.runners.measured_cost` reads them.
+measurements (their figures only, each source named beside its number in the shipped
+`jserve/runners/data/published_a100.json`), each a least-squares fit of relative error that
+returns its residuals. Which measurement fits which term: docs/simulator.md, The published fits.
 """
 
 from __future__ import annotations

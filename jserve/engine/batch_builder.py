@@ -93,7 +93,7 @@ class BatchBuilder:
             top_p=np.array([p.top_p for p in params], np.float32),
             top_k=np.array([p.top_k for p in params], np.int32),
             seeds=np.array([_seed(r) for r in reqs], np.uint32),
-            output_index=np.array([len(r.output_token_ids) for r in reqs], np.int32),
+            output_index=np.array([len(r.output_token_ids) + r.pending_tokens for r in reqs], np.int32),
             logprobs=any(p.logprobs is not None for p in params) or next_ids is not None,
             next_token_ids=next_ids,
         )

@@ -1,23 +1,7 @@
-"""LayerKV's prefill and offload time estimates (Eqs. 3 and 4 of Xiong et al., "LayerKV:
-Optimizing Large Language Model Serving with Layer-wise KV Cache Management"), as numbers a
-policy can read.
-
-A policy must not know how time is measured or simulated, so the model's and device's
-figures and the two empirical factors reach it as data: `jserve.runners.layerkv_cost` fits
-alpha and beta to the runner's cost model or profile and the builder hands the result to
-the `layerkv` policy, as it hands CacheOpt its preemption costs.
-
-- Eq. 3: `T_prefill(s) = alpha * s * (2 * n_param + 2 * s * n_hidden) / FLOPS`. Its
-  quadratic term has no layer factor; we keep the paper's formula as written and let the
-  fitted alpha absorb what it misses (the fit weighs every profiled length equally).
-- Eq. 4: `T_offload(s, x) = beta * s * 2 * (L - x) * d_head * n_heads * f_precision / PCIe`.
-  The paper counts attention heads; a GQA model (Yi-34B, Llama-3.1-70B) stores only its
-  KV heads, so `kv_dim` here is `d_head * n_kv_heads`, the bytes that really move.
-- x, the layers a prefill keeps on the device, is the smallest with `T_offload <= T_prefill`
-  (Section 3.1.1), so the offload hides under the prefill.
-- Eq. 1's "current TPOT", which the paper monitors, is read here as the time of a decode
-  iteration of the current batch: `decode_base + decode_per_seq * seqs + decode_per_token *
-  context tokens`, a line fitted to the same runner (a policy reads no clock but the view).
+"""LayerKV's prefill and offload time estimates (Eqs. 3 and 4 of the paper) and a decode
+iteration's time, as numbers a policy can read: fitted to the runner in use and handed over by
+the builder, so that the policy never knows how time is measured. The equations as we read
+them: docs/policies.md, LayerKV.
 """
 
 from __future__ import annotations

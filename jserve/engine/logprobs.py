@@ -16,12 +16,16 @@ def _entry(token: int, logprob: float, top: TopLogprobs, row: int, n: int) -> di
 
 
 def record_logprobs(batch: Batch, out: StepOutput, reqs: list[Request]) -> None:
-    """`reqs`: the batch's requests in batch order, their new tokens already appended.
+    """`reqs`: the batch's requests in batch order, their new tokens already appended
+    (None: one that ended before its step was booked, whose outputs are dropped).
     Prompt positions are recorded once, in order, however the prompt was chunked or
     recomputed after a preemption."""
     starts, lens = batch.start.tolist(), batch.query_lens.tolist()
     offset = 0
     for i, req in enumerate(reqs):
+        if req is None:
+            offset += lens[i]
+            continue
         params = req.params
         if batch.sample[i] and params.logprobs is not None and out.top_logprobs is not None:
             if req.top_logprobs is None:

@@ -15,6 +15,7 @@ from jserve.engine.policy import Policy
 from jserve.engine.request import Request
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.state import EngineState
+from jserve.engine.token_commit import Booked
 from jserve.errors import PlanError
 
 
@@ -23,6 +24,19 @@ class Runner(Protocol):
     needs_inputs: bool
 
     def execute(self, batch: Batch) -> StepOutput: ...
+
+
+class PendingOutput(Protocol):
+    def result(self) -> StepOutput: ...
+
+
+@runtime_checkable
+class DispatchingRunner(Runner, Protocol):
+    """A runner whose step runs on while the host plans the next one (the JAX runner): a
+    batch token the host has not read (`PLACEHOLDER`) is the one its sequence sampled in
+    the previous dispatched step, which the runner takes from the device."""
+
+    def dispatch(self, batch: Batch) -> PendingOutput: ...
 
 
 @runtime_checkable
@@ -48,6 +62,14 @@ class EngineStats:
 class Engine:
     """`snapshot -> schedule -> evict -> apply -> execute -> commit`, once per `step()`.
 
+    `pipelined` (a `DispatchingRunner`, no prefix cache): asynchronous steps, as vLLM's
+    async scheduling and SGLang's overlap scheduler do. Step N is dispatched, then step
+    N-1's tokens are read while the device computes N, and the next call plans N+1 before
+    N's tokens are read: progress and lengths are booked at dispatch (`EngineState.book`),
+    tokens and the stops they make one step later (`EngineState.read`), so a request that
+    an EOS or a stop string ends runs one step more, whose token is dropped. The tokens and
+    everything a request returns are those of the synchronous loop.
+
     With a prefix cache, the eviction rule is a second pure function: before the snapshot
     it trims the cache to its capacity (so no waiting request is offered more than the
     capacity keeps), and once the policy has planned, the state says how many cached blocks the plan needs freed and hands the rule
@@ -57,16 +79,22 @@ class Engine:
     def __init__(
         self, state: EngineState, policy: Policy, runner: Runner,
         clock: Callable[[], float] = time.perf_counter, eviction: EvictionRule | None = None,
+        pipelined: bool = False,
     ) -> None:
         if (state.prefix is None) != (eviction is None):
             raise ValueError("an engine needs an eviction rule exactly when its state keeps a "
                              "prefix cache")
+        if pipelined and (state.prefix is not None or not isinstance(runner, DispatchingRunner)):
+            raise ValueError("a pipelined engine needs a runner that dispatches steps and no "
+                             "prefix cache (which reads a step's tokens before the next plan)")
         self.state = state
         self.policy = policy
         self.runner = runner
         self.clock = clock
         self.eviction = eviction
+        self.pipelined = pipelined
         self.stats = EngineStats()
+        self._in_flight: tuple[Booked, PendingOutput] | None = None
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -89,7 +117,8 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.state.has_unfinished
+        """Requests not ended, or a dispatched step whose tokens are not read yet."""
+        return self.state.has_unfinished or self._in_flight is not None
 
     def step(self, until: float | None = None) -> list[Request]:
         """Run one iteration; returns the requests that produced a token (or finished).
@@ -115,13 +144,16 @@ class Engine:
         if batch.num_seqs == 0:
             if batch.moves_blocks:
                 self.runner.execute(batch)
-            if not plan.preempt and not plan.swap_in and not plan.layers and len(view.requests):
+            if (not plan.preempt and not plan.swap_in and not plan.layers and len(view.requests)
+                    and self._in_flight is None):
                 raise PlanError(
                     f"policy {self.policy.name!r} scheduled nothing with {len(view.requests)} "
                     "requests unfinished: the engine would stall"
                 )
             self.state.commit(batch, StepOutput.empty(), view.now)
-            return []
+            return self._read_in_flight()
+        if self.pipelined:
+            return self._pipeline(batch)
         out = self.runner.execute(batch)
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.num_tokens
@@ -129,6 +161,21 @@ class Engine:
         if plan.repeat > 1 and until is not None and isinstance(self.runner, RepeatingRunner):
             return self._repeat(batch, plan.repeat - 1, until) or gained
         return gained
+
+    def _pipeline(self, batch: Batch) -> list[Request]:
+        """Dispatch `batch`, read the step before it while the device computes, book it."""
+        pending = self.runner.dispatch(batch)
+        self.stats.num_steps += 1
+        self.stats.num_batched_tokens += batch.num_tokens
+        gained = self._read_in_flight()
+        self._in_flight = (self.state.book(batch, self.clock()), pending)
+        return gained
+
+    def _read_in_flight(self) -> list[Request]:
+        if self._in_flight is None:
+            return []
+        (booked, pending), self._in_flight = self._in_flight, None
+        return self.state.read(booked, pending.result(), self.clock())
 
     def _repeat(self, batch: Batch, wanted: int, until: float) -> list[Request]:
         steps = self.state.repeat_room(batch, wanted)

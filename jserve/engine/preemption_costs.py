@@ -1,25 +1,7 @@
 """What preempting a request costs, as numbers a policy can read (CacheOpt's swap-vs-recompute
-choice, Section 3.5 of the paper).
-
-A policy must not know how time is measured or simulated, so the fitted latency curves reach
-it as data: `jserve.runners.preemption_cost` fits them to a profile of the runner in use and
-the builder (`jserve.builder`) hands them to the policy.
-
-Recompute is modelled as `L_r(S) = a * S**b + k * S + e` (a prefill of the S cached tokens:
-attention grows superlinearly, the projections linearly, plus a fixed step cost) and swap as
-`L_s(S) = g * S + d` (S tokens' K/V out to the host and back in, with the fixed cost of the
-transfers). The paper's sweet spot S* is where `L_r(S*) = L_s(S*)`: longer sequences swap,
-shorter ones recompute (its Observation 4).
-
-The curves need not cross where the paper's did, so the solution is data with three kinds
-(`SweetSpot`): a `crossing` at S*, `always` (swapping is faster at every length up to the
-limit) and `never` (recompute is faster at the limit). With `b >= 1` the difference
-`L_r - L_s` is convex in S, so it has at most two roots: swap may win at very short lengths
-(where recompute pays a whole step's fixed cost), lose in the middle and win again past S*.
-The sweet spot is the paper's threshold, the *upper* root: from S* on swapping is faster
-at every longer length. Below it a policy that follows the threshold recomputes even inside
-a short window where swap is marginally faster; `prefers_swap` gives the exact comparison
-for one length.
+choice, Section 3.5 of the paper): fitted recompute and swap curves and the sweet spot where
+they cross, handed over by the builder so that a policy never knows how time is measured. The
+curves' forms and why the sweet spot is the upper root: docs/policies.md, CacheOpt.
 """
 
 from __future__ import annotations

@@ -24,11 +24,21 @@ class Finisher:
     _host_dropped: list[int] = field(default_factory=list, init=False)
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        self.end(req, reason, now)
+        self.release(req, now)
+
+    def end(self, req: Request, reason: FinishReason, now: float) -> None:
+        """What the caller sees: the final text, the reason and the time. The pipelined loop
+        releases a request that reaches its length first and ends it once its last token
+        is read."""
         if req.detokenizer is not None and reason is not FinishReason.STOP:
             req.text += req.detokenizer.flush()
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.metrics.finished_time = now
+
+    def release(self, req: Request, now: float) -> None:
+        """What the engine gets back: every block, slot and row the request holds."""
         if self.reuse is not None:
             self.reuse.cache_turn(req, now)
         self.blocks.free(req.seq_id)

@@ -34,6 +34,12 @@ SWAPPED = int(RequestStatus.SWAPPED)
 OFFLOADED = int(RequestStatus.OFFLOADED)
 
 
+# An output token sampled on the device whose id the host has not read yet: an asynchronous
+# step (`Engine`'s pipelined loop) books the token when it is dispatched and reads it one
+# step later; the next step takes it from the device (`JaxRunner.dispatch`).
+PLACEHOLDER = -1
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, or the context/cache length cap
@@ -69,7 +75,11 @@ class Request:
     max_len: int  # cap on prompt + output tokens (max_tokens, context and cache size)
     metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # those read from the device
+    # Output tokens sampled on the device and not read yet (0 or 1: the pipelined loop books
+    # a token when its step is dispatched and reads it a step later); they count in
+    # `num_tokens` and are `PLACEHOLDER`s in `all_token_ids`.
+    pending_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     # With `params.logprobs`: per output token, {token id: log-probability} of the sampled
     # token and the top `params.logprobs`; with `params.prompt_logprobs`, the same for each
@@ -87,11 +97,11 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids + [PLACEHOLDER] * self.pending_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
 
     @property
     def finished(self) -> bool:

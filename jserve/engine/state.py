@@ -39,7 +39,7 @@ from jserve.engine.release import Finisher
 from jserve.engine.request import FinishReason, Request
 from jserve.engine.request_table import RequestTable
 from jserve.engine.sampling_params import SamplingParams
-from jserve.engine.token_commit import TokenCommit
+from jserve.engine.token_commit import Booked, TokenCommit
 from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.errors import PlanError
 from jserve.models.tokenizer import Tokenizer
@@ -114,6 +114,7 @@ class EngineState:
         self._moves: Moves = NO_MOVES
         self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
         self._applied_at = 0.0
+        self._booked_at = 0.0
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -240,6 +241,21 @@ class EngineState:
             raise RuntimeError("commit() of a batch that is not the applied plan's")
         self.load.record_step(now - self._applied_at)
         return self._commit.commit(batch, applied.run_rows, out, now)
+
+    def book(self, batch: Batch, now: float) -> Booked:
+        """`commit`'s first half for a step whose tokens are read later (the pipelined
+        loop, `Engine`): progress and lengths now, tokens and stops at `read`."""
+        applied, self._applied = self._applied, None
+        self._moves = NO_MOVES
+        if applied is None or len(applied.run_rows) != batch.num_seqs:
+            raise RuntimeError("book() of a batch that is not the applied plan's")
+        self._booked_at = self._applied_at
+        return self._commit.book(batch, now)
+
+    def read(self, booked: Booked, out: StepOutput, now: float) -> list[Request]:
+        """`commit`'s second half: a booked step's tokens; the requests that gained one."""
+        self.load.record_step(now - self._booked_at)
+        return self._commit.read(booked, out, now)
 
     def repeat_room(self, batch: Batch, wanted: int) -> int:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes

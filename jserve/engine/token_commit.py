@@ -33,6 +33,20 @@ _TOKEN_TIMES = attrgetter("metrics.token_times")
 
 
 @dataclass(frozen=True)
+class Booked:
+    """A dispatched step's progress, booked before its tokens are read (`TokenCommit.book`):
+    the batch's requests in batch order (None: ended before the step was booked), the batch
+    indices that sampled a token, which of those are read token by token (`watched`) and
+    which reached their length (`ended`: released at once, ended when their token is read)."""
+
+    batch: Batch
+    reqs: list[Request | None]
+    sampled: np.ndarray
+    watched: np.ndarray
+    ended: np.ndarray
+
+
+@dataclass(frozen=True)
 class TokenCommit:
     live: LiveRequests
     finisher: Finisher
@@ -62,6 +76,63 @@ class TokenCommit:
         for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
             self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
         return reqs
+
+    def book(self, batch: Batch, now: float) -> Booked:
+        """A dispatched step's progress, before its tokens are read (the pipelined loop):
+        computed tokens and a pending token per sampled sequence; requests that reach their
+        length give their blocks back now, so that no plan runs them again. Requests the
+        previous step's tokens ended since the batch was built are left out (their work is
+        wasted, as in vLLM's asynchronous scheduling). `read` records the tokens."""
+        cols = self.live.cols
+        seq_ids = batch.seq_ids.tolist()
+        rows = self.live.rows(seq_ids)
+        live = rows >= 0
+        cols.num_computed[rows[live]] += batch.query_lens[live]
+        all_reqs = list(map(self.live.requests.get, seq_ids))
+        sampled = np.flatnonzero(batch.sample & live)
+        rows = rows[sampled]
+        reqs = [all_reqs[i] for i in sampled.tolist()]
+        for req in reqs:
+            req.pending_tokens = 1
+        cols.num_tokens[rows] += 1
+        watched = self.live.token_checked_mask(batch.seq_ids[sampled].tolist())
+        ended = cols.num_tokens[rows] >= cols.max_len[rows]
+        for i in np.flatnonzero(ended).tolist():
+            self.finisher.release(reqs[i], now)
+        return Booked(batch, all_reqs, sampled, watched, ended)
+
+    def read(self, booked: Booked, out: StepOutput, now: float) -> list[Request]:
+        """Record a booked step's tokens, one step after it was dispatched: what `commit`
+        records, with the stops the tokens make (EOS, stop ids and strings) ending their
+        requests a step late, and the requests that reached their length ended (by stop
+        if their last token is one, as `commit` would). Returns the requests that gained
+        a token, aborted ones left out."""
+        sampled = booked.sampled
+        reqs = [booked.reqs[i] for i in sampled.tolist()]
+        tokens = out.next_tokens[sampled].tolist()
+        for req in reqs:
+            req.pending_tokens = 0
+        _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
+        _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
+        _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        if out.top_logprobs is not None or out.position_logprobs is not None:
+            record_logprobs(booked.batch, out, booked.reqs)
+        rows = self.live.rows([r.seq_id for r in reqs])
+        live = rows >= 0
+        self._first_tokens([r for r, k in zip(reqs, live.tolist()) if k], rows[live], now)
+        self.live.cols.last_token_time[rows[live]] = now
+        for i in np.flatnonzero(booked.watched | booked.ended).tolist():
+            req = reqs[i]
+            if req.finish_reason is FinishReason.ABORT:
+                continue
+            if req.metrics.first_token_time is None:  # its first token ended it by length
+                req.metrics.first_token_time = now
+            stopped = bool(booked.watched[i]) and stops_at(req, tokens[i], self.eos_token_id)
+            if booked.ended[i]:
+                self.finisher.end(req, FinishReason.STOP if stopped else FinishReason.LENGTH, now)
+            elif stopped:
+                self.finisher.finish(req, FinishReason.STOP, now)
+        return [r for r in reqs if r.finish_reason is not FinishReason.ABORT]
 
     def commit_repeated(self, rows: np.ndarray, seq_ids: list[int], steps: RepeatedSteps) -> list[Request]:
         """Record repeated decode steps of requests that all hold their first token and

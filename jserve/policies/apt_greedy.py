@@ -1,45 +1,7 @@
-"""Apt-Serve's hybrid-cache scheduling problem (Gao et al., SIGMOD 2025, Section 5, Eqs. 7-10
-and the online appendix's greedy) as a pure numpy function over candidate columns.
-
-Each candidate request i offers at most two items:
-
-- run it on the hidden cache: `hidden_blocks[i]` blocks, value p_i - c * hidden_blocks[i]
-  (Eq. 5-6: c = (|W| + |R|) * rho, the extra projection time every live request waits for);
-- run it on the KV cache: `kv_blocks[i]` blocks, value p_i.
-
-Eq. 10's marginal gains per block: the hidden half first, (p - c h) / h, then the upgrade to
-KV, c h / (k - h) (with h = k / 2 these are the paper's 2p/m - 2 c' and 2 c', c' per KV block).
-Where the hidden half gains less per block than KV taken whole (p / k), the request is one
-item worth p / k (the paper's refinement); then the gains of a request never increase from
-its first item to its second, so sorting by gain keeps each upgrade behind its hidden half.
-
-The greedy takes items by gain per block and stops at the first one that does not fit in
-the blocks left (the appendix's Algorithm 1, line 20, and the authors'
-`greedy_selection_prefill/_decode`), then
-compares its total value with the best single schedule that fits alone (the appendix's
-2-approximation, V'). Two gaps in the appendix's argument are closed here, as issue 16 asks:
-items that cannot fit alone are removed before the greedy (the fractional bound the argument
-uses assumes they are), and the single best schedule takes whichever of the request's
-offered types fits (a request whose KV cache does not fit alone may still be the best single
-schedule on the hidden cache).
-
-Two of our readings, off by default, are kept as named variants (`GreedyRules`, measured in
-bench/results/aptserve_reproduction.md): `skip` passes over an item that does not fit and
-goes on with the next; `hidden_fallback` offers the hidden half to a request the refinement
-keeps on KV when its KV cache cannot fit alone. Neither is in the appendix or the authors'
-code. The refinement itself can cost the appendix's bound against the unrefined problem (a
-request worth more on the hidden cache than nothing, refined to KV that does not fit), so
-the default's guarantee is against the problem with the refined options; `hidden_fallback`
-restores it against the unrefined one.
-
-Besides blocks, a schedule may be bounded in batched tokens and sequences (vLLM's
-`max_num_batched_tokens` / `max_num_seqs`, which Definition 1 does not have); the greedy
-checks every bound at once and passes over an item that exceeds the tokens or sequences
-left. The authors' loop stops there too; stopping admits requests on the hidden cache with
-blocks to spare (the upgrade comes after the stop) and made `apt-serve-s` re-admit two
-half-prefilled requests in turn forever (a property-test trace: admitted hidden, switched to
-KV at the next step, preempted). With one bound (blocks) the result is within a factor 2 of
-the optimum (`tests/test_apt_serve.py` checks it against brute force).
+"""Apt-Serve's hybrid-cache scheduling problem (Section 5, Eqs. 7-10, and its appendix's greedy)
+as a pure numpy function over candidate columns: items by marginal gain per block until the
+first that does not fit, against the best single schedule (a 2-approximation). The appendix's
+gaps closed here and our off-by-default readings: docs/policies.md, Apt-Serve.
 """
 
 from __future__ import annotations

@@ -1,53 +1,8 @@
-"""CacheOpt (Shen, Sen, Tanaka, "Mitigating KV Cache Competition to Enhance User Experience
-in LLM Inference"): prediction-padded KV allocation, SLO-aware batching, and preemption that
-picks its victims and its mode. Every component against the paper's section and equation,
-faithful or our choice and why, is tabled in bench/results/cacheopt_components.md; in short:
-
-- CKA, confidence-based padding (3.2, eqs. 1-4; `padding`): a prediction p is padded by
-  Hoeffding's t_i = sqrt(-(b_i - a_i)^2 / 2 * ln(1 - c)) over the request's own deviation
-  range, one range per direction ("padding for overprediction is calculated similarly"):
-  below p down to max(1, p * r_lo), above p up to min(context room, p * r_hi), with
-  [r_lo, r_hi] the predictor's measured true/predicted ratio range (`TRUE_TO_PREDICTED`,
-  ours: the paper does not say how [a_i, b_i] is obtained). c = alpha / (1 + beta * lambda),
-  alpha = 0.9 and beta = 100 (Section 5 prints alpha = 8, which breaks eq. 4's
-  0 < alpha <= 1; we read "confidence 90%" and Figure 17f's alpha = 0.9 as alpha), lambda
-  the measured arrival rate in requests per millisecond (the paper gives no unit; per
-  second, beta = 100 would leave c < 0.01 at every rate of its Table 1). t is subtracted
-  when the direction classifier expects an over-prediction (+1) and added otherwise (0,
-  no direction, is ours: the safe side). Off (/CKA): a fixed 10% of p, as the paper's
-  ablation.
-- RSA, SLO-aware batching and allocation (3.3.1-3.3.2; `slo_aware`): requests ordered by
-  their remaining time RT to their SLO (TTFT before the first token, TBT after); critical
-  ones (RT - longest recent iteration < eps) first with only their basic demand (tokens so
-  far + B). Every admission tries the embedding method first: the running request with
-  a_j - (u_j + o_i) - (p_i + o_i) >= b and the least remaining allocation gives the new
-  request its estimated demand out of its unused allocation. A critical waiting request
-  that neither embeds nor fits (N_w: not started, its TTFT SLO still attainable)
-  preempts non-critical running requests (PP order) until its basic demand fits. The rest of the pool is shared by the admitted and the PA
-  top-ups: whole demands if they fit, else amortised shares A' * w_i / sum w with
-  w_i = RT_i / sum RT * p_i / sum p; a request that outgrows its share extends from KV
-  released meanwhile. Off (/RSA): vLLM's FCFS prefill-first steps, each admission reserved
-  its whole estimated demand (the paper's /RSA allocates "using RLP").
-- PA, proactive allocation (3.3.3; `proactive`): unfulfilled running requests (reserved
-  less than their demand) predicted to complete within m iterations join the non-critical
-  group of the allocation, so they are topped up before they run out.
-- GR, global reserve (3.3.3; `global_reserve`): `reserved_pool_blocks` unreserved blocks
-  are kept back from admissions; a request outgrowing its allocation extends from them
-  instead of preempting someone.
-- Admission headroom (`admission_keep`): besides the reserve, admissions leave vLLM's
-  watermark (1% of the blocks, `vllm.py`) free. CacheOpt is built on vLLM and Section 4's
-  list of the vLLM functions it changes leaves the watermark alone, while it keeps the
-  reserve "separate from the general allocation pool": the two add up.
-- PP, preemption order (3.4; `preemption_order`): victims by TBT SLO range (loosest
-  first), then remaining predicted tokens (most first; the prediction, not the padded
-  estimate: `predicted_remaining`), then KV held (least first), the last two in 128-token
-  ranges. Off (/PP): the latest arrival first (vLLM's FCFS).
-- PSS, preemption strategy selection (3.5; `swap_selection`): with recompute and swap
-  latency fitted as L_r(S) = a*S**b + k*S + e and L_s(S) = g*S + d (`PreemptionCosts`, data
-  the builder fills from a profile of the runner in use), a victim with S cached tokens at
-  or above the sweet spot is swapped, below it recomputed; without fitted costs
-  (`preemption_costs=None`) every victim is swapped. A swap needs room on the host, else
-  the victim is recomputed. Off (/PSS): always recompute.
+"""CacheOpt (Shen, Sen, Tanaka, "Mitigating KV Cache Competition to Enhance User Experience in
+LLM Inference"): prediction-padded KV allocation, SLO-aware batching and allocation, proactive
+top-ups, a global reserve, and preemption that picks its victims and its mode; each component
+can be switched off (`cacheopt/CKA` ...). Every component against the paper, with our readings:
+docs/policies.md, CacheOpt (and bench/results/cacheopt_components.md).
 """
 
 from __future__ import annotations

@@ -1,63 +1,8 @@
-"""Prefix-cache eviction rules aimed at the tail of time-to-first-token, after the paper
-"Tail-Optimized Caching for LLM Inference" (Zhang, Li, Moallemi, Peng, NeurIPS 2025,
-arXiv 2510.15152). Each rule is a pure function of a `CacheSnapshot` (and its own
-configuration) to the evictable blocks it gives up, looked up by name in `EVICTION_RULES`.
-
-The paper's objective is the tail excess latency (TEL): how far each turn's prefill time
-goes past a threshold xi, summed. A turn of a conversation prefills its history plus its
-new message minus what the cache still holds, so once enough of a conversation is cached
-for that to fit within xi, caching more of it no longer helps the tail. The rules:
-
-- `lru`: least recently released block first. The baseline most engines ship.
-- `threshold-lru`: LRU over conversations whose history exceeds `history_threshold`
-  tokens; shorter ones are not cached at all (the engine drops them at the turn's end,
-  `PrefixCacheConfig.min_history_tokens`), or in the soft variant go first.
-- `tlru` (T-LRU, the paper's online rule): each conversation keeps a *TEL-safe budget*
-  `b_c = max(0, history_c + Q_hat - xi)` tokens, with Q_hat a fixed estimate of the next
-  message's length and xi in tokens. Blocks past the budget cannot lower the next turn's
-  excess latency, so they go first; the rest are evicted in LRU order.
-- `end-aware-tlru` (oracle): T-LRU that knows which conversations have ended; all blocks of
-  an ended conversation are past its budget.
-- `length-aware-tlru` (oracle): T-LRU with the true next message length in place of Q_hat
-  where there is a next turn (Q_hat otherwise: it is not told that a conversation ended).
-- `tbelady` (offline, hindsight): Tail-Optimized Belady. The budget with the true next
-  length (ended conversations keep nothing), then the conversation whose next turn comes
-  furthest in the future goes first, as Belady's rule does for hit rate.
-
-Each rule against the paper (the full table, with the authors' vLLM and SGLang ports, is
-bench/results/tlru_rules.md); defaults are the paper's, `PrefixCacheConfig` keeps the
-earlier jserve variants as options:
-
-| | paper | jserve default | earlier variant (option) |
-|---|---|---|---|
-| TEL-safe budget | (L_i + Q_hat - xi)^+ blocks (Alg. 1, Thm. 1) | max(0, history + Q_hat - xi) tokens; a block at depth d is surplus when d * block_size >= budget | same |
-| xi to tokens | xi_s / alpha, alpha from a linear fit of prefill time on prefill tokens (footnote 7) | `tel_threshold` / seconds per token of a line through the origin fitted once (`xi_fit="offline"`: the builder fits the cost model or profile; or `xi_tokens` given) | a line with intercept refitted to the last 512 turns' TTFTs (`xi_fit="online"`) |
-| Q_hat | a constant: 100 for ShareGPT in App. F (150 in Sec. 6.2) | `q_hat=100` tokens | running mean of new prompt tokens (`q_hat=None`) |
-| Threshold-LRU | caches a conversation only if its length exceeds 1,024 tokens (all or nothing) | a turn whose history is <= 1,024 tokens leaves nothing cached | cached, but evicted first (`threshold_soft`) |
-| a hit | X_theta reused, then X_theta <- L_theta, timestamp now | reused blocks are held while the turn runs; at its end every full block is cached, stamped now, and the budget follows the new history | same |
-| order | surplus of every conversation first, then LRU | surplus first (LRU among it), then LRU; deepest first within a chain | same |
-| capacity | sum_i X_i <= C over every cached history, at every moment (trim right after X_theta <- L_theta) | idle (unreferenced) blocks, trimmed before each snapshot so a released history is cut before the next turn matches it (`capacity_counts="unreferenced"`) | every cached block, those running turns reuse too (`"all"`) |
-
-Where the text is ambiguous, our reading: L_i is the history after the turn's reply
-(prompt + reply, Appendix C's forced caching), trimming happens after the turn instead of at
-its arrival; "surplus first" orders surplus blocks by LRU, as the SGLang port's (0, last
-access) priority does (the vLLM port's TEL-safe queue is FIFO by marking time).
-
-Other choices of ours:
-
-- "Goes first" is a lexicographic order: blocks past their budget (or of short
-  conversations) before all others, then each rule's age key, then deepest first. Within
-  the first group the same age key orders them, so among useless blocks the coldest go.
-- `tbelady` orders blocks past their budget by next arrival too (ended conversations
-  first), with last access and then depth as tie-breaks; an open-loop workload's oracle
-  reads each turn's scheduled arrival, a closed-loop one last access + think time.
-
-Evicting a block makes the deeper blocks of its chain unreachable: they would stay cached,
-holding memory for nothing, until evicted in turn. Every key here is either constant
-over a conversation (its budget group, its next arrival) or never puts a shallower block of
-a conversation before a deeper one (blocks past a budget are a suffix of the chain; a
-parent's last access is never earlier than its child's), and depth, deepest first, breaks
-the remaining ties; so each rule's order evicts chains from their ends.
+"""Prefix-cache eviction rules aimed at the tail of time-to-first-token, after "Tail-Optimized
+Caching for LLM Inference" (Zhang et al., NeurIPS 2025): each a pure function of a
+`CacheSnapshot` to the evictable blocks it gives up, looked up by name in `EVICTION_RULES`.
+Every order evicts a chain from its end, so no eviction strands deeper blocks. Each rule against
+the paper and our readings: docs/policies.md, Tail-Optimized LRU's rules.
 """
 
 from __future__ import annotations

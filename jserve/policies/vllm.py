@@ -1,28 +1,7 @@
-"""vLLM (v0 default scheduler): FCFS, whole-prompt prefills first, recompute preemption.
-
-- Admission: waiting requests in arrival order while the token budget, `max_num_seqs` and
-  free blocks allow, keeping a watermark of free blocks (1% of the cache) so admissions do
-  not immediately force preemptions; the first one that does not fit stops admission.
-- A step that admits prefills runs no decodes (prefill-prioritised, as vLLM v0).
-- Decodes grow each running request block by block; when the cache runs out, the
-  latest-arrived running request is preempted by recompute (it returns to the waiting set,
-  and as the earliest waiting arrival it is readmitted first).
-- Between arrivals and finishes, a step that decodes every running request with nothing
-  swapped out is planned again and again until the free blocks no longer cover the
-  growth: the plan says how many times (`Plan.repeat`, the simulator's fast path). A
-  waiting request that could not be admitted stays so meanwhile, since admission needs
-  free blocks, and decodes only take them.
-- With `max_paddings` (policy `vllm-0.2.3`, vLLM 0.2.2-0.2.x's scheduler, default 256) a
-  prefill step batches prompts as that version ran them, padded to the longest: it stops
-  admitting when the batch padded to its longest prompt passes the token budget or holds
-  more than `max_paddings` padding tokens. Real vLLM 0.2.3 runs batch prompts so
-  (../shared/calibration's OPT-13B runs: every batched prefill within 256 padding tokens).
-  Such a policy `pads_prompts`: a stack that pads (vLLM 0.2.x's profiles) charges the
-  padding's compute to its steps, and to no other policy's.
-- With `preemption_mode=SWAP` (vLLM's `--preemption-mode swap`, policy `vllm-swap`) victims
-  go to host memory while it has room. As in vLLM v0, swapped requests come back before
-  anything new is admitted: no prefills run while any are swapped, and they are swapped in
-  (oldest first, decoding in the same step) in steps that preempt nobody.
+"""vLLM (v0 default scheduler): FCFS, whole-prompt prefills first, recompute preemption of the
+latest arrival; with `preemption_mode=SWAP` (`vllm-swap`) victims go to host memory, and with
+`max_paddings` (`vllm-0.2.3`) prompts batch padded as vLLM 0.2.x ran them. How admission,
+growth, repeated steps and swaps follow vLLM: docs/policies.md, vLLM.
 """
 
 from __future__ import annotations

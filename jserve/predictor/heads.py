@@ -1,40 +1,7 @@
-"""Prediction heads over the frozen base's pooled prompt features (Flax NNX).
-
-Three predictors, one per system that the engine compares:
-
-- CacheOpt: a length layer (the paper's "added linear layer": features -> log-length) and
-  a binary direction classifier fed the length layer's output (its log-length quantiles),
-  which predicts whether the length will be over-predicted. The paper feeds the classifier
-  the "hidden representation" of the added linear layer and of the base; a linear layer's
-  representation is its output, and we take the output rather than our layer's inner
-  activations because the classifier is trained on the outputs of layers that never saw
-  the prompt (`train.py`), and only outputs mean the same thing across those layers. The
-  base's representation is left out by default (`DirectionClassifier` says why). The length layer also predicts two quantiles of the
-  log-length around its median (levels `range_lo`, `range_hi`: 5% and 95%): the
-  per-request range [a_i, b_i] of the true length that the paper's Hoeffding padding
-  (its Eq. 2-3) takes. The policy pads by that range and the direction.
-- S3: a classifier over 50-token output-length buckets; the predicted length is the
-  chosen bucket's upper edge, which is what S3 allocates.
-- RLP: a length regressor whose prediction is padded by 100 tokens, RLP's allocation.
-
-Regressors predict quantiles of the natural log of the length and are trained with the
-pinball (quantile) loss on it (see `train.py`); at level 0.5 that is half the L1 loss,
-whose minimiser is the conditional median. The median of log-length is the log of the
-median length, so exp(prediction) estimates the median reply length, which is exactly the
-estimate that minimises the expected absolute error in tokens (the MAE reported), and
-quantiles of log-length are the logs of the length's quantiles, so the range transfers
-too. Regressing raw lengths with squared error would instead chase the mean of a
-heavy-tailed distribution (ShareGPT replies run from a few tokens to two thousand) and
-let a few long replies dominate the gradient.
-
-A consequence worth knowing: the error of a conditional median is over or under with
-probability 1/2 whatever the prompt, so the direction classifier can only learn where the
-length layer misses the conditional median (e.g. where it regresses towards the typical
-length); `bench/predictor_accuracy.py` measures how much that is.
-
-Every head standardises its input with statistics of the training features, stored as
-non-trainable variables so that a checkpoint is self-contained: the base's final-norm
-hidden states have a few dimensions tens of times larger than the rest.
+"""Prediction heads over the frozen base's pooled prompt features (Flax NNX): CacheOpt's length
+layer and direction classifier, S3's bucket classifier and RLP's regressor. Regressors predict
+quantiles of log-length under the pinball loss, so the median minimises the MAE in tokens; why,
+and what that leaves the direction classifier to learn: docs/policies.md, the length predictors.
 """
 
 from __future__ import annotations

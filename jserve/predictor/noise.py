@@ -1,41 +1,7 @@
-"""The simulator's stand-in for a trained predictor: noisy lengths calibrated on held-out errors.
-
-Simulated runs at scale (thousands of requests, synthetic workloads without text) cannot
-afford, or cannot run, the base model on every prompt. They draw each request's predicted
-length from the error distribution that the trained predictor showed on held-out prompts:
-
-    predicted = g_inv(g(true) + e),   e ~ held-out errors of predictors of that kind,
-                                          among prompts whose true length was similar
-
-- The error space `g` is where a predictor's errors are roughly additive: the log of the
-  length for regressors (CacheOpt, RLP: errors are multiplicative, a long reply is missed by
-  hundreds of tokens and a short one by tens), and the bucket index for S3 (its prediction
-  is a bucket, `g_inv` returns the bucket's upper edge as S3 allocates).
-- Errors depend on the true length (predictors regress towards typical lengths: short
-  replies are over-predicted, long ones under-predicted), so held-out prompts are split into
-  bins by true length (edges at quantiles of the held-out true lengths) and each bin keeps
-  its own error distribution.
-- A distribution is stored as its quantiles at fixed levels (0, 0.05, ..., 1) and sampled by
-  inverse transform with linear interpolation between levels, so draws reproduce the
-  stored quantiles and never leave the observed range.
-- For CacheOpt, the direction classifier's output is drawn too: from the held-out
-  distribution of its probability among over-predicted prompts when the drawn length
-  over-predicts, and among the others otherwise. This keeps the classifier's measured
-  accuracy and confidence without modelling its dependence on the prompt.
-- For CacheOpt, the predicted range [lo, hi] is drawn around the drawn length: in log
-  space its two sides, log(length / lo) and log(hi / length), from their held-out
-  distributions in the same true-length bin, with one shared level (a request with a
-  wide lower side has a wide upper side too; both come from the same layer), and, like
-  the direction's probability, conditioned on the drawn error: from the held-out prompts
-  of that bin whose absolute error was below its median, or from the others (the real
-  range is wider where the error is larger; on the shipped head's 1,000 held-out prompts
-  its ranges held 0.939 of the true lengths, draws independent of the error 0.875, draws
-  conditioned so 0.890). The held-out coverage of
-  the true length by [lo, hi] is what the simulator should see; `tests/test_predictor.py`
-  and `bench/predictor_accuracy.py` check that draws reproduce it.
-
-Lengths are rounded and clipped to [1, max_length] like the real predictor's. The model
-is written next to the checkpoint as `noise.json` (see `NoiseModel.to_json`).
+"""The simulator's stand-in for a trained predictor: each request's predicted length is drawn
+from the trained one's held-out errors, per true-length bin, in the space where its errors add,
+so runs at scale need no base model. How each part is drawn, and the coverage measured:
+docs/policies.md, the length predictors.
 """
 
 from __future__ import annotations
@@ -99,7 +65,7 @@ class RangeBin:
 
 @dataclass(frozen=True)
 class NoiseModel:
-    """Draws predictions of one kind given true lengths; see the module docstring.
+    """Draws predictions of one kind given true lengths; see docs/policies.md.
 
     `bin_edges[i]` is the largest true length of bin `i` (the last bin is unbounded);
     `error_quantiles[i]` are the error quantiles of bin `i` at `QUANTILE_LEVELS`;

@@ -1,41 +1,7 @@
-"""Train the length predictors' heads on cached base features (optax, orbax, resumable).
-
-CacheOpt is trained in two steps, as in the paper:
-
-1. the length layer alone, on the true lengths (its median and its range quantiles; the
-   range is then widened to its nominal coverage on out-of-fold predictions, see
-   `CacheOptHead`);
-2. the deviation direction of that step-1 predictor is collected for every training prompt
-   (over-predicted: predicted length > true length), and the direction classifier is
-   trained on those directions by binary cross-entropy.
-
-Both what the classifier learns from and what it is fed are collected *out of fold*: the
-training prompts are split into `direction_folds` folds, and for each fold a step-1 length
-layer trained on the other folds gives that fold's directions and the length outputs the
-classifier reads. This is our reading of the paper's "using the fine-tuned predictor, we
-predict the output lengths and collect the data of deviation direction", which does not
-say on which prompts. Collected in-sample, as the first version did, a prompt's direction
-is that of a residual the length layer has partly memorised, and the layer's outputs on
-its own training prompts carry the true length: the classifier memorises them and learns a
-rule that points the wrong way on new prompts (the first version scored held-out accuracy
-0.486; `bench/predictor_accuracy.py` at commit fcaad4d, seed 0: classifier accuracy on its
-own labels 0.999, held-out ROC AUC 0.466).
-
-Our choices against the paper's "fine-tune the whole model including the binary
-classifier" in step 2: the base is frozen throughout (heads over cached features), and the
-length layer is not trained further in step 2 either, because moving it changes the
-predictions whose directions were collected (with joint training, 9-10% of held-out
-directions flipped between the step-1 layer and the final one, same run).
-
-S3's bucket classifier is trained with softmax cross-entropy on the true length's bucket,
-RLP's regressor exactly as CacheOpt's step 1 at the median alone (the 100-token padding is
-added at prediction). Regressors use the pinball loss on log-length; `heads.py` says why.
-Every stage keeps a tenth of its examples out to choose its epoch (`fit`).
-
-Each stage checkpoints its parameters and optimiser state with orbax at the end of every
-epoch, under `DIR/resume/<stage>`. Batch order is a function of (seed, epoch) alone, so a
-run resumed after epoch k continues exactly as the uninterrupted run would have, and a
-stage already finished is restored instead of retrained.
+"""Train the length predictors' heads on cached base features (optax, orbax, resumable):
+CacheOpt in the paper's two steps with its direction labels collected out of fold, S3 and RLP
+in one; every stage checkpoints each epoch and resumes exactly. Why out of fold, and our
+choices against the paper with what was measured: docs/policies.md, the length predictors.
 """
 
 from __future__ import annotations
@@ -290,7 +256,7 @@ def train_direction(head: CacheOptHead, x: np.ndarray, data: Directions, cfg: Tr
 
 def train_head(head: Head, x: np.ndarray, lengths: np.ndarray, cfg: TrainConfig,
                directory: Path, progress: bool = True) -> np.ndarray | None:
-    """Train one head in place on training features `x` and true lengths (see module doc).
+    """Train one head in place on training features `x` and true lengths (see docs/policies.md).
 
     Returns CacheOpt's direction labels (None for the other kinds): the trivial baseline
     guesses their majority.

@@ -1,41 +1,8 @@
-"""Runs a `Batch` through the model in one jit step on the device.
-
-Shapes are padded to buckets so the step compiles a bounded number of times: tokens `T`
-and sequences `S` are powers of two (at least 8, and `S` at least 16 from `T` = 256) up to
-`max_num_batched_tokens` and `max_num_seqs`. Context length is data, not shape (block
-tables are always `max_blocks_per_seq` wide). Each bucket's step is compiled ahead of time
-(`jit(...).lower(...).compile()`), which finds it in JAX's persistent compile cache when an
-earlier start built it, without executing anything. `warmup()` does that for the buckets a
-vLLM-style schedule meets (all-prefill steps with few sequences, all-decode steps with
-`T == S`); anything else compiles on first use. The KV pages are donated to the step, so
-XLA writes new K/V in place.
-
-Layer-wise residency (LayerKV, built with `layer_staging`): a partly offloaded request's
-layers live in per-layer slots, so a step with one in it carries per-layer block tables
-(`AttentionMetadata.layer_block_tables`, a separately compiled variant of its bucket). Its
-offloaded layers compute in staging blocks after the engine's (sized to a full token
-budget, the analogue of the K/V activations vLLM's profiler sets aside): a decode first
-reads their context there from the per-layer host pool (`host_kv.LayerHostPool`), and the
-blocks the step's new tokens fill (a prefill's every block) are copied back to the host
-pool right after the step is dispatched. Decodes whose context outgrows the staging rows
-run as several steps of consecutive sequences (same tokens). Offloads, bring-backs and slot -> whole-block copies are
-block gathers and scatters per layer before the step, every source read before anything
-is written (swaps included). These copies run outside the step's jit: on a GPU the device -> host copies
-are issued asynchronously and overlap the host's work and the next dispatch, not the
-step's own layers; on XLA:CPU every copy is a memcpy done when issued.
-
-Sampling is compiled apart from the model (`Samplers`): one sampler per sequence bucket `S`,
-shared by every runner in the process, where a sampler inside the step was compiled again
-for every (T, S) bucket and variant and was about half of each one's compile (a tiny-llama
-test's compiles: 12.0 s against 6.3 s without it, at XLA's level 0). It costs one more
-dispatch per step; the logits the step hands it were materialised inside the fused step too.
-Likewise the steps of one model structure are jitted once per process (`_shared_steps`), so
-a second engine over the same model finds each bucket its predecessor built.
-
-A batch with a request that asks for log-probabilities runs a second variant of the step,
-compiled on first use, that also returns the top `MAX_LOGPROBS` of each sampled position
-(and, for prompt log-probabilities, of every position: logits over all T tokens). Nobody
-asking costs nothing: the plain step is unchanged.
+"""Runs a `Batch` through the model on the device: one compiled program per token bucket,
+with sampling and log-probabilities inside, the KV pages donated so XLA writes new K/V in
+place, and `dispatch` returning before the device is done so the engine plans the next step
+meanwhile. Buckets, variants, the token feed and layer staging: docs/serving.md, The JAX
+runner.
 """
 
 from __future__ import annotations
@@ -56,6 +23,7 @@ from flax import nnx
 
 from jserve.cache.sizing import hidden_rows_per_page
 from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
+from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables
@@ -76,20 +44,24 @@ log = logging.getLogger(__name__)
 # GIL, and loading 14 cached steps took 5.7 s with two threads on two cores, 8.3 s with one.
 COMPILE_THREADS = min(4, os.cpu_count() or 1)
 
-# Prompts up to this many tokens (a chat turn) and up to 8 decoding sequences run on the
-# buckets a background warm-up builds before the server answers: 4 of SmolLM2's 14 on CPU.
+# Prompts up to this many tokens (a chat turn) and up to this many decoding sequences run on
+# the buckets a background warm-up builds before the server answers.
 FIRST_TOKENS = 64
+# The smallest token bucket: a decode of one sequence pads to it. On a GPU a decode of 16
+# costs what one of 1 does (it reads the same weights); fewer buckets, fewer programs.
+MIN_TOKENS = 16
 
-# A compiled step's key: tokens T, sequences S, whether it is an all-decode step, whether
-# its layers have tables of their own (LayerKV), and whether some sequence is on the hidden
-# cache (Apt-Serve).
-Shape = tuple[int, int, bool, bool, bool]
+# A compiled step's key: tokens T, whether it is an all-decode step (a backend with a decode
+# kernel), whether its layers have tables of their own (LayerKV), and whether some sequence
+# is on the hidden cache (Apt-Serve).
+Shape = tuple[int, bool, bool, bool]
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepInputs:
-    """The model's batch (`jserve.models.functional`) and each sequence's sampling settings."""
+    """The model's batch (`jserve.models.functional`), each sequence's sampling settings,
+    where the previous step's tokens feed this one, and which log-probabilities to return."""
 
     batch: PagedBatch
     temperature: jax.Array  # [S]
@@ -97,54 +69,44 @@ class StepInputs:
     top_k: jax.Array
     seeds: jax.Array
     output_index: jax.Array
-    next_token_ids: jax.Array  # [T]: read only by the prompt-logprobs variant
+    feed: jax.Array  # [T] int32: row of the previous step's tokens to read; -1: `token_ids`
+    next_token_ids: jax.Array  # [T]: read only when `want_positions`
+    want_top: jax.Array  # bool scalar: top log-probabilities of the sampled positions
+    want_positions: jax.Array  # bool scalar: and of every position (prompt log-probabilities)
 
 
-# Which step a batch runs: plain, with the sampled positions' top log-probabilities, or
-# with every position's too.
-PLAIN, SAMPLED, POSITIONS = 0, 1, 2
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepResult:
+    """A step's device outputs, sliced and read by `PendingStep.result`."""
+
+    tokens: jax.Array  # [S]
+    logprobs: jax.Array  # [S]
+    top: tuple[jax.Array, jax.Array]  # [S, K] ids and values (zeros unless asked)
+    next_logprobs: jax.Array  # [T] (zeros unless asked)
+    position_top: tuple[jax.Array, jax.Array]  # [T, K]
 
 
-class Samplers:
-    """`sample_tokens` compiled per (S, vocabulary, placement): each built once, by
-    whichever thread (an engine's, a background warm-up's) asks first, and shared by every
-    runner in the process (tests build hundreds of engines over a few shapes)."""
-
-    _jit = jax.jit(sample_tokens, static_argnames="rows_per_pass")
-    # Rows a top-k/top-p bisection passes over at once on a CPU, so that they stay in its
-    # cache across the passes (`sampling._bisected_cutoffs`); elsewhere the whole batch.
-    CPU_ROWS_PER_PASS = 2
-
-    @classmethod
-    def rows_per_pass(cls, platform: str) -> int | None:
-        """Rows a bisection passes over at once on `platform` (None: the whole batch)."""
-        return cls.CPU_ROWS_PER_PASS if platform == "cpu" else None
-
-    def __init__(self) -> None:
-        self._built = Executables()
-
-    def get(self, seqs: int, vocab: int, sharding: jax.sharding.Sharding | None) -> jax.stages.Compiled:
-        def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-        def build() -> jax.stages.Compiled:
-            per_seq = [spec((seqs,), d) for d in (np.float32, np.float32, np.int32, np.uint32, np.int32)]
-            platform = (next(iter(sharding.device_set)).platform if sharding is not None
-                        else jax.default_backend())
-            return self._jit.lower(spec((seqs, vocab), np.float32), *per_seq,
-                                   rows_per_pass=self.rows_per_pass(platform)).compile()
-
-        return self._built.get((seqs, vocab, sharding), build)[0]
+# Rows a top-k/top-p bisection passes over at once on a CPU, so that they stay in its cache
+# across the passes (`sampling._bisected_cutoffs`); elsewhere the whole batch.
+CPU_ROWS_PER_PASS = 2
 
 
-SAMPLERS = Samplers()
+def rows_per_pass(platform: str) -> int | None:
+    """Rows a bisection passes over at once on `platform` (None: the whole batch)."""
+    return CPU_ROWS_PER_PASS if platform == "cpu" else None
 
 
-def _top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _top(logits: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Log-softmax of `logits` [N, V] and its `MAX_LOGPROBS` largest entries (ids, values)."""
     lsm = jax.nn.log_softmax(logits.astype(jax.numpy.float32), axis=-1)
     values, ids = jax.lax.top_k(lsm, MAX_LOGPROBS)
     return lsm, (ids.astype(jax.numpy.int32), values)
+
+
+def _no_top(n: int) -> tuple[jax.Array, jax.Array]:
+    return (jax.numpy.zeros((n, MAX_LOGPROBS), jax.numpy.int32),
+            jax.numpy.zeros((n, MAX_LOGPROBS), jax.numpy.float32))
 
 
 @dataclass(frozen=True)
@@ -156,51 +118,34 @@ class Buckets:
     @classmethod
     def for_limits(cls, limits: SchedulerLimits, block_size: int) -> Buckets:
         return cls(
-            max_tokens=pow2_at_least(limits.max_num_batched_tokens, 8),
+            max_tokens=pow2_at_least(limits.max_num_batched_tokens, MIN_TOKENS),
             max_seqs=pow2_at_least(limits.max_num_seqs, 8),
             max_blocks_per_seq=-(-limits.max_model_len // block_size),
         )
 
     def tokens(self, n: int) -> int:
-        return min(pow2_at_least(n, 8), self.max_tokens)
+        return min(pow2_at_least(n, MIN_TOKENS), self.max_tokens)
 
-    def seqs(self, n: int, tokens: int) -> int:
-        """Sequence bucket of an `n`-sequence step of `tokens` tokens: from 256 tokens on
-        at least 16. ShareGPT prefill steps that size average 9 prompts, and an 8-sequence
-        variant of each large token bucket cost a start-up a compile or cache load of a
-        whole-model step for at most 8 rows of sampling saved."""
-        floor = 16 if tokens >= 256 else 8
-        return min(pow2_at_least(n, floor), self.max_seqs)
+    def seqs(self, tokens: int) -> int:
+        """Sequence rows of the `tokens` bucket: every sequence has a token, so no step of
+        `tokens` tokens has more; one row count per bucket keeps one program per bucket."""
+        return min(tokens, self.max_seqs)
 
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        """(T, S) pairs of all-prefill steps with few sequences (up to 8 prompts, 16 from
-        256 tokens) and all-decode steps (T=S)."""
-        sizes = sorted({self.tokens(2**i) for i in range(3, 20)})
-        prefill = [(t, self.seqs(1, t)) for t in sizes]
-        decode = [(s, s) for s in sorted({self.seqs(2**i, 2**i) for i in range(3, 20)})
-                  if s <= self.max_tokens and (s, s) not in prefill]
-        return prefill + decode
-
-    def all_shapes(self) -> list[tuple[int, int]]:
-        """Every (T, S) bucket a batch can fall in (S <= T: each sequence has a token), for
-        loads whose prefill steps pack many prompts, such as a burst of short requests."""
-        tokens = sorted({self.tokens(2**i) for i in range(3, 20)})
-        seqs = sorted({min(2**i, self.max_seqs) for i in range(3, 20)})
-        return [(t, s) for t in tokens for s in seqs if s <= t and self.seqs(s, t) == s]
+    def shapes(self) -> list[int]:
+        """Every token bucket a batch can fall in."""
+        return sorted({self.tokens(2**i) for i in range(20)})
 
 
-def first_shapes(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Of `shapes`, those one short request meets: prefills of up to `FIRST_TOKENS` tokens
-    and decodes, at the smallest sequence bucket. A background warm-up builds these before
-    the server answers, the rest after."""
-    smallest = min(s for _, s in shapes)
-    return [(t, s) for t, s in shapes if t <= FIRST_TOKENS and s == smallest]
+def first_shapes(shapes: list[int]) -> list[int]:
+    """Of `shapes`, those one short request meets (prompts up to `FIRST_TOKENS`, decodes):
+    a background warm-up builds these before the server answers, the rest after."""
+    return [t for t in shapes if t <= FIRST_TOKENS]
 
 
 def _shape_of(x: StepInputs) -> Shape:
-    b = x.batch
-    return (b.token_ids.shape[0], b.sample_index.shape[0], b.meta.decode_only,
-            b.meta.layer_block_tables is not None, b.meta.hidden is not None)
+    m = x.batch.meta
+    return (x.batch.token_ids.shape[0], m.decode_only, m.layer_block_tables is not None,
+            m.hidden is not None)
 
 
 @dataclass(frozen=True)
@@ -227,15 +172,16 @@ class HiddenLayout:
 
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
                       mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None,
-                      hidden: HiddenLayout | None = None) -> StepInputs:
+                      hidden: HiddenLayout | None = None, feed: np.ndarray | None = None) -> StepInputs:
     """Pad a batch to its bucket; padding tokens write to the scratch block, padded
     sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
     backends with a decode kernel. `staging`: the staging blocks each partly offloaded
     sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the model's
-    hidden-cache layout, for the batch's `hidden` sequences."""
+    hidden-cache layout, for the batch's `hidden` sequences. `feed` ([num_tokens]): the
+    previous step's row each token is read from (-1: the batch's own id)."""
     n = batch.num_seqs
     t = b.tokens(batch.num_tokens)
-    s = b.seqs(n, t)
+    s = b.seqs(t)
     q = batch.query_lens
     x = batch.inputs
     if x is None:
@@ -269,10 +215,14 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     next_ids = np.zeros(t, np.int32)
     if x.next_token_ids is not None:
         next_ids[:batch.num_tokens] = x.next_token_ids
+    fed = np.full(t, -1, np.int32)
+    if feed is not None:
+        fed[:batch.num_tokens] = feed
     if meta is not step.meta:
         step = dataclasses.replace(step, meta=meta)
     return StepInputs(step, pad(x.temperature), pad(x.top_p, 1.0), pad(x.top_k), pad(x.seeds),
-                      pad(x.output_index), next_ids)
+                      pad(x.output_index), fed, next_ids, np.bool_(x.logprobs),
+                      np.bool_(x.next_token_ids is not None))
 
 
 def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -317,44 +267,75 @@ def _concat_outputs(outs: list[StepOutput]) -> StepOutput:
                       position_logprobs=cat([o.position_logprobs for o in outs]))
 
 
-def _jit_steps(model: PagedModel, treedef: Any, shardings: tuple[Any, Any] | None = None
-               ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The plain and log-probability steps of a model structure; `shardings`: the steps'
-    (in, out) over a mesh."""
+def _jit_step(model: PagedModel, treedef: Any, platform: str,
+              shardings: tuple[Any, Any] | None = None) -> Callable[..., Any]:
+    """The step of a model structure: model, sampling and log-probabilities in one program.
+    `shardings`: its (in, out) over a mesh."""
+    jnp = jax.numpy
 
-    def forward(weights: list[jax.Array], cache: KVCache, x: StepInputs
-                ) -> tuple[jax.Array, jax.Array, KVCache]:
-        """Every position's hidden state, the sampled positions' logits (sampled by
-        `SAMPLERS` after the step) and the updated cache."""
+    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, x: StepInputs
+             ) -> tuple[StepResult, KVCache, jax.Array]:
         params = jax.tree.unflatten(treedef, weights)
-        hidden, cache = model.hidden_states(params, cache, x.batch)
-        return hidden, model.logits(params, hidden[x.batch.sample_index]), cache
+        ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
+        batch = dataclasses.replace(x.batch, token_ids=ids)
+        hidden, cache = model.hidden_states(params, cache, batch)
+        logits = model.logits(params, hidden[batch.sample_index])
+        tokens, logprobs = sample_tokens(logits, x.temperature, x.top_p, x.top_k, x.seeds,
+                                         x.output_index, rows_per_pass=rows_per_pass(platform))
+        s, t = logits.shape[0], ids.shape[0]
+        top = jax.lax.cond(x.want_top, lambda: _top(logits)[1], lambda: _no_top(s))
 
-    def step(weights: list[jax.Array], cache: KVCache, x: StepInputs) -> tuple[jax.Array, KVCache]:
-        _, logits, cache = forward(weights, cache, x)
-        return logits, cache
+        def positions() -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            lsm, position_top = _top(model.logits(params, hidden))
+            return jnp.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0], position_top
 
-    def step_with_logprobs(weights: list[jax.Array], cache: KVCache, x: StepInputs,
-                           variant: int) -> tuple[Any, ...]:
-        hidden, logits, cache = forward(weights, cache, x)
-        _, top = _top(logits)
-        if variant == SAMPLED:
-            return logits, top, cache
-        lsm, position_top = _top(model.logits(jax.tree.unflatten(treedef, weights), hidden))
-        next_lp = jax.numpy.take_along_axis(lsm, x.next_token_ids[:, None], axis=-1)[:, 0]
-        return logits, top, (next_lp, position_top), cache
+        next_lp, position_top = jax.lax.cond(
+            x.want_positions, positions, lambda: (jnp.zeros(t, jnp.float32), _no_top(t)))
+        fed = jax.lax.dynamic_update_slice(fed, tokens, (0,))
+        return StepResult(tokens, logprobs, top, next_lp, position_top), cache, fed
 
-    placed, step_out = {}, {}
-    if shardings is not None:
-        placed, step_out = {"in_shardings": shardings[0]}, {"out_shardings": shardings[1]}
-    return (jax.jit(step, donate_argnums=(1,), **placed, **step_out),
-            jax.jit(step_with_logprobs, donate_argnums=(1,), static_argnums=(3,), **placed))
+    placed = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
+    return jax.jit(step, donate_argnums=(1, 2), **placed)
 
 
-# One device: the steps of a model structure jitted once per process. Runners of the same
-# structure (a process comparing policies, a test suite) share them, so JAX's caches find a
+# One device: the step of a model structure jitted once per process. Runners of the same
+# structure (a process comparing policies, a test suite) share it, so JAX's caches find a
 # bucket's step traced, lowered and compiled by an earlier runner.
-_shared_steps = functools.cache(_jit_steps)
+_shared_step = functools.cache(_jit_step)
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step: its outputs stay on the device until `result()` reads them."""
+
+    result_on_device: StepResult | None
+    num_seqs: int
+    num_tokens: int
+    logprobs: bool
+    positions: bool
+    _done: StepOutput | None = None
+
+    def result(self) -> StepOutput:
+        if self._done is None:
+            self._done = self._read()
+        return self._done
+
+    def _read(self) -> StepOutput:
+        r, n, t = self.result_on_device, self.num_seqs, self.num_tokens
+        if r is None:
+            return StepOutput.empty()
+        top = positions = None
+        if self.logprobs:
+            top = TopLogprobs(np.asarray(r.top[0])[:n], np.asarray(r.top[1])[:n])
+        if self.positions:
+            positions = (np.asarray(r.next_logprobs)[:t],
+                         TopLogprobs(np.asarray(r.position_top[0])[:t], np.asarray(r.position_top[1])[:t]))
+        return StepOutput(next_tokens=np.asarray(r.tokens)[:n], logprobs=np.asarray(r.logprobs)[:n],
+                          top_logprobs=top, position_logprobs=positions)
+
+
+def _done(out: StepOutput) -> PendingStep:
+    return PendingStep(None, out.next_tokens.shape[0], 0, False, False, out)
 
 
 class JaxRunner:
@@ -416,31 +397,34 @@ class JaxRunner:
         # user's own jit would.
         self._weights, treedef = jax.tree.flatten(self.params)
         model = PagedModel(graphdef, attention_fn)
+        platform = (next(iter(tp.mesh.devices.flat)).platform if tp is not None else jax.default_backend())
+        # The previous step's sampled tokens, which the next step may read (`PendingStep`).
+        self._fed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), tp and tp.replicated)
+        self._fed_rows: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
         if tp is None:
-            self._step, self._step_with_logprobs = _shared_steps(model, treedef)
+            self._step = _shared_step(model, treedef, platform)
         else:
             cache_at = tp.cache_shardings(self.cache)
-            self._step, self._step_with_logprobs = _jit_steps(
-                model, treedef, (([w.sharding for w in self._weights], cache_at, tp.replicated),
-                                 (tp.replicated, cache_at)))
-        self._logprob_executables: dict[tuple[Shape, int], jax.stages.Compiled] = {}
-        self._vocab = cfg.vocab_size
-        self._sampled_at = tp and tp.replicated
+            self._step = _jit_step(
+                model, treedef, platform,
+                (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated),
+                 (tp.replicated, cache_at, tp.replicated)))
         self._executables = Executables()
         # What the step is lowered for: the cache's shapes, not its arrays, which the engine
         # thread donates to each step while a background compile lowers other buckets.
         self._cache_spec = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache)
+        self._fed_spec = jax.ShapeDtypeStruct(self._fed.shape, self._fed.dtype, sharding=self._fed.sharding)
         self._warmup_started = False
 
     # ------------------------------------------------------------------ compile
-    def warmup(self, progress: bool = False, shapes: list[tuple[int, int]] | None = None,
+    def warmup(self, progress: bool = False, shapes: list[int] | None = None,
                background: bool = False) -> float:
-        """Compile `shapes` ((T, S) buckets; default: those a vLLM-style schedule uses), or
-        load them from the persistent compile cache; returns the seconds it took.
+        """Compile the steps of the token buckets `shapes` (default: all of them), or load
+        them from the persistent compile cache; returns the seconds it took.
 
         No step runs: executing a padding batch per bucket cost more than loading its step.
         LayerKV's layer copies (small jits, one per padded size) do run, on the scratch block.
@@ -452,7 +436,7 @@ class JaxRunner:
         that meets a bucket not built yet builds it (or waits for the background's build)
         first. `warmed_up` turns true, and `wait_warmup()` returns, once all are built.
         """
-        shapes = self.buckets.warmup_shapes() if shapes is None else shapes
+        shapes = self.buckets.shapes() if shapes is None else shapes
         first = first_shapes(shapes) if background else shapes
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
@@ -490,33 +474,22 @@ class JaxRunner:
         """Until a background warm-up has compiled every bucket."""
         self._executables.wait()
 
-    def _variants(self, shapes: list[tuple[int, int]]) -> list[Shape]:
-        """The steps each (T, S) bucket serves, as (T, S, decode_only, layered, hidden): with
-        a decode kernel, a T = S bucket is either all decodes or mixed (decodes plus short
-        chunks), and each compiles apart; with layer staging, any step may also have
-        per-layer tables (a partly offloaded request's prefill or decode in it); with hidden steps,
-        any step may have hidden-cache sequences (never beside layer tables: the plan check
-        refuses a hidden request's layer offload)."""
+    def _variants(self, shapes: list[int]) -> list[Shape]:
+        """The steps each token bucket serves, as (T, decode_only, layered, hidden): with a
+        decode kernel, all-decode steps compile apart; with layer staging, any step may also
+        have per-layer tables (a partly offloaded request's prefill or decode in it); with
+        hidden steps, any step may have hidden-cache sequences (never beside layer tables:
+        the plan check refuses a hidden request's layer offload)."""
         layered = (False, True) if self.layer_pool is not None else (False,)
         hidden = (False, True) if self.hidden_steps else (False,)
-        return [(t, s, d, lay, h) for t, s in shapes
-                for d in ((False, True) if self.mark_decode and t == s else (False,))
+        return [(t, d, lay, h) for t in shapes
+                for d in ((False, True) if self.mark_decode and t <= self.buckets.tokens(self.buckets.max_seqs)
+                          else (False,))
                 for lay in layered
                 for h in (hidden if not lay else (False,))]
 
-    def _lower(self, x: StepInputs) -> jax.stages.Lowered:
-        return self._step.lower(self._weights, self._cache_spec, x)
-
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
-        """`x`'s bucket's step, its sequence bucket's sampler built first (or found)."""
-        self._sampler(x)
-        return self._lower(x).compile()
-
-    def _sampler(self, x: StepInputs) -> jax.stages.Compiled:
-        return SAMPLERS.get(x.temperature.shape[0], self._vocab, self._sampled_at)
-
-    def _sample(self, logits: jax.Array, x: StepInputs) -> tuple[jax.Array, jax.Array]:
-        return self._sampler(x)(logits, x.temperature, x.top_p, x.top_k, x.seeds, x.output_index)
+        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, x).compile()
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
@@ -524,15 +497,16 @@ class JaxRunner:
         shape = _shape_of(x)
         exe, built = self._executables.get(shape, lambda: self._build(x))
         if built and self.warmed_up:
-            log.warning("compiled step for new bucket (T, S, decode_only, layered, hidden)=%s "
+            log.warning("compiled step for new bucket (T, decode_only, layered, hidden)=%s "
                         "while serving", shape)
         return exe
 
-    def _padding_inputs(self, t: int, s: int, decode_only: bool = False, layered: bool = False,
+    def _padding_inputs(self, t: int, decode_only: bool = False, layered: bool = False,
                         hidden: bool = False) -> StepInputs:
         """An all-padding batch of the given bucket: writes only the scratch block."""
         z = np.zeros
         none = z(0, np.int32)
+        s = self.buckets.seqs(t)
         batch = paged_batch(none, none, none, [], num_tokens=t, num_seqs=s,
                             max_blocks=self.buckets.max_blocks_per_seq, block_size=self.block_size,
                             scratch_block=self.scratch_block, decode_only=decode_only)
@@ -546,40 +520,57 @@ class JaxRunner:
                                scratch_block=self.scratch_block, block_size=self.block_size)
         return StepInputs(dataclasses.replace(batch, meta=meta), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
-                          z(t, np.int32))
+                          np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
+        return self.dispatch(batch).result()
+
+    def dispatch(self, batch: Batch) -> PendingStep:
+        """Start the step; its outputs are read when the caller asks (`PendingStep.result`).
+        Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
+        token its sequence sampled in the previous dispatched step, read on the device."""
         layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
         self._write_layers(layer_reads)
-        n = batch.num_seqs
-        if n == 0:
-            return StepOutput.empty()
+        if batch.num_seqs == 0:
+            return _done(StepOutput.empty())
         groups = self._staging_groups(batch)
         if len(groups) > 1:
-            return _concat_outputs([self._compute(_sub_batch(batch, g)) for g in groups])
+            return _done(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
         return self._compute(batch)
 
-    def _compute(self, batch: Batch) -> StepOutput:
+    def _feed(self, batch: Batch) -> np.ndarray | None:
+        """Per batch token, the previous step's row holding it (-1: the host has it)."""
+        unknown = np.flatnonzero(batch.inputs.token_ids == PLACEHOLDER)
+        if not len(unknown):
+            return None
+        seq_of = np.repeat(batch.seq_ids, batch.query_lens)[unknown]
+        ids, rows = self._fed_rows
+        at = np.searchsorted(ids, seq_of)
+        if (at >= len(ids)).any() or (ids[np.minimum(at, len(ids) - 1)] != seq_of).any():
+            raise RuntimeError("a token not yet read that the previous step did not sample")
+        feed = np.full(batch.num_tokens, -1, np.int32)
+        feed[unknown] = rows[at]
+        return feed
+
+    def _compute(self, batch: Batch) -> PendingStep:
         """The step's compute, its copies done: partly offloaded sequences' host layers
         read into their staging blocks first, their new K/V written back after."""
-        n = batch.num_seqs
         staging = self._staging(batch)
         if staging:
             self._stream_in(batch, staging)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
-                              self.mark_decode, staging, self.hidden_layout)
-        inputs = batch.inputs
-        if inputs is not None and inputs.logprobs:
-            out = self._run_with_logprobs(x, n, batch.num_tokens,
-                                          POSITIONS if inputs.next_token_ids is not None else SAMPLED)
-        else:
-            tokens, logprobs = self._run(x)
-            out = StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n])
+                              self.mark_decode, staging, self.hidden_layout, self._feed(batch))
+        result, self.cache, self._fed = self._executable(x)(self._weights, self.cache, self._fed, x)
+        sampled = np.flatnonzero(batch.sample)
+        order = np.argsort(batch.seq_ids[sampled], kind="stable")
+        self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])
         if staging:
             self._offload_prefills(batch, staging)
-        return out
+        inputs = batch.inputs
+        return PendingStep(result, batch.num_seqs, batch.num_tokens, inputs.logprobs,
+                           inputs.next_token_ids is not None)
 
     def _staging_need(self, batch: Batch) -> dict[int, int]:
         """Staging blocks each partly offloaded sequence needs, by batch index: its context
@@ -667,24 +658,6 @@ class JaxRunner:
             else:
                 self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
 
-    def _run_with_logprobs(self, x: StepInputs, n: int, t: int, variant: int) -> StepOutput:
-        key = (_shape_of(x), variant)
-        exe = self._logprob_executables.get(key)
-        if exe is None:
-            exe = self._logprob_executables[key] = self._step_with_logprobs.lower(
-                self._weights, self.cache, x, variant).compile()
-        *outs, self.cache = exe(self._weights, self.cache, x)
-        tokens, logprobs = self._sample(outs[0], x)
-        top_ids, top_lp = outs[1]
-        positions = None
-        if variant == POSITIONS:
-            next_lp, (pos_ids, pos_lp) = outs[2]
-            positions = (np.asarray(next_lp)[:t],
-                         TopLogprobs(np.asarray(pos_ids)[:t], np.asarray(pos_lp)[:t]))
-        return StepOutput(next_tokens=np.asarray(tokens)[:n], logprobs=np.asarray(logprobs)[:n],
-                          top_logprobs=TopLogprobs(np.asarray(top_ids)[:n], np.asarray(top_lp)[:n]),
-                          position_logprobs=positions)
-
     def _move_blocks(self, batch: Batch) -> None:
         """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
         for move in batch.swap_out:
@@ -693,10 +666,6 @@ class JaxRunner:
             self.cache = self.host_kv.swap_in(self.cache, move)
         for seq_id in batch.host_dropped:
             self.host_kv.drop(seq_id)
-
-    def _run(self, x: StepInputs) -> tuple[jax.Array, jax.Array]:
-        logits, self.cache = self._executable(x)(self._weights, self.cache, x)
-        return self._sample(logits, x)
 
     @property
     def num_compiled(self) -> int:

@@ -1,28 +1,6 @@
-"""The GPU's work as measured: kernel efficiencies fitted to published A100 profiles.
-
-The roofline (`cost_model.RooflineCostModel`) prices a step's GPU work at conventional
-fractions of the datasheet peaks. This model prices each kernel as it was measured on A100s
-instead (`jserve.benchmarking.published_fit` fits it; `bench/calibrate_sim.py` prints the
-fits and their residuals):
-
-- linear layers: `launch + max(bytes / (HBM * weight_mbu), FLOPs / (peak * gemm_mfu))` per
-  projection per layer (QKV, output, the MLP's two), and the LM head on one row per sequence
-  (vLLM computes logits only for each sequence's last token);
-- element-wise kernels (norms, activation, rotary, residual adds): a launch plus the bytes
-  they read and write (`elementwise_bytes`) at `elementwise_mbu` of HBM bandwidth, per layer;
-- prefill attention: FlashAttention's measured rates, one against a chunk's own tokens
-  (`q*q`, about a third of peak) and one against its cached prefix (`q*s`);
-- decode attention: a launch plus the K/V the batch reads at `kv_mbu` of HBM bandwidth.
-
-The serving stack around those kernels is a separate, named `EngineOverhead` profile
-(`jserve.runners.engine_overhead`): its CPU time, its workers' cost under tensor
-parallelism, eager launches or CUDA graphs, and its kernels' slowdown.
-
-Everything else a step may do (swaps, LayerKV's layer copies, Apt-Serve's hidden-cache
-recompute, tensor parallelism's all-reduces) is priced as the roofline prices it, with the
-measured GEMM and bandwidth efficiencies. The efficiencies are fractions of the hardware's
-peaks, so on another entry of `jserve.runners.hardware` they scale by its datasheet: an
-estimate wherever the entry is not the A100 they were measured on (`estimated_on`).
+"""The GPU's work as measured: kernel efficiencies fitted to published A100 profiles
+(`jserve.benchmarking.published_fit`) in place of the roofline's conventional fractions of the
+datasheet peaks. How each kernel is priced: docs/simulator.md, The measured cost model.
 """
 
 from __future__ import annotations

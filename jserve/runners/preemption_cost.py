@@ -1,22 +1,7 @@
-"""Fitting CacheOpt's preemption latency curves (`jserve.engine.preemption_costs`) to a
-profile, as the paper's Section 3.5 does: time recompute and swap over a range of sequence
-lengths, fit `L_r(S) = a*S**b + k*S + e` and `L_s(S) = g*S + d` (a line), and solve
-`L_r = L_s` for the sweet spot.
-
-Section 3.5 writes the recompute regressor with a fitted exponent `b` (its beta_r), while
-Section 2.5 says recompute grows quadratically (O(s^2), Figure 8). We read it as the
-quadratic, `b = 2` by default: a fitted exponent over a profile that attention does not yet
-dominate comes out near 1 and then extrapolates the crossing badly. `exponent=None` scans b.
-
-The profile comes from a cost model (`profile_cost_model`: recompute = the step time of a
-prefill of S tokens, swap = the steps' wait for S tokens' blocks out and back in, priced by
-the model's `SwapPath`) or from the real runner (`jserve.runners.profiling.measure_preemption`).
-
-Both fits are plain (unweighted) non-negative least squares: no term may make a latency
-fall with S. Unweighted, the long sequences set the fit, and with them the curves' slopes
-that decide where they cross; weighting by 1/latency was tried and, on the cost model's
-OPT-13B profile (a memory-bound floor, then linear), bent the quadratic enough to put a
-crossing at 1.3k tokens where swap is faster at every profiled length.
+"""Fitting CacheOpt's preemption latency curves (`jserve.engine.preemption_costs`) to a profile
+of a cost model or of the real runner, as the paper's Section 3.5 does, and solving for the
+sweet spot where they cross. Why the recompute curve is quadratic and the fits unweighted, with
+what the alternatives gave: docs/policies.md, CacheOpt's preemption costs.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""On-device token selection for a batch with per-request sampling settings.
-
-Nothing here sorts the vocabulary unless it must. Sorting 49,152 logits per row made a
-sampled decode step of SmolLM2 about 3x a greedy one on CPU (issue 30), and so did the
-obvious replacement, `jax.random.categorical`: its Gumbel noise draws one random number per
-vocabulary entry per row. Instead:
-
-- a row is drawn by inverse CDF in two levels (`_draw`): a block of `BLOCK` tokens with
-  probability its mass, then a token within it, from two uniforms per row; each level is a
-  cumulative sum over a few hundred values, so a draw costs about one pass over the logits
-  (an exponential and a sum);
-- top-k and top-p only set a cutoff logit below which tokens are dropped (`_cutoffs`). The
-  cutoff is found among the `CANDIDATES` largest logits (`lax.top_k`) when it provably lies
-  there: top_k <= CANDIDATES, and the candidates' mass reaches top_p (the nucleus is the
-  shortest prefix of the sorted row reaching top_p, so it then ends inside them). Otherwise
-  the batch bisects for the same cutoff over the whole row (`_bisected_cutoffs`), a few
-  rows at a time on a CPU (`rows_per_pass`), where rows the candidates settled skip it;
-- neither is done for a batch that does not need it (`lax.cond`): an all-greedy batch only
-  takes argmaxes, and plain temperature sampling never looks for a cutoff.
+"""On-device token selection for a batch with per-request sampling settings, never sorting the
+vocabulary unless it must: a two-level inverse-CDF draw, top-k / top-p cutoffs found among the
+largest logits where they provably lie and by bisection over the row only where they do not,
+and neither for a batch that does not need it. How, and what sorting cost: docs/serving.md,
+Sampling.
 """
 
 from __future__ import annotations

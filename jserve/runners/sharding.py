@@ -1,33 +1,7 @@
 """Tensor parallelism for the JAX runner: a device mesh, Megatron-style weight shardings and a
-KV cache sharded by KV head, all through JAX's own machinery (GSPMD places the collectives).
-
-One mesh axis, `tp`, over `tensor_parallel_size` devices (across hosts too, once
-`jax.distributed.initialize` has run: see `jserve.runners.multihost`). Weights are split by
-their path in the model's `nnx.State`:
-
-- column-parallel (output dimension split): attention q/k/v and the MLP's gate/up (Llama
-  `wq wk wv w_gate w_up`, OPT `q_proj k_proj v_proj fc1`, their biases too), so each device
-  computes whole heads and a slice of the MLP's inner dimension;
-- row-parallel (input dimension split): Llama `wo w_down`, OPT `out_proj fc2`, whose partial
-  products GSPMD sums with one all-reduce each; their biases are replicated and added after;
-- everything else (norms, embeddings, the LM head) replicated, so the logits need no
-  collective and every device samples the same tokens.
-
-A step therefore has exactly two all-reduces per layer (after attention, after the MLP).
-
-The paged KV cache, one `[blocks + 1, block_size, kv_heads, head_dim]` array per layer, is
-split on its KV-head axis: a block id means the same block on every shard, so bookkeeping,
-policies and the plan never know. Attention runs per shard (`ShardedAttention`, a
-`shard_map` over the head axis around whichever backend, jnp reference or Pallas kernels),
-each device attending with its own query heads and the KV heads they read.
-
-GQA with fewer KV heads than devices (`tensor_parallel_size % num_kv_heads == 0`): as vLLM
-does, each device holds the one KV head its query heads use. Here that is done by
-repeating the k/v projection's columns (`replicate_kv_heads`): KV head `j` becomes heads
-`j * r .. j * r + r - 1` with `r = tensor_parallel_size / num_kv_heads`, so the model has
-`tensor_parallel_size` KV heads, one per shard, and query head `h` still reads original KV
-head `h // (num_heads / num_kv_heads)`. The cache then holds `r` copies of each KV head
-(one per device that needs it), which the block sizing counts.
+KV cache sharded by KV head, all through JAX's own machinery (GSPMD places the collectives: two
+all-reduces a layer). Which weights split how, and GQA with fewer KV heads than devices:
+docs/serving.md, Tensor parallelism.
 """
 
 from __future__ import annotations
@@ -73,7 +47,7 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
 
 def sharded_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     """`cfg` as the runner holds it over `tensor_parallel_size` devices: KV heads repeated up
-    to one per device where there are fewer (see the module doc). Refuses shapes that do not
+    to one per device where there are fewer (see docs/serving.md). Refuses shapes that do not
     split evenly."""
     tp = tensor_parallel_size
     for name, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):

@@ -1,25 +1,6 @@
-"""The simulator's step-time models by name (`EngineConfig.cost_model`, `--cost-model`), each
-with the serving stack it charges (`EngineConfig.engine_overhead`, `--engine-overhead`).
-
-A step's time is the GPU's work plus the stack's own overhead (`engine_overhead`):
-
-- `measured` (the default): the GPU's work as Vidur's A100 kernel profiles price it
-  (`MeasuredCostModel`); on other hardware the same fractions of its datasheet peaks, an
-  estimate (`CostModelInfo.estimate`).
-- `roofline`: the ideal `RooflineCostModel` (conventional MFU 0.6 / MBU 0.8), for what-if
-  questions.
-- A paper's testbed (`apt-serve`, `layerkv`): the measured kernels on the paper's GPU under
-  the paper's serving stack, as the paper states them; each refuses other hardware and
-  other stacks. No term is fitted to the paper: `bench/testbeds.py` prints the figures the
-  paper states of its vLLM beside the testbed's. CacheOpt and T-LRU state neither a step
-  time nor a vLLM capacity of their testbeds: they run on `measured`.
-
-The stack defaults to `DEFAULT_ENGINE_OVERHEAD` under `measured`: vLLM 0.2.3's API server,
-the one stack fitted to real online serving runs (DistServe's, with arrivals, which is what
-`jserve bench` with a rate simulates). An offline throughput question (`--rate inf`, as
-vLLM's benchmark_throughput) should name its stack: `--engine-overhead vllm-0.4-offline`.
-The roofline keeps a flat 2 ms a step unless a stack is named. A `--profile` from `jserve
-profile` overrides all of them: it measures jserve's own runner.
+"""The simulator's step-time models by name (`--cost-model`), each with the serving stack it
+charges (`--engine-overhead`): `measured` (the default), `roofline` and the papers' testbeds.
+Which stack each defaults to and why: docs/simulator.md, Cost models by name.
 """
 
 from __future__ import annotations

@@ -493,21 +493,10 @@ def bind(config: ServerConfig) -> socket.socket:
     return socket.create_server((config.host, config.port), family=family, backlog=2048)
 
 
-def warm_every_bucket(llm: LLM) -> None:
-    """Compile every (tokens, sequences) bucket a schedule can meet under the engine's limits
-    (`Buckets.all_shapes`), beyond the few `LLM` warms for offline use, so no request of a
-    burst waits on a compile. Left to first use: the log-probability variants of the step."""
-    config = llm.engine_config
-    if config.warmup:
-        llm.runner.warmup(progress=True, shapes=llm.runner.buckets.all_shapes(),
-                          background=config.background_compile)
-
-
 def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM (blocking), on `sock` if given (see `bind`). After its
     graceful shutdown uvicorn raises the signal again, as its default handler would: SIGTERM
     then ends the process (status 143), SIGINT arrives here as KeyboardInterrupt."""
-    warm_every_bucket(llm)
     with suppress(KeyboardInterrupt):
         JServeServer(build_app(llm, config)).run(sockets=None if sock is None else [sock])
 
