@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.cache_features.hidden_cache.section import CacheType, section
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 
@@ -65,7 +66,7 @@ class ForcedHiddenCache:
             seq = int(r.seq_id[i])
             run[seq], allocate[seq], types[seq] = tokens, need, kind
             free, budget = free - need, budget - tokens
-        return Plan(run=run, allocate=allocate, cache_type=types) if run else None
+        return Plan(run=run, allocate=allocate, features=section(types)) if run else None
 
     def _decodes(self, view: SchedulerView) -> Plan:
         r = view.requests
@@ -101,4 +102,4 @@ class ForcedHiddenCache:
                 run[seq], allocate[seq], types[seq] = tokens, blocks, new
                 free = room - blocks
         return Plan(run=run, allocate={s: n for s, n in allocate.items() if n}, preempt=preempt,
-                    cache_type=types)
+                    features=section(types))

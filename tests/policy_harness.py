@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache_features.hidden_cache.section import cache_types
 from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
@@ -245,7 +246,7 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
     after = {s: plan.layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(plan.layers)}
     freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
-        s for s, t in plan.cache_type.items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
+        s for s, t in cache_types(plan).items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
     back_whole = [s for s, x in plan.layers.items() if x == L and s in partial]
@@ -259,8 +260,9 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert all(n >= 0 for n in plan.allocate.values())
     # Hidden cache (Apt-Serve): a running request whose type changes discards its blocks
     # and recomputes from its first token in this plan.
-    kind = {s: int(plan.cache_type.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
-    switched = {s for s, t in plan.cache_type.items()
+    types = cache_types(plan)
+    kind = {s: int(types.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
+    switched = {s for s, t in types.items()
                 if s in running and s not in plan.preempt and t != r.cache_type[row[s]]}
     assert switched <= set(plan.run), "a running request switches cache type without running"
     for s, n in plan.run.items():

@@ -14,6 +14,7 @@ import pytest
 from policy_harness import Harness, spec
 
 from jserve.builder import build_engine
+from jserve.cache_features.hidden_cache.section import cache_types
 from jserve.config import EngineConfig
 from jserve.engine.request import RUNNING
 from jserve.engine.sampling_params import SamplingParams
@@ -211,7 +212,7 @@ class _Upgrades:
         r = view.requests
         hidden = (r.status == RUNNING) & (r.cache_type == HIDDEN)
         for seq in r.seq_id[hidden].tolist():
-            if plan.cache_type.get(seq) == KV:
+            if cache_types(plan).get(seq) == KV:
                 self.in_step += seq in plan.run and seq not in plan.preempt
                 self.preempted += seq in plan.preempt
         return plan

@@ -8,16 +8,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
-class CacheType(enum.IntEnum):
-    """What a request's cache blocks hold (Apt-Serve's hybrid cache, Section 4.3): every
-    layer's K and V (`KV`), or every layer's attention input rows (`HIDDEN`, after the
-    attention norm), from which each step recomputes K and V. A hidden block holds
-    `SchedulerView.hidden_block_tokens` tokens (twice `block_size` for MHA models)."""
-
-    KV = 0
-    HIDDEN = 1
-
-
 class PreemptMode(enum.Enum):
     RECOMPUTE = "recompute"  # drop the KV; the request re-prefills prompt + output later
     SWAP = "swap"  # move the KV to host memory; a later plan swaps it back in
@@ -65,21 +55,11 @@ class Plan:
     Blocks a preemption frees may serve a swap-in or an allocation of the same plan: the
     runner copies swapped-out blocks before anything writes to them.
 
-    `cache_type`: a request's `CacheType` after this plan (absent: unchanged; a new request
-    starts as `KV`). The type of a request that holds no device blocks (waiting, new or
-    preempted by recompute, this plan's preemptions included) is simply set: it takes its
-    blocks in that type when a plan allocates to it. A running request whose type changes
-    switches the paper's way (Section 5: discard and recompute) within this plan: its
-    blocks are released right after the preemptions, before any take (so they may serve
-    this plan's allocations), its computed tokens drop to 0, and it must be in `run`,
-    recomputing from its first token in the new type (a whole re-prefill, or a first chunk
-    with a chunked-prefill policy); `allocate` counts blocks of the new type. A switch is
-    not a preemption (the request keeps running; `num_preemptions` is unchanged). A hidden
-    request is never swapped (preempt it by recompute), never shares prefix-cache blocks (a
-    hidden request needs an engine without a prefix cache) and keeps every layer on the
-    device (no `layers` below the model's); a swapped or partly offloaded request cannot
-    change type; a model whose block holds no hidden row (`hidden_block_tokens == 0`)
-    cannot use `HIDDEN`. A plan that sets types does not repeat.
+    `features`: each cache feature's section of the plan, by the feature's name
+    (`jserve.cache_features`; a policy builds one through that feature's `section` module).
+    The core checks and books whole blocks; each feature checks its section against the
+    state and books it in its place in the order above. A plan with a section does not
+    repeat.
 
     `repeat`: how many steps in a row, this one included, the policy would plan the same
     decodes: every request in `run` computes its one new token, growing its table by a
@@ -98,10 +78,10 @@ class Plan:
     evict: frozenset[int] = frozenset()  # physical block ids
     repeat: int = 1
     layers: Mapping[int, int] = field(default_factory=dict)
-    cache_type: Mapping[int, CacheType] = field(default_factory=dict)
+    features: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("run", "allocate", "preempt", "reserve", "layers", "cache_type"):
+        for name in ("run", "allocate", "preempt", "reserve", "layers", "features"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
         object.__setattr__(self, "evict", frozenset(int(b) for b in self.evict))

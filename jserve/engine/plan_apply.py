@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache_features.protocol import CacheFeature
+from jserve.cache_features.registry import block_tokens
 from jserve.engine.batch import BlockMove
 from jserve.engine.layer_residency import LayerChange, LayerMoves, LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import CacheType, PreemptMode
+from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
@@ -49,15 +51,15 @@ class PlanApplier:
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
     residency: LayerResidency
-    hidden_block_tokens: int = 0  # tokens a block holds as hidden rows (Apt-Serve)
+    features: tuple[CacheFeature, ...] = ()
 
     def apply(self, checked: CheckedPlan, now: float) -> Moves:
         plan = checked.plan
         swap_out = self._preempt(checked, now)
-        if plan.cache_type:
-            self._set_cache_types(checked)
         if plan.evict:
             swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
+        for feature, section in zip(self.features, checked.sections):
+            feature.release(section)
         changes = self._release_layers(checked) if plan.layers else []
         swap_in = self._swap_in(sorted(plan.swap_in))
         layer_moves = LayerMoves() if plan.layers else None
@@ -99,25 +101,9 @@ class PlanApplier:
             self.live.awaiting_run.add(seq_id)
         return swap_out
 
-    def _set_cache_types(self, checked: CheckedPlan) -> None:
-        """Set the plan's cache types; a running request that switches discards its blocks
-        (before any take, like a recompute preemption) and recomputes from its first token
-        in this plan's run (`Plan.cache_type`)."""
-        cols = self.live.cols
-        for seq_id in cols.seq_id[checked.switch_rows].tolist():
-            self.blocks.free(seq_id)
-        rows = checked.switch_rows
-        cols.num_blocks[rows] = 0
-        cols.num_computed[rows] = 0
-        cols.reserved_blocks[rows] = 0
-        cols.cache_type[checked.type_rows] = checked.types
-
     def block_tokens(self, rows: np.ndarray) -> np.ndarray | int:
-        """Tokens one block of each of `rows` holds, by its cache type."""
-        if not self.hidden_block_tokens:
-            return self.blocks.block_size
-        return np.where(self.live.cols.cache_type[rows] == CacheType.HIDDEN, self.hidden_block_tokens,
-                        self.blocks.block_size)
+        """Tokens one block of each of `rows` holds (a cache feature's may differ)."""
+        return block_tokens(self.features, self.blocks.block_size, rows)
 
     def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:
         cols, swap_in = self.live.cols, []
@@ -158,7 +144,7 @@ class PlanApplier:
     def decode_growth(self, rows: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
         """For `steps` more one-token decodes of `rows`: how many blocks each fills, and
         at which step (1-based) each row takes its first new one (then one every
-        `block_size` steps, or `hidden_block_tokens` for a hidden request). Step `j`
+        `block_tokens` steps). Step `j`
         computes position `num_computed + j - 1`."""
         cols, bs = self.live.cols, self.block_tokens(rows)
         first = cols.num_blocks[rows] * bs - cols.num_computed[rows] + 1

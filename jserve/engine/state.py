@@ -24,6 +24,8 @@ from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixIndex
+from jserve.cache_features.protocol import StateParts
+from jserve.cache_features.registry import build_features
 from jserve.engine.admission import Admission, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
@@ -111,14 +113,15 @@ class EngineState:
                        if self.prefix is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
                                     eos_token_id, self.load, self._reuse, num_layers)
-        if hidden_block_tokens < 0 or hidden_block_cost < 0:
-            raise ValueError(f"hidden_block_tokens and hidden_block_cost must be >= 0, got "
-                             f"{hidden_block_tokens}, {hidden_block_cost}")
+        if hidden_block_cost < 0:
+            raise ValueError(f"hidden_block_cost must be >= 0, got {hidden_block_cost}")
         self.hidden_block_tokens, self.hidden_block_cost = hidden_block_tokens, hidden_block_cost
+        self.features = build_features(StateParts(self.live, self.blocks, self.host_blocks, self._reuse),
+                                       hidden_block_tokens=hidden_block_tokens, num_layers=num_layers)
         self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
-                                    self.residency, hidden_block_tokens)
+                                    self.residency, self.features)
         self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.residency,
-                                    hidden_block_tokens)
+                                    self.features)
         self._batches = BatchBuilder(self.live, self.blocks, self.residency)
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
@@ -246,10 +249,11 @@ class EngineState:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
-        strings, streamed text), when the step moved blocks or ran hidden-cache requests,
+        strings, streamed text), when the step moved blocks or a cache feature forbids it,
         or with a prefix cache (whose evictions a rule chooses step by step). `PlanError` if the free blocks do not
         cover the growth the policy promised."""
-        if wanted < 1 or self._reuse is not None or batch.moves_blocks or batch.hidden is not None:
+        if (wanted < 1 or self._reuse is not None or batch.moves_blocks
+                or not all(f.allows_repeat(batch) for f in self.features)):
             return 0
         seq_ids = batch.seq_ids.tolist()
         rows = self.live.rows(seq_ids)
@@ -277,4 +281,4 @@ class EngineState:
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
         check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.residency,
-                         self.hidden_block_tokens)
+                         self.features)

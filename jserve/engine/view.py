@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from jserve.engine.plan import CacheType
+from jserve.cache_features.hidden_cache.section import CacheType
 from jserve.engine.request_table import RequestArrays
 
 Tokens = TypeVar("Tokens", int, np.ndarray)

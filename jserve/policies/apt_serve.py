@@ -94,7 +94,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.cache_features.hidden_cache.section import CacheType, cache_types, section
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, GreedyRules, greedy_types
@@ -214,13 +215,13 @@ class AptServePolicy:
         tokens = np.minimum(remaining, max(budget, 1)) if self.chunked_prefill else remaining
         c = self.candidates(view, waiting, tokens)
         choice = self._choose(view, waiting, c, Bounds(blocks=free, tokens=budget, seqs=lim.max_num_seqs - kept))
-        run, allocate, types = dict(decodes.run), dict(decodes.allocate), dict(decodes.cache_type)
+        run, allocate, types = dict(decodes.run), dict(decodes.allocate), dict(cache_types(decodes))
         for k in np.flatnonzero(choice != NONE):  # arrival order
             seq = int(r.seq_id[waiting[k]])
             run[seq] = int(tokens[k])
             allocate[seq] = int((c.kv_blocks if choice[k] == KV else c.hidden_blocks)[k])
             types[seq] = CacheType(int(choice[k]))
-        return Plan(run=run, allocate=allocate, preempt=decodes.preempt, cache_type=types)
+        return Plan(run=run, allocate=allocate, preempt=decodes.preempt, features=section(types))
 
     def _budget(self, view: SchedulerView) -> int:
         lim = view.limits.max_num_batched_tokens
@@ -264,7 +265,7 @@ class AptServePolicy:
             preempt[seq], types[seq] = PreemptMode.RECOMPUTE, CacheType(int(choice[k]))
         for k in np.flatnonzero(choice == NONE):
             preempt[int(r.seq_id[running[k]])] = PreemptMode.RECOMPUTE
-        return Plan(run=run, allocate=allocate, preempt=preempt, cache_type=types)
+        return Plan(run=run, allocate=allocate, preempt=preempt, features=section(types))
 
 
     def _upgrades(self, view: SchedulerView, running: np.ndarray, upgrade: np.ndarray, budget: int) -> list[int]:

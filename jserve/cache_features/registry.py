@@ -1,0 +1,40 @@
+"""Every cache feature the engine knows, one line each: adding a feature is its folder and
+a line here. Each entry builds the feature for one engine from the state's parts and the
+engine's options (a feature reads the options it needs and ignores the others)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from jserve.cache_features.hidden_cache.feature import HiddenCache
+from jserve.cache_features.protocol import CacheFeature, StateParts
+from jserve.engine.plan import Plan
+from jserve.errors import PlanError
+
+FEATURES: tuple[Callable[..., CacheFeature], ...] = (
+    HiddenCache.build,
+)
+
+
+def build_features(parts: StateParts, **options: object) -> tuple[CacheFeature, ...]:
+    return tuple(build(parts, **options) for build in FEATURES)
+
+
+def check_sections_known(plan: Plan, features: tuple[CacheFeature, ...]) -> None:
+    unknown = set(plan.features) - {f.name for f in features}
+    if unknown:
+        raise PlanError(f"plan has sections of unknown cache features {sorted(unknown)}")
+
+
+def block_tokens(features: tuple[CacheFeature, ...], block_size: int, rows: np.ndarray,
+                 plan: Plan | None = None) -> np.ndarray | int:
+    """Tokens one block of each of `rows` holds (after `plan` when given): `block_size`
+    unless a feature says otherwise."""
+    tokens: np.ndarray | int = block_size
+    for feature in features:
+        found = feature.block_tokens(rows, plan)
+        if found is not None:
+            tokens = found
+    return tokens
