@@ -21,6 +21,7 @@ import numpy as np
 
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
+from jserve.cache_features.layer_offload.section import section
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
@@ -161,7 +162,7 @@ class ForcedLayerOffload:
         if not run and not preempt and not layers and len(offloaded):
             preempt[int(r.seq_id[offloaded[-1]])] = PreemptMode.RECOMPUTE
         return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=inner.swap_in,
-                    reserve=inner.reserve, layers=layers,
+                    reserve=inner.reserve, features=section(layers),
                     repeat=inner.repeat if not len(offloaded) and not layers else 1)
 
     def _decode_from_host(self, view: SchedulerView, offloaded: np.ndarray, run: dict[int, int],
@@ -249,6 +250,6 @@ def identical_to_roomy_run(llm: LLM, loaded: LoadedModel, prompts: list[list[int
     llm.runner.execute = counting
     assert greedy_ids(llm, prompts, max_tokens) == expected
     state = llm.engine.state
-    assert state.blocks.num_free == state.blocks.num_blocks and not state.residency.partial
-    assert int(state.residency.slab.used.sum()) == 0 and int(state.residency.host_slab.used.sum()) == 0
+    assert state.blocks.num_free == state.blocks.num_blocks and not state.feature("layer_offload").residency.partial
+    assert int(state.feature("layer_offload").residency.slab.used.sum()) == 0 and int(state.feature("layer_offload").residency.host_slab.used.sum()) == 0
     return seen

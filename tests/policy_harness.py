@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cache_features.hidden_cache.section import cache_types
+from jserve.cache_features.layer_offload.section import kept
 from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
@@ -244,17 +245,18 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
     L = view.num_layers
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
-    after = {s: plan.layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(plan.layers)}
+    layers = kept(plan)
+    after = {s: layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(layers)}
     freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
         s for s, t in cache_types(plan).items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
-    back_whole = [s for s, x in plan.layers.items() if x == L and s in partial]
+    back_whole = [s for s, x in layers.items() if x == L and s in partial]
     whole += sum(int(r.num_blocks[row[s]]) for s in back_whole)
     # A request getting every layer back may reuse its own split blocks once its slots are
     # released, which the view does not show: the engine's checker counts that exactly.
     assert back_whole or whole + back <= view.num_free_blocks + freed, "allocates more than is free"
-    assert set(plan.layers) <= set(row) and all(0 <= x <= L for x in plan.layers.values())
+    assert set(layers) <= set(row) and all(0 <= x <= L for x in layers.values())
     to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
     assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
@@ -417,7 +419,7 @@ class Harness:
         held = self.state.blocks.num_held(seq)
         unheld_before = self._num_unheld()
         shared = int((self.state.blocks.ref_counts[self.state.blocks.table(seq)] > 1).sum())
-        res = self.state.residency
+        res = self.state.feature("layer_offload").residency
         part = res.partial.get(seq)
         slots_before = int(res.slab.used.sum())
         req = self.engine.abort(rid)
@@ -476,10 +478,10 @@ class Harness:
         assert {s for s in bm.seq_ids() if bm.num_held(s)} <= set(st_.requests), "blocks held by an ended request"
         assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING,
                                   RequestStatus.SWAPPED, RequestStatus.OFFLOADED]).all()
-        partial = st_.residency.partial
+        partial = st_.feature("layer_offload").residency.partial
         assert set(partial) == {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
         slots = sum(len(t) for part in partial.values() for t in part.device.values())
-        assert slots == int(st_.residency.slab.used.sum()), "device layer slots held != used"
+        assert slots == int(st_.feature("layer_offload").residency.slab.used.sum()), "device layer slots held != used"
         assert view.num_free_layer_blocks + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
         swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
         # The runner hears of a request that ended while swapped at the next step.

@@ -17,6 +17,7 @@ from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 
 from jserve.engine.batch import StepOutput
 from jserve.cache_features.hidden_cache.section import CacheType, cache_types, section
+from jserve.cache_features.layer_offload.section import section as layer_section
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
@@ -118,8 +119,8 @@ def test_hidden_is_refused_where_unnatural() -> None:
     _step(h, Plan(run={0: 17}, allocate={0: 1}, features=section({0: CacheType.HIDDEN})))
     with pytest.raises(PlanError, match="preempted by recompute, never swapped"):
         h.state.apply(Plan(preempt={0: PreemptMode.SWAP}), 0.0)
-    with pytest.raises(PlanError, match="keeps every layer on the device"):
-        h.state.apply(Plan(layers={0: 0}), 0.0)
+    with pytest.raises(PlanError, match="layer_offload and hidden_cache cache features cannot both hold it"):
+        h.state.apply(Plan(features=layer_section({0: 0})), 0.0)
     # preempted by recompute, it may come back as KV
     _step(h, Plan(preempt={0: PreemptMode.RECOMPUTE}, features=section({0: CacheType.KV})))
     _step(h, Plan(run={0: 18}, allocate={0: 2}))

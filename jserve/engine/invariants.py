@@ -7,28 +7,23 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache.layers import kept_layers
 from jserve.cache.prefix import PrefixIndex
 from jserve.cache_features.protocol import CacheFeature
 from jserve.cache_features.registry import block_tokens
-from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
+from jserve.engine.request import SWAPPED, WAITING
 
 
-_ROW_COLUMNS = ("seq_id", "status", "device_layers", "num_blocks", "num_host_blocks",
+_ROW_COLUMNS = ("seq_id", "status", "num_blocks", "num_host_blocks",
                 "num_computed", "num_tokens", "max_len")
 
 
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
-                     prefix: PrefixIndex | None, residency: LayerResidency,
-                     features: tuple[CacheFeature, ...] = ()) -> None:
+                     prefix: PrefixIndex | None, features: tuple[CacheFeature, ...] = ()) -> None:
     blocks.check_invariants()
     live_seqs = set(live.requests)
-    residency.check_invariants(live_seqs)
     for feature in features:
         feature.check_invariants(prefix is not None)
-    num_layers = residency.num_layers
     if host_blocks is not None:
         host_blocks.check_invariants()
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
@@ -39,20 +34,12 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
     # after every step of the property tests) most of its time.
     tokens = np.broadcast_to(block_tokens(features, blocks.block_size, rows), rows.shape)
     per_row = zip(live.items(), tokens.tolist(), *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
-    for (seq_id, _), bs, row_seq, status, device_layers, num_blocks, num_host_blocks, \
+    owned = {s for feature in features for s in feature.own_blocks()}  # checked by their feature
+    for (seq_id, _), bs, row_seq, status, num_blocks, num_host_blocks, \
             num_computed, num_tokens, max_len in per_row:
         assert row_seq == seq_id
-        part = residency.partial.get(seq_id)
-        assert (part is None) == (device_layers == num_layers), f"seq {seq_id} layers"
-        if part is not None:  # prefilled, some layers' KV on the host
-            assert status == OFFLOADED, f"partly offloaded seq {seq_id} is {status}"
-            assert part.kept == kept_layers(num_layers, device_layers)
-            assert num_blocks == part.num_blocks, f"seq {seq_id} layer blocks"
-            # 0 between the plan that prefills it keeping some layers and that step's commit
-            assert 0 <= num_computed <= part.num_blocks * bs
-            assert num_host_blocks == 0 and host_blocks.num_held(seq_id) == 0
+        if owned and seq_id in owned:
             continue
-        assert status != OFFLOADED, f"seq {seq_id} offloaded with every layer on the device"
         assert num_blocks == blocks.num_held(seq_id), f"seq {seq_id} blocks"
         assert 0 <= num_computed <= num_tokens <= max_len
         assert status == WAITING or num_computed <= (num_blocks + num_host_blocks) * bs

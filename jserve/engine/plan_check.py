@@ -16,16 +16,14 @@ from itertools import repeat
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache.prefix import PrefixHit
 from jserve.cache_features.protocol import CacheFeature, SectionCheck
-from jserve.cache_features.registry import block_tokens, check_sections_known
-from jserve.engine.layer_residency import LayerResidency
+from jserve.cache_features.registry import block_tokens, check_sections_known, refuse_shared
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.refusal import member, not_live, refuse_first, values
-from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
+from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 
@@ -44,31 +42,12 @@ class CheckedPlan:
     run_lens: np.ndarray
     reserve_rows: np.ndarray
     reserve_counts: np.ndarray
-    layer_rows: np.ndarray  # rows of `plan.layers`' requests, in its order
-    partial_allocations: frozenset[int]  # seq ids whose allocation is layer slots
+    own_allocations: frozenset[int]  # seq ids whose allocation a cache feature books
     sections: tuple[SectionCheck, ...]  # each cache feature's, in the registry's order
     discarded: np.ndarray  # running requests a feature's section discards (recompute from 0)
 
 
 _NO_ROWS = np.zeros(0, np.int64)
-_NO_SEQS: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class LayerDemand:
-    """What a plan's layer residency changes take (`_check_layers`): whole blocks beyond
-    `fresh_blocks`' count, layer slots per layer on the device and the host, and the room
-    their releases (done before any take) leave: blocks merged back to whole and free slots
-    per layer, on each side."""
-
-    whole: int
-    device: np.ndarray
-    host: np.ndarray
-    merged: int
-    free_slots: np.ndarray
-    host_merged: int
-    host_free_slots: np.ndarray
-    partial_allocations: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -78,7 +57,6 @@ class PlanChecker:
     host_blocks: BlockManager | None
     limits: SchedulerLimits
     reuse: PrefixReuse | None
-    residency: LayerResidency
     features: tuple[CacheFeature, ...] = ()
 
     def check(self, plan: Plan) -> CheckedPlan:
@@ -87,6 +65,7 @@ class PlanChecker:
         self._check_swap_ins(plan)
         check_sections_known(plan, self.features)
         sections = tuple(feature.check(plan) for feature in self.features)
+        refuse_shared(plan, self.features, sections)
         switch_rows = np.concatenate([_NO_ROWS, *(c.discarded for c in sections)])
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
@@ -98,16 +77,15 @@ class PlanChecker:
         hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
         self._check_evictions(plan, released, hits)
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
-        layer_rows, layers = self._check_layers(plan)
-        wanted = self.fresh_blocks(plan, hits) + (0 if layers is None else layers.whole)
+        wanted = self.fresh_blocks(plan, hits) + sum(c.whole_taken for c in sections)
         available = (self.blocks.num_free + self._uncached(released) + len(plan.evict)
-                     + (0 if layers is None else layers.merged))
+                     + sum(c.whole_freed for c in sections))
         if wanted > available:
             from_host = self._swapped_in_blocks(plan)
             swapping = f" ({from_host} of them to swap in)" if from_host else ""
             raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
-        if layers is not None:
-            self._check_layer_room(layers, available - wanted, to_host)
+        for feature, checked in zip(self.features, sections):
+            feature.check_room(checked, available - wanted, to_host)
         lim = self.limits
         if len(plan.run) > lim.max_num_seqs:
             raise PlanError(f"plan runs {len(plan.run)} sequences, max_num_seqs is {lim.max_num_seqs}")
@@ -121,8 +99,8 @@ class PlanChecker:
         if plan.repeat != 1:
             self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
-                           run_rows, run_lens, reserve_rows, reserve_counts, layer_rows,
-                           _NO_SEQS if layers is None else layers.partial_allocations,
+                           run_rows, run_lens, reserve_rows, reserve_counts,
+                           frozenset().union(*(c.own_allocations for c in sections)),
                            sections, switch_rows)
 
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
@@ -139,9 +117,6 @@ class PlanChecker:
              lambda i: f"seq {seq_ids[i]}: only running requests can be preempted"),
             (swap & (self.host_blocks is None),
              lambda i: f"seq {seq_ids[i]}: swap preemption needs a host KV tier (num_host_blocks > 0)"),
-            (swap & offloaded,
-             lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute, or "
-                       "offload its other layers (Plan.layers)"),
         ])
         return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
 
@@ -233,81 +208,13 @@ class PlanChecker:
         ])
         return rows, n
 
-    def _check_layers(self, plan: Plan) -> tuple[np.ndarray, LayerDemand | None]:
-        """Rows of `plan.layers`' requests and what the plan's residency changes take
-        (None when it changes nothing and no request is partly offloaded)."""
-        res = self.residency
-        if not plan.layers and not res.partial:
-            return _NO_ROWS, None
-        L, cols = res.num_layers, self.live.cols
-        seq_ids, rows, xs = list(plan.layers), self.live.rows(plan.layers), values(plan.layers)
-        status = cols.status[rows]
-        offload = xs < L
-        refuse_first(seq_ids, [
-            not_live(seq_ids, rows, "set the layers of"),
-            ((xs < 0) | (xs > L), lambda i: f"seq {seq_ids[i]}: cannot keep {xs[i]} of {L} layers"),
-            (member(seq_ids, plan.preempt),
-             lambda i: f"seq {seq_ids[i]}: layers set and preempted in the same plan"),
-            ((status == SWAPPED) | member(seq_ids, plan.swap_in),
-             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in in an earlier plan before "
-                       "setting its layers"),
-            (offload & (self.reuse is not None),
-             lambda i: f"seq {seq_ids[i]}: layer offload cannot share blocks with a prefix cache"),
-            (offload & (self.host_blocks is None),
-             lambda i: f"seq {seq_ids[i]}: layer offload needs a host KV tier (num_host_blocks > 0)"),
-            (offload & (status == WAITING) & ~member(seq_ids, plan.run),
-             lambda i: f"seq {seq_ids[i]}: a waiting request keeps fewer layers only in the plan "
-                       "that prefills it"),
-        ])
-        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
-                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
-        if not plan.layers and not partial:  # only decodes and releases of partial requests
-            return rows, None
-        device, host = np.zeros(L, np.int64), np.zeros(L, np.int64)
-        whole = 0
-        for seq_id, x, n in zip(seq_ids, xs.tolist(), cols.num_blocks[rows].tolist()):
-            before, after = set(res.kept(seq_id)), set(kept_layers(L, x))
-            if x == L:  # back to whole blocks (nothing for a fully resident request)
-                whole += n if seq_id in res.partial else 0
-                continue
-            host[list(before - after)] += n
-            device[list(after - before)] += n
-        every = set(range(L))
-        for seq_id in partial:
-            x = plan.layers.get(seq_id, len(res.kept(seq_id)))
-            kept, n = set(kept_layers(L, x)), plan.allocate[seq_id]
-            whole -= n
-            device[list(kept)] += n
-            host[list(every - kept)] += n
-        room = res.room_after_releases(plan.layers, set(plan.preempt).intersection(res.partial))
-        return rows, LayerDemand(whole, device, host, *room, partial)
-
-    def _check_layer_room(self, layers: LayerDemand, whole_left: int, to_host: int) -> None:
-        """Slot takes come after every release and whole-block take, so layer `l` can give
-        out its free slots plus the whole blocks left (`jserve.cache.layers`)."""
-        short = layer_shortfall(layers.device, layers.free_slots, whole_left)
-        if short:
-            raise PlanError(f"plan takes {short} device layer slots more than a layer has free "
-                            f"({whole_left} whole blocks left after its whole-block takes)")
-        if self.residency.host_slab is None:
-            return
-        host_left = self.host_blocks.num_free - to_host + layers.host_merged
-        short = layer_shortfall(layers.host, layers.host_free_slots, host_left)
-        if short:
-            raise PlanError(f"plan offloads {short} host layer slots more than a layer has free "
-                            f"({host_left} whole host blocks left after its swap-outs)")
-
     def _check_repeat(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""
         if plan.repeat < 1:
             raise PlanError(f"plan repeats {plan.repeat} times; at least once")
-        if plan.preempt or plan.swap_in or plan.evict or plan.features or plan.layers:
-            raise PlanError("a plan that preempts, swaps in, evicts, sets layers or has a cache "
-                            "feature's section cannot repeat")
-        partial = [s for s in plan.run if s in self.residency.partial]
-        if partial:  # its growth is layer slots, and each step reads its host layers
-            raise PlanError(f"seq {partial[0]}: has layers on the host; a repeated plan runs only "
-                            "requests with every layer on the device")
+        if plan.preempt or plan.swap_in or plan.evict or plan.features:
+            raise PlanError("a plan that preempts, swaps in, evicts or has a cache feature's "
+                            "section cannot repeat")
         decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
         if not decoding.all():
             seq = list(plan.run)[int(np.argmin(decoding))]

@@ -103,6 +103,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.layers import layer_demand, layer_shortfall
+from jserve.cache_features.layer_offload.section import kept, section
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
@@ -204,11 +205,11 @@ class LayerKVPolicy:
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)
         plan = self._prefills(view, offloads) or self._decodes(view, offloads)
-        if self.decode_from_host and not (plan.run or plan.preempt or plan.layers or offloads):
+        if self.decode_from_host and not (plan.run or plan.preempt or plan.features or offloads):
             plan = self._unstall(view)
         if offloads:
             plan = Plan(run=plan.run, allocate=plan.allocate, preempt=plan.preempt,
-                        layers={**offloads, **plan.layers})
+                        features=section({**offloads, **kept(plan)}))
         return plan
 
     # -------------------------------------------------------------- Eqs. 1-3: how many
@@ -359,7 +360,7 @@ class LayerKVPolicy:
         queue = r.with_status(OFFLOADED)
         holding = queue[r.device_layers[queue] > 0]
         if len(holding):
-            return Plan(layers={int(s): 0 for s in r.seq_id[holding]})
+            return Plan(features=section({int(s): 0 for s in r.seq_id[holding]}))
         if len(queue):
             return Plan(preempt={int(r.seq_id[queue[-1]]): PreemptMode.RECOMPUTE})
         return Plan()
@@ -422,7 +423,7 @@ class LayerKVPolicy:
             elapsed += float(times[k])
             spare = max(spare - x * need, 0)
             watermark = int(self.watermark * view.num_blocks)
-        return Plan(run=run, allocate=allocate, layers=layers) if run else None
+        return Plan(run=run, allocate=allocate, features=section(layers)) if run else None
 
     # -------------------------------------------------------------- decodes
     def _decodes(self, view: SchedulerView, offloads: dict[int, int]) -> Plan:
@@ -454,7 +455,7 @@ class LayerKVPolicy:
             back += 1
         if self.decode_from_host:
             self._host_decodes(view, queue[back:], free, run, allocate)
-        return Plan(run=run, allocate=allocate, preempt=base.preempt, layers=layers)
+        return Plan(run=run, allocate=allocate, preempt=base.preempt, features=section(layers))
 
     def _host_decodes(self, view: SchedulerView, queue: list[int], free: int,
                       run: dict[int, int], allocate: dict[int, int]) -> None:

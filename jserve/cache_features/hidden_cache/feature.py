@@ -3,13 +3,14 @@ booked, the tokens its blocks hold, and what must hold of its requests."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from jserve.cache_features.hidden_cache.section import NAME, CacheType, cache_types
-from jserve.cache_features.protocol import NOTHING, SectionCheck, StateParts
+from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
 from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.refusal import member, not_live, refuse_first
@@ -34,26 +35,32 @@ class TypeChanges:
 
 
 @dataclass(frozen=True)
-class HiddenCache:
-    """`block_tokens`: tokens one block holds as hidden rows
-    (`jserve.cache.sizing.hidden_block_tokens`; 0: the model cannot use it);
-    `num_layers`: the model's, every one of which a hidden request keeps on the device."""
+class HiddenCache(CacheFeature):
+    """`tokens`: tokens one block holds as hidden rows
+    (`jserve.cache.sizing.hidden_block_tokens`; 0: the model cannot use it); `cost`: rho,
+    the extra step seconds per hidden block, which the view hands policies (0.0: unknown)."""
 
     parts: StateParts
     tokens: int
-    num_layers: int
-    name: str = NAME
+    cost: float
+    name: ClassVar[str] = NAME
 
     @classmethod
-    def build(cls, parts: StateParts, *, hidden_block_tokens: int = 0, num_layers: int = 1,
+    def build(cls, parts: StateParts, *, hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0,
               **_: object) -> HiddenCache:
-        if hidden_block_tokens < 0:
-            raise ValueError(f"hidden_block_tokens must be >= 0, got {hidden_block_tokens}")
-        return cls(parts, hidden_block_tokens, num_layers)
+        if hidden_block_tokens < 0 or hidden_block_cost < 0:
+            raise ValueError(f"hidden_block_tokens and hidden_block_cost must be >= 0, got "
+                             f"{hidden_block_tokens}, {hidden_block_cost}")
+        return cls(parts, hidden_block_tokens, hidden_block_cost)
+
+    def view_fields(self) -> Mapping[str, object]:
+        # With a prefix cache no request may take the hidden cache, so policies are told
+        # it is unavailable.
+        return dict(hidden_block_tokens=self.tokens if self.parts.reuse is None else 0,
+                    hidden_block_cost=self.cost)
 
     def check(self, plan: Plan) -> SectionCheck:
         self._check_preemptions(plan)
-        self._check_layers(plan)
         types = cache_types(plan)
         if not types:
             return NOTHING
@@ -84,7 +91,8 @@ class HiddenCache:
              lambda i: f"seq {seq_ids[i]}: switches cache type while running, so it must recompute "
                        "in this plan's run (or be preempted by recompute)"),
         ])
-        return SectionCheck(discarded=rows[switching], booking=TypeChanges(rows, after))
+        return SectionCheck(discarded=rows[switching], booking=TypeChanges(rows, after),
+                            claims=tuple(s for s, h in zip(seq_ids, hidden.tolist()) if h))
 
     def _check_preemptions(self, plan: Plan) -> None:
         """A hidden request, before or after the plan, is preempted by recompute only."""
@@ -98,16 +106,10 @@ class HiddenCache:
             raise PlanError(f"seq {swapped[int(np.argmax(hidden))]}: a hidden-cache request is "
                             "preempted by recompute, never swapped")
 
-    def _check_layers(self, plan: Plan) -> None:
-        """A request that is hidden after the plan keeps every layer on the device."""
-        if not plan.layers:
-            return
-        seqs = [s for s, x in plan.layers.items() if x < self.num_layers]
-        rows = self.parts.live.rows(seqs)
-        hidden = (types_after(plan, seqs, self.parts.live.cols.cache_type[rows]) == CacheType.HIDDEN) & (rows >= 0)
-        if hidden.any():
-            raise PlanError(f"seq {seqs[int(np.argmax(hidden))]}: a hidden-cache request keeps every "
-                            "layer on the device")
+    def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
+        rows = self.parts.live.rows(seq_ids)
+        types = types_after(plan, seq_ids, self.parts.live.cols.cache_type[rows])
+        return (types == CacheType.HIDDEN) & (rows >= 0)
 
     def block_tokens(self, rows: np.ndarray, plan: Plan | None = None) -> np.ndarray | None:
         if not self.tokens:
