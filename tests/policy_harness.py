@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
-from jserve.cache_features.hidden_cache.section import cache_types
-from jserve.cache_features.layer_offload.section import kept
+from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types
+from jserve.cache_features.layer_offload.section import kept, layer_view, num_free_layer_blocks
 from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
@@ -243,7 +243,7 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert not set(plan.preempt) & (set(plan.run) | set(plan.allocate)), "preempted and run/allocated"
     assert len(plan.run) <= lim.max_num_seqs
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
-    L = view.num_layers
+    L = layer_view(view).num_layers
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
     layers = kept(plan)
     after = {s: layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(layers)}
@@ -273,12 +273,12 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
         assert s not in swapped or s in plan.swap_in, f"seq {s}: runs while swapped out"
         assert 1 <= n and end <= r.num_tokens[i], f"seq {s}: runs {n} tokens past its last known token"
         held = (0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])) + plan.allocate.get(s, 0)
-        assert held >= view.blocks_for_type(end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"
+        assert held >= blocks_for_type(view, end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"
     # A request never holds blocks for tokens it can never have.
     for s, n in plan.allocate.items():
         i = row[s]
         held = 0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])
-        assert held + n <= view.blocks_for_type(int(r.max_len[i]), kind[s]), f"seq {s}: over-allocated"
+        assert held + n <= blocks_for_type(view, int(r.max_len[i]), kind[s]), f"seq {s}: over-allocated"
 
 
 PlanCheck = Callable[[SchedulerView, Plan], None]
@@ -482,7 +482,7 @@ class Harness:
         assert set(partial) == {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
         slots = sum(len(t) for part in partial.values() for t in part.device.values())
         assert slots == int(st_.feature("layer_offload").residency.slab.used.sum()), "device layer slots held != used"
-        assert view.num_free_layer_blocks + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
+        assert num_free_layer_blocks(view) + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
         swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
         # The runner hears of a request that ended while swapped at the next step.
         ended = {self.seq_of[rid] for rid in self.final}
@@ -493,7 +493,7 @@ class Harness:
         # Per request, read as Python ints once per column (numpy scalars made this loop slow).
         c = types.SimpleNamespace(**{name: getattr(r, name).tolist() for name in (
             "seq_id", "num_blocks", "device_layers", "max_len", "status", "num_computed", "num_tokens")})
-        fillable = view.blocks_for_type(r.max_len, r.cache_type).tolist()  # blocks a request can fill
+        fillable = blocks_for_type(view, r.max_len, r.cache_type).tolist()  # blocks a request can fill
         for i, seq in enumerate(c.seq_id):
             if seq in partial:
                 assert bm.num_held(seq) == 0 and c.device_layers[i] < self.num_layers

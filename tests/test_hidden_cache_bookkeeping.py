@@ -16,7 +16,13 @@ from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 
 from jserve.engine.batch import StepOutput
-from jserve.cache_features.hidden_cache.section import CacheType, cache_types, section
+from jserve.cache_features.hidden_cache.section import (
+    CacheType,
+    blocks_for_type,
+    cache_types,
+    hidden_view,
+    section,
+)
 from jserve.cache_features.layer_offload.section import section as layer_section
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.view import SchedulerLimits
@@ -129,8 +135,8 @@ def test_hidden_is_refused_where_unnatural() -> None:
 
 def test_view_counts_blocks_by_type() -> None:
     view = _one_request(hidden_block_tokens=10).state.snapshot(0.0)
-    assert (view.hidden_block_tokens, view.block_size) == (10, 16)
-    assert view.blocks_for_type(17, 1) == 2 and view.blocks_for_type(17, 0) == 2
-    assert view.blocks_for_type(21, 1) == 3
-    assert view.blocks_for_type(np.array([16, 17, 21]), np.array([0, 0, 1])).tolist() == [1, 2, 3]
-    assert _one_request(hidden_block_tokens=0).state.snapshot(0.0).hidden_block_tokens == 0
+    assert (hidden_view(view).block_tokens, view.block_size) == (10, 16)
+    assert blocks_for_type(view, 17, 1) == 2 and blocks_for_type(view, 17, 0) == 2
+    assert blocks_for_type(view, 21, 1) == 3
+    assert blocks_for_type(view, np.array([16, 17, 21]), np.array([0, 0, 1])).tolist() == [1, 2, 3]
+    assert hidden_view(_one_request(hidden_block_tokens=0).state.snapshot(0.0)).block_tokens == 0

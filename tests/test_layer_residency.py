@@ -16,7 +16,12 @@ from policy_harness import FakeClock, FakeRunner, Harness, aborts_strategy, conf
 from jserve.builder import assemble_engine
 from jserve.cache.blocks import BlockManager
 from jserve.cache.layers import LayerSlab, kept_layers, layer_demand, layer_shortfall
-from jserve.cache_features.layer_offload.section import section
+from jserve.cache_features.layer_offload.section import (
+    layer_view,
+    num_free_host_layer_blocks,
+    num_free_layer_blocks,
+    section,
+)
 from jserve.engine.batch import StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RequestStatus
@@ -96,8 +101,8 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     assert req.status is RequestStatus.OFFLOADED or state.table.data.status[state.live.row(s)] == 4
     view = state.snapshot(0.0)
     assert view.requests.device_layers.tolist() == [2]
-    assert view.num_free_layer_blocks == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
-    assert view.num_free_host_layer_blocks == 4 * 8 - 2 * 3
+    assert num_free_layer_blocks(view) == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
+    assert num_free_host_layer_blocks(view) == 4 * 8 - 2 * 3
     assert batch.layer_traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
     assert runner.num_partial_prefills == 1
     # It decodes with layers 0 and 2 on the host: their 3 blocks of context read for the
@@ -112,12 +117,12 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
         state.apply(Plan(run={s: 1}, allocate={s: 1}, repeat=2), 0.0)
     _apply(engine, Plan(run={s: 1}, allocate={s: 1}))
     view = state.snapshot(0.0)
-    assert view.num_free_layer_blocks == 4 * 8 - 2 * 4 and view.num_free_host_layer_blocks == 4 * 8 - 2 * 4
+    assert num_free_layer_blocks(view) == 4 * 8 - 2 * 4 and num_free_host_layer_blocks(view) == 4 * 8 - 2 * 4
     batch = _apply(engine, Plan(run={s: 1}, features=section({s: 4}), allocate={}))
     assert batch.layer_traffic.to_device.tolist() == [4, 0, 4, 0]
     assert batch.layer_traffic.device_copy.tolist() == [0, 4, 0, 4]
     view = state.snapshot(0.0)  # that was its 4th and last token: everything is free
-    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
+    assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
 
 
 def test_offloading_a_running_request_frees_its_layers_for_others():
@@ -131,7 +136,7 @@ def test_offloading_a_running_request_frees_its_layers_for_others():
     assert view.num_free_blocks == 8 and view.requests.status.tolist() == [RequestStatus.OFFLOADED]
     batch = _apply(engine, Plan(features=section({s: 1})))  # one layer back, into slots
     assert batch.layer_traffic.to_device.tolist() == [0, 0, 0, 3]
-    assert engine.state.snapshot(0.0).num_free_layer_blocks == 4 * 8 - 3
+    assert num_free_layer_blocks(engine.state.snapshot(0.0)) == 4 * 8 - 3
     _apply(engine, Plan(run={s: 1}, features=section({s: 4})))
 
 
@@ -161,7 +166,7 @@ def test_layer_offload_needs_a_host_tier_and_no_swap_of_a_partial_request():
         engine.state.apply(Plan(preempt={s: PreemptMode.SWAP}), 0.0)
     _apply(engine, Plan(preempt={s: PreemptMode.RECOMPUTE}))
     view = engine.state.snapshot(0.0)
-    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
+    assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
     assert view.requests.device_layers.tolist() == [4]
 
 
@@ -245,7 +250,7 @@ def test_getting_every_layer_back_reuses_the_blocks_its_slots_free():
     s = _add(engine, "a", 5).seq_id
     _apply(engine, Plan(run={s: 5}, allocate={s: 3}, features=section({s: 2})))
     view = engine.state.snapshot(0.0)
-    assert view.num_free_blocks == 1 and view.free_layer_slots.tolist() == [3, 0, 3, 0]
+    assert view.num_free_blocks == 1 and layer_view(view).free_slots.tolist() == [3, 0, 3, 0]
     batch = _apply(engine, Plan(run={s: 1}, allocate={s: 1}, features=section({s: 4})))
     assert batch.layer_traffic.device_copy.tolist() == [0, 3, 0, 3]
     assert engine.state.snapshot(0.0).num_free_blocks == 0

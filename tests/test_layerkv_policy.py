@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, specs_for
 
-from jserve.cache_features.layer_offload.section import kept
+from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.request_table import RequestArrays
@@ -107,7 +107,8 @@ def make_view(rows: list[dict], *, num_blocks: int = 100, free: int = 0, free_ho
             getattr(r, name)[i] = value
     return SchedulerView(now=now, requests=r, block_size=BS, num_blocks=num_blocks, num_free_blocks=free,
                          limits=SchedulerLimits(256, 100_000, 10_000), num_host_blocks=free_host,
-                         num_free_host_blocks=free_host, num_layers=num_layers, free_layer_slots=slots)
+                         num_free_host_blocks=free_host,
+                         features={NAME: LayerView(num_layers, slots)})
 
 
 def decoding(arrival: float, first: float, generated: int, prompt: int = 32, slo: float = 0.2,

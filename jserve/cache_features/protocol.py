@@ -57,9 +57,9 @@ class CacheFeature:
     name: str = ""
 
     # ------------------------------------------------------------------ snapshot
-    def view_fields(self) -> Mapping[str, object]:
-        """`SchedulerView` fields it fills."""
-        return {}
+    def view_section(self) -> object | None:
+        """Its part of the `SchedulerView` (`SchedulerView.features[name]`), or None."""
+        return None
 
     # ------------------------------------------------------------------ check
     def check(self, plan: Plan) -> SectionCheck:

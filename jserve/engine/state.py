@@ -158,11 +158,11 @@ class EngineState:
         would start from, and `num_free_blocks` counts every block no table holds (free or
         evictable) less what sharing saves, so that preempting a request frees, as far as
         any policy can tell, exactly the blocks its table lists. Blocks a cache feature
-        has split are not free blocks (`num_lent`); the features fill their own fields."""
+        has split are not free blocks (`num_lent`); each feature gives its own section."""
         if self._reuse is not None:
             self._reuse.offer()
         host = self.host_blocks
-        fields = {k: v for f in self.features for k, v in f.view_fields().items()}
+        sections = {f.name: f.view_section() for f in self.features}
         return SchedulerView(
             now=now, requests=self.live.table.snapshot(), block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks,
@@ -172,7 +172,7 @@ class EngineState:
             num_free_host_blocks=0 if host is None else host.num_free,
             arrival_rate=self.load.arrival_rate(now),
             iteration_time=self.load.iteration_time,
-            **fields,
+            features={name: v for name, v in sections.items() if v is not None},
         )
 
     def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:

@@ -8,7 +8,7 @@ Each iteration (Section 5):
   adds for everyone, (|W| + |R|) * rho * (its hidden blocks). |W| + |R| counts the live
   requests not past their SLO, as the authors' `_dynamic_priority` does (it subtracts the
   violators its urgency pass counts; the paper says only "all requests"). rho is
-  `view.hidden_block_cost`, seconds of step time per hidden block in the batch, which the
+  `hidden_view(view).block_cost`, seconds of step time per hidden block in the batch, which the
   engine fits from the runner (the simulator's cost model, or a `jserve profile` with a
   hidden-cache entry). The paper writes t_i = rho * m_i with m_i the KV size; per hidden
   block is the same charge in the unit the pool actually counts.
@@ -66,7 +66,7 @@ selected for decode.
   prefill iteration to recompute", which the default keeps.
 
 The hidden cache is offered only where a block holds more tokens of hidden rows than of
-K/V (`view.hidden_block_tokens > block_size`: MHA models such as OPT and Llama-2, where it
+K/V (`hidden_view(view).block_tokens > block_size`: MHA models such as OPT and Llama-2, where it
 halves the cache) and, per request, only where it takes fewer blocks than KV. With GQA
 (SmolLM2, Llama-3) hidden rows are larger than K+V, so the policy never chooses the hidden
 cache there and `apt-serve` is its adaptive scheduling on the KV cache alone (what the
@@ -94,7 +94,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.cache_features.hidden_cache.section import CacheType, cache_types, section
+from jserve.cache_features.hidden_cache.section import (
+    CacheType,
+    blocks_for_type,
+    cache_types,
+    hidden_view,
+    section,
+)
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -171,7 +177,7 @@ class AptServePolicy:
         return np.where(late, FALLBACK_VALUE if self.decay is None else self.decay * p, p)
 
     def _hidden_ok(self, view: SchedulerView) -> bool:
-        return self.hybrid and view.hidden_block_tokens > view.block_size
+        return self.hybrid and hidden_view(view).block_tokens > view.block_size
 
     def candidates(self, view: SchedulerView, rows: np.ndarray, tokens: np.ndarray) -> Candidates:
         """Blocks each request's whole cache takes on each type (m_i): all its tokens, the
@@ -179,7 +185,7 @@ class AptServePolicy:
         it is computed in chunks (as Sarathi's)."""
         end = view.requests.num_tokens[rows]
         kv = view.blocks_for(end)
-        hidden = view.blocks_for_type(end, CacheType.HIDDEN) if self._hidden_ok(view) else kv
+        hidden = blocks_for_type(view, end, CacheType.HIDDEN) if self._hidden_ok(view) else kv
         return Candidates(self._values(view, rows), kv, hidden, tokens)
 
     def _choose(self, view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bounds) -> np.ndarray:
@@ -193,7 +199,7 @@ class AptServePolicy:
         less those past their SLO unless `count_late`."""
         n = len(view.requests)
         counted = n if self.count_late else n - int(slo_violated(view, np.arange(n)).sum())
-        return counted * view.hidden_block_cost
+        return counted * hidden_view(view).block_cost
 
     def _keep_free(self, view: SchedulerView, running: int) -> int:
         return int(self.watermark * view.num_blocks) if running else 0

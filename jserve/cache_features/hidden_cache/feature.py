@@ -3,13 +3,13 @@ booked, the tokens its blocks hold, and what must hold of its requests."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from jserve.cache_features.hidden_cache.section import NAME, CacheType, cache_types
+from jserve.cache_features.hidden_cache.section import NAME, CacheType, HiddenView, cache_types
 from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
 from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan, PreemptMode
@@ -53,11 +53,10 @@ class HiddenCache(CacheFeature):
                              f"{hidden_block_tokens}, {hidden_block_cost}")
         return cls(parts, hidden_block_tokens, hidden_block_cost)
 
-    def view_fields(self) -> Mapping[str, object]:
+    def view_section(self) -> HiddenView:
         # With a prefix cache no request may take the hidden cache, so policies are told
         # it is unavailable.
-        return dict(hidden_block_tokens=self.tokens if self.parts.reuse is None else 0,
-                    hidden_block_cost=self.cost)
+        return HiddenView(self.tokens if self.parts.reuse is None else 0, self.cost)
 
     def check(self, plan: Plan) -> SectionCheck:
         self._check_preemptions(plan)

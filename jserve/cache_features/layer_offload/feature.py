@@ -14,7 +14,7 @@ import numpy as np
 
 from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache_features.layer_offload.residency import LayerChange, LayerMoves, LayerResidency
-from jserve.cache_features.layer_offload.section import NAME, kept
+from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
 from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.refusal import member, not_live, refuse_first, values
@@ -61,10 +61,9 @@ class LayerOffload(CacheFeature):
     def build(cls, parts: StateParts, *, num_layers: int = 1, **_: object) -> LayerOffload:
         return cls(parts, num_layers)
 
-    def view_fields(self) -> Mapping[str, object]:
+    def view_section(self) -> LayerView:
         res = self.residency
-        return dict(num_layers=res.num_layers, free_layer_slots=res.free_slots(),
-                    free_host_layer_slots=res.free_host_slots())
+        return LayerView(res.num_layers, res.free_slots(), res.free_host_slots())
 
     # ------------------------------------------------------------------ check
     def check(self, plan: Plan) -> SectionCheck:

@@ -1,4 +1,4 @@
-"""Layer residency's part of a plan, as a policy builds and reads it."""
+"""Layer residency's part of a plan and of the view, as a policy builds and reads them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from jserve.engine.plan import Plan
+from jserve.engine.view import SchedulerView
 
 NAME = "layer_offload"
 
@@ -45,3 +48,39 @@ def kept(plan: Plan) -> Mapping[int, int]:
     """The kept layers a plan sets."""
     found = plan.features.get(NAME)
     return MappingProxyType({}) if found is None else found.layers
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """Layer residency's part of the view. The view's `num_free_blocks` counts whole blocks
+    (free in every layer); blocks split into per-layer slots for partly offloaded requests
+    are not in it, and their free slots are `free_slots[l]` per layer (`free_host_slots`,
+    the host tier's; None: all zero). Requests' `device_layers` column says how many layers
+    each keeps on the device (`num_layers`: all of them)."""
+
+    num_layers: int = 1
+    free_slots: np.ndarray | None = None
+    free_host_slots: np.ndarray | None = None
+
+
+def layer_view(view: SchedulerView) -> LayerView:
+    return view.features.get(NAME, LayerView())
+
+
+def num_free_layer_blocks(view: SchedulerView) -> int:
+    """Device layer slots free, summed over layers: `num_layers` per whole free block plus
+    the free slots of split blocks (a request keeping `x` layers takes `x` per logical
+    block)."""
+    layers = layer_view(view)
+    return layers.num_layers * view.num_free_blocks + _total(layers.free_slots)
+
+
+def num_free_host_layer_blocks(view: SchedulerView) -> int:
+    """Host layer slots free, summed over layers (a request keeping `x` layers takes
+    `num_layers - x` per logical block)."""
+    layers = layer_view(view)
+    return layers.num_layers * view.num_free_host_blocks + _total(layers.free_host_slots)
+
+
+def _total(slots: np.ndarray | None) -> int:
+    return 0 if slots is None else int(slots.sum())
