@@ -18,10 +18,10 @@ class Policy(Protocol):
     `predictor_kind` attribute (`cacheopt`, `rlp`, `s3`); the engine's front ends then fill
     each request's `predicted_len` / `predicted_dir` when it arrives.
 
-    A policy that keeps some requests' layers on the host (`Plan.layers`, LayerKV) says so
+    A policy that keeps some requests' layers on the host (`layer_offload` section, LayerKV) says so
     with a true `offloads_layers` attribute: the real runner then sets aside staging blocks
     for those requests' prefills and a per-layer host pool (`runners/jax_runner.py`).
-    One that may put requests on the hidden cache (`Plan.cache_type`, Apt-Serve) says so
+    One that may put requests on the hidden cache (`hidden_cache` section, Apt-Serve) says so
     with a true `uses_hidden_cache`: the runner's warm-up then compiles those steps too.
     """
 
