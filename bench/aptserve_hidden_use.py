@@ -22,7 +22,8 @@ import dataclasses
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.config import EngineConfig
-from jserve.engine.plan import CacheType, Plan
+from jserve.cache_features.hidden_cache.section import CacheType, cache_types
+from jserve.engine.plan import Plan
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies import POLICIES
@@ -47,10 +48,11 @@ class CountedPolicy:
         waiting = r.with_status(WAITING)
         kv_by_rule = dict(zip(r.seq_id[waiting].tolist(), refined_to_kv(
             self.inner.candidates(view, waiting, r.num_tokens[waiting]), self.inner.penalty(view)).tolist()))
+        types = cache_types(plan)
         for i, seq in enumerate(r.seq_id.tolist()):
-            to_kv = plan.cache_type.get(seq) == CacheType.KV
+            to_kv = types.get(seq) == CacheType.KV
             if r.status[i] == WAITING and seq in plan.run:
-                hidden = plan.cache_type.get(seq) == CacheType.HIDDEN
+                hidden = types.get(seq) == CacheType.HIDDEN
                 c["admitted on hidden" if hidden else "admitted on KV"] += 1
                 c["admitted on hidden, the refinement's choice KV (only the hidden half fit)"] += hidden and kv_by_rule[seq]
             elif hidden_running[i]:

@@ -6,7 +6,7 @@ optionally a running request switching type once (discard and recompute in the s
 
 Not a model of Apt-Serve's decisions (that is the policy helper's `apt_serve.py`): only a
 way to make every hidden-cache path happen. Blocks are counted per type with
-`view.blocks_for_type`, as the engine counts them.
+`blocks_for_type(view, ...)`, as the engine counts them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.cache_features.hidden_cache.section import CacheType, blocks_for_type, hidden_view, section
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -44,8 +45,8 @@ class ForcedHiddenCache:
     def _type(self, view: SchedulerView, i: int) -> CacheType:
         want = self.choose(int(view.requests.seq_id[i]))
         if want is CacheType.HIDDEN and (
-                view.hidden_block_tokens < 1
-                or view.blocks_for_type(int(view.requests.max_len[i]), 1) > view.num_blocks):
+                hidden_view(view).block_tokens < 1
+                or blocks_for_type(view, int(view.requests.max_len[i]), 1) > view.num_blocks):
             return CacheType.KV
         return want
 
@@ -60,13 +61,13 @@ class ForcedHiddenCache:
         for i in r.with_status(WAITING):
             kind = self._type(view, i)
             tokens = int(r.num_tokens[i])
-            need = view.blocks_for_type(tokens, int(kind))
+            need = blocks_for_type(view, tokens, int(kind))
             if tokens > budget or running + len(run) >= lim.max_num_seqs or need > free:
                 break
             seq = int(r.seq_id[i])
             run[seq], allocate[seq], types[seq] = tokens, need, kind
             free, budget = free - need, budget - tokens
-        return Plan(run=run, allocate=allocate, cache_type=types) if run else None
+        return Plan(run=run, allocate=allocate, features=section(types)) if run else None
 
     def _decodes(self, view: SchedulerView) -> Plan:
         r = view.requests
@@ -75,7 +76,7 @@ class ForcedHiddenCache:
         preempt: dict[int, PreemptMode] = {}
 
         def need(i: int) -> int:
-            return view.blocks_for_type(int(r.num_computed[i]) + 1, int(r.cache_type[i])) - int(r.num_blocks[i])
+            return blocks_for_type(view, int(r.num_computed[i]) + 1, int(r.cache_type[i])) - int(r.num_blocks[i])
 
         while running and sum(need(i) for i in running) > free:
             victim = running.pop()
@@ -91,10 +92,10 @@ class ForcedHiddenCache:
                 if tokens - int(r.prompt_len[i]) != 2 or types:
                     continue
                 new = CacheType(1 - int(r.cache_type[i]))
-                if new is CacheType.HIDDEN and (view.hidden_block_tokens < 1 or view.blocks_for_type(
+                if new is CacheType.HIDDEN and (hidden_view(view).block_tokens < 1 or blocks_for_type(view,
                         int(r.max_len[i]), 1) > view.num_blocks):
                     continue
-                blocks = view.blocks_for_type(tokens, int(new))
+                blocks = blocks_for_type(view, tokens, int(new))
                 room = free + int(r.num_blocks[i]) + allocate.get(seq, 0)
                 fits = sum(run.values()) - 1 + tokens <= view.limits.max_num_batched_tokens
                 if blocks > room or not fits:
@@ -102,4 +103,4 @@ class ForcedHiddenCache:
                 run[seq], allocate[seq], types[seq] = tokens, blocks, new
                 free = room - blocks
         return Plan(run=run, allocate={s: n for s, n in allocate.items() if n}, preempt=preempt,
-                    cache_type=types)
+                    features=section(types))

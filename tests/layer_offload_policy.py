@@ -21,6 +21,7 @@ import numpy as np
 
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
+from jserve.cache_features.layer_offload.section import layer_view, section
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy, PolicyCapabilities
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
@@ -42,25 +43,25 @@ class _Room:
     host_freed: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        L = self.view.num_layers
+        L = layer_view(self.view).num_layers
         self.device, self.device_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
         self.host, self.host_freed = np.zeros(L, np.int64), np.zeros(L, np.int64)
 
     def _slots(self, free: np.ndarray | None) -> np.ndarray:
-        return np.zeros(self.view.num_layers, np.int64) if free is None else free
+        return np.zeros(layer_view(self.view).num_layers, np.int64) if free is None else free
 
     def fits(self, device: np.ndarray, host: np.ndarray, whole: int = 0) -> bool:
         v = self.view
-        ok_device = (self.device + device <= self._slots(v.free_layer_slots) + self.device_freed
+        ok_device = (self.device + device <= self._slots(layer_view(v).free_slots) + self.device_freed
                      + self.whole - whole).all()
-        ok_host = (self.host + host <= self._slots(v.free_host_layer_slots) + self.host_freed
+        ok_host = (self.host + host <= self._slots(layer_view(v).free_host_slots) + self.host_freed
                    + self.host_whole).all()
         return bool(ok_device and ok_host and whole <= self.whole)
 
     def change(self, before: tuple[int, ...], x: int, n: int) -> tuple[np.ndarray, ...]:
         """(device taken, device freed, host taken, host freed) of `n` blocks going from
         keeping `before` to keeping `x` layers (short of all of them)."""
-        L = self.view.num_layers
+        L = layer_view(self.view).num_layers
         after = kept_layers(L, x)
         gained, lost = _mask(L, set(after) - set(before), n), _mask(L, set(before) - set(after), n)
         return gained, lost, lost, gained
@@ -100,7 +101,7 @@ class ForcedLayerOffload:
     capabilities: PolicyCapabilities = PolicyCapabilities(offloads_layers=True)
 
     def schedule(self, view: SchedulerView) -> Plan:
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         room = _Room(view, view.num_free_blocks, view.num_free_host_blocks)
         offloaded = r.with_status(OFFLOADED)  # oldest first
         layers: dict[int, int] = {}
@@ -161,14 +162,14 @@ class ForcedLayerOffload:
         if not run and not preempt and not layers and len(offloaded):
             preempt[int(r.seq_id[offloaded[-1]])] = PreemptMode.RECOMPUTE
         return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=inner.swap_in,
-                    reserve=inner.reserve, layers=layers,
+                    reserve=inner.reserve, features=section(layers),
                     repeat=inner.repeat if not len(offloaded) and not layers else 1)
 
     def _decode_from_host(self, view: SchedulerView, offloaded: np.ndarray, run: dict[int, int],
                           allocate: dict[int, int], layers: dict[int, int], room: _Room) -> None:
         """Partly offloaded requests not brought back decode as they are, taking their next
         block as slots in the layers they keep and on the host for the others."""
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         none = np.zeros(L, np.int64)
         for i in offloaded:
             seq = int(r.seq_id[i])
@@ -187,7 +188,7 @@ class ForcedLayerOffload:
     def _offload_one(self, view: SchedulerView, run: dict[int, int], allocate: dict[int, int],
                      layers: dict[int, int], room: _Room, inner: Plan) -> None:
         """The newest request decoding this step offloads to `keep` layers instead."""
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         for i in r.with_status(RUNNING)[::-1]:
             seq = int(r.seq_id[i])
             x = self.keep(seq, L)
@@ -205,7 +206,7 @@ class ForcedLayerOffload:
         """Nothing runs and every offloaded request waits for whole blocks that split slots
         hold: offload the oldest one still keeping layers entirely (the last resort,
         preempting the newest, is the caller's)."""
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         for i in offloaded:
             x = int(r.device_layers[i])
             if x == 0:
@@ -249,6 +250,6 @@ def identical_to_roomy_run(llm: LLM, loaded: LoadedModel, prompts: list[list[int
     llm.runner.execute = counting
     assert greedy_ids(llm, prompts, max_tokens) == expected
     state = llm.engine.state
-    assert state.blocks.num_free == state.blocks.num_blocks and not state.residency.partial
-    assert int(state.residency.slab.used.sum()) == 0 and int(state.residency.host_slab.used.sum()) == 0
+    assert state.blocks.num_free == state.blocks.num_blocks and not state.feature("layer_offload").residency.partial
+    assert int(state.feature("layer_offload").residency.slab.used.sum()) == 0 and int(state.feature("layer_offload").residency.host_slab.used.sum()) == 0
     return seen

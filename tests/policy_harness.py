@@ -30,6 +30,8 @@ from hypothesis import strategies as st
 
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types
+from jserve.cache_features.layer_offload.section import kept, layer_view, num_free_layer_blocks
 from jserve.engine.batch import Batch, LayerMove, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
@@ -241,26 +243,28 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert not set(plan.preempt) & (set(plan.run) | set(plan.allocate)), "preempted and run/allocated"
     assert len(plan.run) <= lim.max_num_seqs
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
-    L = view.num_layers
+    L = layer_view(view).num_layers
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
-    after = {s: plan.layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(plan.layers)}
+    layers = kept(plan)
+    after = {s: layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(layers)}
     freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
-        s for s, t in plan.cache_type.items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
+        s for s, t in cache_types(plan).items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
-    back_whole = [s for s, x in plan.layers.items() if x == L and s in partial]
+    back_whole = [s for s, x in layers.items() if x == L and s in partial]
     whole += sum(int(r.num_blocks[row[s]]) for s in back_whole)
     # A request getting every layer back may reuse its own split blocks once its slots are
     # released, which the view does not show: the engine's checker counts that exactly.
     assert back_whole or whole + back <= view.num_free_blocks + freed, "allocates more than is free"
-    assert set(plan.layers) <= set(row) and all(0 <= x <= L for x in plan.layers.values())
+    assert set(layers) <= set(row) and all(0 <= x <= L for x in layers.values())
     to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
     assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
     # Hidden cache (Apt-Serve): a running request whose type changes discards its blocks
     # and recomputes from its first token in this plan.
-    kind = {s: int(plan.cache_type.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
-    switched = {s for s, t in plan.cache_type.items()
+    types = cache_types(plan)
+    kind = {s: int(types.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
+    switched = {s for s, t in types.items()
                 if s in running and s not in plan.preempt and t != r.cache_type[row[s]]}
     assert switched <= set(plan.run), "a running request switches cache type without running"
     for s, n in plan.run.items():
@@ -269,12 +273,12 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
         assert s not in swapped or s in plan.swap_in, f"seq {s}: runs while swapped out"
         assert 1 <= n and end <= r.num_tokens[i], f"seq {s}: runs {n} tokens past its last known token"
         held = (0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])) + plan.allocate.get(s, 0)
-        assert held >= view.blocks_for_type(end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"
+        assert held >= blocks_for_type(view, end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"
     # A request never holds blocks for tokens it can never have.
     for s, n in plan.allocate.items():
         i = row[s]
         held = 0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])
-        assert held + n <= view.blocks_for_type(int(r.max_len[i]), kind[s]), f"seq {s}: over-allocated"
+        assert held + n <= blocks_for_type(view, int(r.max_len[i]), kind[s]), f"seq {s}: over-allocated"
 
 
 PlanCheck = Callable[[SchedulerView, Plan], None]
@@ -416,7 +420,7 @@ class Harness:
         held = self.state.blocks.num_held(seq)
         unheld_before = self._num_unheld()
         shared = int((self.state.blocks.ref_counts[self.state.blocks.table(seq)] > 1).sum())
-        res = self.state.residency
+        res = self.state.feature("layer_offload").residency
         part = res.partial.get(seq)
         slots_before = int(res.slab.used.sum())
         req = self.engine.abort(rid)
@@ -475,11 +479,11 @@ class Harness:
         assert {s for s in bm.seq_ids() if bm.num_held(s)} <= set(st_.requests), "blocks held by an ended request"
         assert np.isin(r.status, [RequestStatus.WAITING, RequestStatus.RUNNING,
                                   RequestStatus.SWAPPED, RequestStatus.OFFLOADED]).all()
-        partial = st_.residency.partial
+        partial = st_.feature("layer_offload").residency.partial
         assert set(partial) == {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
         slots = sum(len(t) for part in partial.values() for t in part.device.values())
-        assert slots == int(st_.residency.slab.used.sum()), "device layer slots held != used"
-        assert view.num_free_layer_blocks + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
+        assert slots == int(st_.feature("layer_offload").residency.slab.used.sum()), "device layer slots held != used"
+        assert num_free_layer_blocks(view) + slots + self.num_layers * len(used) == self.num_layers * bm.num_blocks
         swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
         # The runner hears of a request that ended while swapped at the next step.
         ended = {self.seq_of[rid] for rid in self.final}
@@ -490,7 +494,7 @@ class Harness:
         # Per request, read as Python ints once per column (numpy scalars made this loop slow).
         c = types.SimpleNamespace(**{name: getattr(r, name).tolist() for name in (
             "seq_id", "num_blocks", "device_layers", "max_len", "status", "num_computed", "num_tokens")})
-        fillable = view.blocks_for_type(r.max_len, r.cache_type).tolist()  # blocks a request can fill
+        fillable = blocks_for_type(view, r.max_len, r.cache_type).tolist()  # blocks a request can fill
         for i, seq in enumerate(c.seq_id):
             if seq in partial:
                 assert bm.num_held(seq) == 0 and c.device_layers[i] < self.num_layers

@@ -14,6 +14,7 @@ import pytest
 from policy_harness import Harness, spec
 
 from jserve.builder import build_engine
+from jserve.cache_features.hidden_cache.section import NAME, HiddenView, cache_types
 from jserve.config import EngineConfig
 from jserve.engine.request import RUNNING
 from jserve.engine.sampling_params import SamplingParams
@@ -144,7 +145,7 @@ def test_penalty_counts_only_requests_within_their_slo():
     requests = SimpleNamespace(
         arrival_time=np.array([0.0, 9.5, 5.0, 5.0]), first_token_time=np.array([nan, nan, 6.0, 6.0]),
         last_token_time=np.array([nan, nan, 9.9, 8.0]), ttft_slo=np.ones(4), tbt_slo=np.ones(4))
-    view = SimpleNamespace(now=10.0, requests=_Sized(requests, 4), hidden_block_cost=0.5)
+    view = SimpleNamespace(now=10.0, requests=_Sized(requests, 4), features={NAME: HiddenView(block_cost=0.5)})
     assert AptServePolicy().penalty(view) == 2 * 0.5
     assert AptServePolicy(count_late=True).penalty(view) == 4 * 0.5
 
@@ -211,7 +212,7 @@ class _Upgrades:
         r = view.requests
         hidden = (r.status == RUNNING) & (r.cache_type == HIDDEN)
         for seq in r.seq_id[hidden].tolist():
-            if plan.cache_type.get(seq) == KV:
+            if cache_types(plan).get(seq) == KV:
                 self.in_step += seq in plan.run and seq not in plan.preempt
                 self.preempted += seq in plan.preempt
         return plan

@@ -117,14 +117,15 @@ def test_real_engine_reads_apt_serve_rho_only_from_a_profile(profile: str, tmp_p
     """rho (the view's `hidden_block_cost`) is the profile's hidden-cache entry per block of
     the model's hidden rows; a profile without one, or none, leaves it unknown (0.0)."""
     cfg = dataclasses.replace(TINY, policy="apt-serve")
-    assert build_engine(cfg).engine.state.hidden_block_cost == 0.0
-    assert build_engine(dataclasses.replace(cfg, profile=profile)).engine.state.hidden_block_cost == 0.0
+    assert build_engine(cfg).engine.state.feature("hidden_cache").cost == 0.0
+    assert build_engine(dataclasses.replace(cfg, profile=profile)).engine.state.feature("hidden_cache").cost == 0.0
     with_hidden = tmp_path / "p.json"
     with_hidden.write_text(pathlib.Path(profile).read_text())
     entry = HiddenProjectionProfile((64, 256, 1024), (2e-4, 5e-4, 1.7e-3))
     save_hidden_profile(with_hidden, entry)
     state = build_engine(dataclasses.replace(cfg, profile=str(with_hidden))).engine.state
-    assert state.hidden_block_cost == pytest.approx(entry.block_cost(state.hidden_block_tokens))
+    hidden = state.feature("hidden_cache")
+    assert hidden.cost == pytest.approx(entry.block_cost(hidden.tokens))
     assert entry.per_row == pytest.approx(1.5e-3 / 960, rel=0.05)
 
 

@@ -16,7 +16,15 @@ from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 
 from jserve.engine.batch import StepOutput
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.cache_features.hidden_cache.section import (
+    CacheType,
+    blocks_for_type,
+    cache_types,
+    hidden_view,
+    section,
+)
+from jserve.cache_features.layer_offload.section import section as layer_section
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 from jserve.policies.vllm import VLLMPolicy
@@ -63,10 +71,10 @@ def test_mha_hidden_requests_take_half_the_blocks() -> None:
                 hidden_block_tokens=32, policy=ForcedHiddenCache(every_other, switch=True))
     h.run([spec(17, 4), spec(17, 4)])
     first = h.policy.plans[0]
-    assert first.cache_type == {0: CacheType.KV, 1: CacheType.HIDDEN}
+    assert cache_types(first) == {0: CacheType.KV, 1: CacheType.HIDDEN}
     assert dict(first.allocate) == {0: 2, 1: 1}
-    switches = [p for p in h.policy.plans[1:] if p.cache_type]
-    assert switches and all(p.run[s] == 19 for p in switches for s in p.cache_type)
+    switches = [p for p in h.policy.plans[1:] if cache_types(p)]
+    assert switches and all(p.run[s] == 19 for p in switches for s in cache_types(p))
 
 
 def _one_request(hidden_block_tokens: int = 32, **kw: int) -> Harness:
@@ -90,17 +98,17 @@ def test_switch_discards_and_recomputes_in_the_same_plan() -> None:
     h = _one_request()
     state = h.state
     with pytest.raises(PlanError, match="unknown cache type"):
-        state.apply(Plan(cache_type={0: 2}), 0.0)
-    _step(h, Plan(run={0: 17}, allocate={0: 1}, cache_type={0: CacheType.HIDDEN}))  # 17 tokens, 1 block
+        state.apply(Plan(features=section({0: 2})), 0.0)
+    _step(h, Plan(run={0: 17}, allocate={0: 1}, features=section({0: CacheType.HIDDEN})))  # 17 tokens, 1 block
     assert state.blocks.num_free == 7
     with pytest.raises(PlanError, match="switches cache type while running"):
-        state.apply(Plan(cache_type={0: CacheType.KV}), 0.0)
+        state.apply(Plan(features=section({0: CacheType.KV})), 0.0)
     with pytest.raises(PlanError, match="holds 1 blocks, needs 2 for 18 tokens"):
-        state.apply(Plan(run={0: 18}, allocate={0: 1}, cache_type={0: CacheType.KV}), 0.0)
+        state.apply(Plan(run={0: 18}, allocate={0: 1}, features=section({0: CacheType.KV})), 0.0)
     with pytest.raises(PlanError, match="cannot run 19 tokens with 0 of 18 computed"):
-        state.apply(Plan(run={0: 19}, allocate={0: 2}, cache_type={0: CacheType.KV}), 0.0)
+        state.apply(Plan(run={0: 19}, allocate={0: 2}, features=section({0: CacheType.KV})), 0.0)
     # Its hidden block is released first and the 18 tokens recomputed into 2 KV blocks.
-    state.apply(Plan(run={0: 18}, allocate={0: 2}, cache_type={0: CacheType.KV}), h.clock())
+    state.apply(Plan(run={0: 18}, allocate={0: 2}, features=section({0: CacheType.KV})), h.clock())
     batch = state.batch()
     assert batch.hidden is None and int(batch.start[0]) == 0 and int(batch.query_lens[0]) == 18
     state.commit(batch, h.runner.execute(batch), h.clock())
@@ -112,23 +120,23 @@ def test_switch_discards_and_recomputes_in_the_same_plan() -> None:
 def test_hidden_is_refused_where_unnatural() -> None:
     state = _one_request(hidden_block_tokens=0).state
     with pytest.raises(PlanError, match="holds no hidden row"):
-        state.apply(Plan(run={0: 17}, allocate={0: 2}, cache_type={0: CacheType.HIDDEN}), 0.0)
+        state.apply(Plan(run={0: 17}, allocate={0: 2}, features=section({0: CacheType.HIDDEN})), 0.0)
     h = _one_request(num_host_blocks=8)
-    _step(h, Plan(run={0: 17}, allocate={0: 1}, cache_type={0: CacheType.HIDDEN}))
+    _step(h, Plan(run={0: 17}, allocate={0: 1}, features=section({0: CacheType.HIDDEN})))
     with pytest.raises(PlanError, match="preempted by recompute, never swapped"):
         h.state.apply(Plan(preempt={0: PreemptMode.SWAP}), 0.0)
-    with pytest.raises(PlanError, match="keeps every layer on the device"):
-        h.state.apply(Plan(layers={0: 0}), 0.0)
+    with pytest.raises(PlanError, match="layer_offload and hidden_cache cache features cannot both hold it"):
+        h.state.apply(Plan(features=layer_section({0: 0})), 0.0)
     # preempted by recompute, it may come back as KV
-    _step(h, Plan(preempt={0: PreemptMode.RECOMPUTE}, cache_type={0: CacheType.KV}))
+    _step(h, Plan(preempt={0: PreemptMode.RECOMPUTE}, features=section({0: CacheType.KV})))
     _step(h, Plan(run={0: 18}, allocate={0: 2}))
     assert h.state.live.cols.cache_type[h.state.live.row(0)] == CacheType.KV
 
 
 def test_view_counts_blocks_by_type() -> None:
     view = _one_request(hidden_block_tokens=10).state.snapshot(0.0)
-    assert (view.hidden_block_tokens, view.block_size) == (10, 16)
-    assert view.blocks_for_type(17, 1) == 2 and view.blocks_for_type(17, 0) == 2
-    assert view.blocks_for_type(21, 1) == 3
-    assert view.blocks_for_type(np.array([16, 17, 21]), np.array([0, 0, 1])).tolist() == [1, 2, 3]
-    assert _one_request(hidden_block_tokens=0).state.snapshot(0.0).hidden_block_tokens == 0
+    assert (hidden_view(view).block_tokens, view.block_size) == (10, 16)
+    assert blocks_for_type(view, 17, 1) == 2 and blocks_for_type(view, 17, 0) == 2
+    assert blocks_for_type(view, 21, 1) == 3
+    assert blocks_for_type(view, np.array([16, 17, 21]), np.array([0, 0, 1])).tolist() == [1, 2, 3]
+    assert hidden_view(_one_request(hidden_block_tokens=0).state.snapshot(0.0)).block_tokens == 0

@@ -13,6 +13,7 @@ import pytest
 from hidden_cache_policy import ForcedHiddenCache, all_hidden
 
 from jserve.builder import build_engine
+from jserve.cache_features.hidden_cache.section import hidden_view
 from jserve.config import EngineConfig
 from jserve.engine.batch import Batch
 from jserve.engine.sampling_params import SamplingParams
@@ -59,8 +60,8 @@ def test_simulated_view_carries_the_hidden_cache_and_forced_hidden_runs_slower()
     for name, policy in (("kv", "vllm"), ("hidden", ForcedHiddenCache(all_hidden))):
         built = build_engine(dataclasses.replace(cfg, policy=policy))
         view = built.engine.state.snapshot(0.0)
-        assert view.hidden_block_tokens == 32
-        assert view.hidden_block_cost == hidden_block_cost(make_cost_model("measured", OPT13B, A100), 32)
+        assert hidden_view(view).block_tokens == 32
+        assert hidden_view(view).block_cost == hidden_block_cost(make_cost_model("measured", OPT13B, A100), 32)
         for i in range(4):
             built.engine.add_request(f"r{i}", list(range(1, 301)), SamplingParams(max_tokens=50, ignore_eos=True))
         while built.engine.has_unfinished:
@@ -77,5 +78,5 @@ def test_hidden_rows_stay_whole_on_every_gpu(model: str, tp: int, tokens: int) -
     built = build_engine(EngineConfig(model=model, runner="sim", hardware="a100-40g",
                                       tensor_parallel_size=tp))
     view = built.engine.state.snapshot(0.0)
-    assert view.hidden_block_tokens == tokens
-    assert view.hidden_block_cost > 0
+    assert hidden_view(view).block_tokens == tokens
+    assert hidden_view(view).block_cost > 0

@@ -1,4 +1,4 @@
-"""Layer-wise KV residency (LayerKV, `Plan.layers`): the slot bookkeeping, the plan rules,
+"""Layer-wise KV residency (LayerKV, its `Plan.features` section): the slot bookkeeping, the plan rules,
 and random traces with residencies forced by `layer_offload_policy.ForcedLayerOffload`
 through the real engine state and the per-layer fake KV of `policy_harness` (every
 request's output equal to its unpreempted run, invariants after every step)."""
@@ -16,6 +16,12 @@ from policy_harness import FakeClock, FakeRunner, Harness, aborts_strategy, conf
 from jserve.builder import assemble_engine
 from jserve.cache.blocks import BlockManager
 from jserve.cache.layers import LayerSlab, kept_layers, layer_demand, layer_shortfall
+from jserve.cache_features.layer_offload.section import (
+    layer_view,
+    num_free_host_layer_blocks,
+    num_free_layer_blocks,
+    section,
+)
 from jserve.engine.batch import StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RequestStatus
@@ -90,13 +96,13 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     engine, runner = _engine()
     req = _add(engine, "a", 5)
     s = req.seq_id
-    batch = _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 2}))
+    batch = _apply(engine, Plan(run={s: 5}, allocate={s: 3}, features=section({s: 2})))
     state = engine.state
     assert req.status is RequestStatus.OFFLOADED or state.table.data.status[state.live.row(s)] == 4
     view = state.snapshot(0.0)
     assert view.requests.device_layers.tolist() == [2]
-    assert view.num_free_layer_blocks == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
-    assert view.num_free_host_layer_blocks == 4 * 8 - 2 * 3
+    assert num_free_layer_blocks(view) == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
+    assert num_free_host_layer_blocks(view) == 4 * 8 - 2 * 3
     assert batch.layer_traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
     assert runner.num_partial_prefills == 1
     # It decodes with layers 0 and 2 on the host: their 3 blocks of context read for the
@@ -111,12 +117,12 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
         state.apply(Plan(run={s: 1}, allocate={s: 1}, repeat=2), 0.0)
     _apply(engine, Plan(run={s: 1}, allocate={s: 1}))
     view = state.snapshot(0.0)
-    assert view.num_free_layer_blocks == 4 * 8 - 2 * 4 and view.num_free_host_layer_blocks == 4 * 8 - 2 * 4
-    batch = _apply(engine, Plan(run={s: 1}, layers={s: 4}, allocate={}))
+    assert num_free_layer_blocks(view) == 4 * 8 - 2 * 4 and num_free_host_layer_blocks(view) == 4 * 8 - 2 * 4
+    batch = _apply(engine, Plan(run={s: 1}, features=section({s: 4}), allocate={}))
     assert batch.layer_traffic.to_device.tolist() == [4, 0, 4, 0]
     assert batch.layer_traffic.device_copy.tolist() == [0, 4, 0, 4]
     view = state.snapshot(0.0)  # that was its 4th and last token: everything is free
-    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
+    assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
 
 
 def test_offloading_a_running_request_frees_its_layers_for_others():
@@ -124,21 +130,21 @@ def test_offloading_a_running_request_frees_its_layers_for_others():
     req = _add(engine, "a", 5)
     s = req.seq_id
     _apply(engine, Plan(run={s: 5}, allocate={s: 3}))
-    batch = _apply(engine, Plan(layers={s: 0}))
+    batch = _apply(engine, Plan(features=section({s: 0})))
     assert batch.layer_traffic.to_host.tolist() == [3, 3, 3, 3]
     view = engine.state.snapshot(0.0)
     assert view.num_free_blocks == 8 and view.requests.status.tolist() == [RequestStatus.OFFLOADED]
-    batch = _apply(engine, Plan(layers={s: 1}))  # one layer back, into slots
+    batch = _apply(engine, Plan(features=section({s: 1})))  # one layer back, into slots
     assert batch.layer_traffic.to_device.tolist() == [0, 0, 0, 3]
-    assert engine.state.snapshot(0.0).num_free_layer_blocks == 4 * 8 - 3
-    _apply(engine, Plan(run={s: 1}, layers={s: 4}))
+    assert num_free_layer_blocks(engine.state.snapshot(0.0)) == 4 * 8 - 3
+    _apply(engine, Plan(run={s: 1}, features=section({s: 4})))
 
 
 @pytest.mark.parametrize("plan, match", [
-    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 5}), "cannot keep 5 of 4"),
-    (lambda s: Plan(layers={s: 1}), "only in the plan that prefills it"),
-    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 4}, repeat=2), "cannot repeat"),
-    (lambda s: Plan(run={s: 5}, allocate={s: 3}, layers={s: 0}), "host layer slots"),
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, features=section({s: 5})), "cannot keep 5 of 4"),
+    (lambda s: Plan(features=section({s: 1})), "only in the plan that prefills it"),
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, features=section({s: 4}), repeat=2), "cannot repeat"),
+    (lambda s: Plan(run={s: 5}, allocate={s: 3}, features=section({s: 0})), "host layer slots"),
 ])
 def test_plans_the_state_cannot_honour_are_refused(plan, match):
     engine, _ = _engine(num_host_blocks=2)
@@ -152,15 +158,15 @@ def test_layer_offload_needs_a_host_tier_and_no_swap_of_a_partial_request():
     engine, _ = _engine(num_host_blocks=0)
     s = _add(engine, "a", 5).seq_id
     with pytest.raises(PlanError, match="host KV tier"):
-        engine.state.apply(Plan(run={s: 5}, allocate={s: 3}, layers={s: 1}), 0.0)
+        engine.state.apply(Plan(run={s: 5}, allocate={s: 3}, features=section({s: 1})), 0.0)
     engine, _ = _engine()
     s = _add(engine, "a", 5).seq_id
-    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 1}))
+    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, features=section({s: 1})))
     with pytest.raises(PlanError, match="recompute"):
         engine.state.apply(Plan(preempt={s: PreemptMode.SWAP}), 0.0)
     _apply(engine, Plan(preempt={s: PreemptMode.RECOMPUTE}))
     view = engine.state.snapshot(0.0)
-    assert view.num_free_blocks == 8 and view.num_free_host_layer_blocks == 4 * 8
+    assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
     assert view.requests.device_layers.tolist() == [4]
 
 
@@ -242,10 +248,10 @@ def test_getting_every_layer_back_reuses_the_blocks_its_slots_free():
     block free: its own blocks merge back when their slots are released, before the take."""
     engine, _ = _engine(num_blocks=4)
     s = _add(engine, "a", 5).seq_id
-    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, layers={s: 2}))
+    _apply(engine, Plan(run={s: 5}, allocate={s: 3}, features=section({s: 2})))
     view = engine.state.snapshot(0.0)
-    assert view.num_free_blocks == 1 and view.free_layer_slots.tolist() == [3, 0, 3, 0]
-    batch = _apply(engine, Plan(run={s: 1}, allocate={s: 1}, layers={s: 4}))
+    assert view.num_free_blocks == 1 and layer_view(view).free_slots.tolist() == [3, 0, 3, 0]
+    batch = _apply(engine, Plan(run={s: 1}, allocate={s: 1}, features=section({s: 4})))
     assert batch.layer_traffic.device_copy.tolist() == [0, 3, 0, 3]
     assert engine.state.snapshot(0.0).num_free_blocks == 0
 
@@ -282,15 +288,15 @@ def test_random_plans_are_refused_whole_or_applied_whole(data):
                 layers[seq] = data.draw(st.integers(0, L))
             elif choice == "preempt" and status in (1, 4):
                 preempt[seq] = PreemptMode.RECOMPUTE
-        plan = Plan(run=run, allocate=allocate, layers=layers, preempt=preempt)
+        plan = Plan(run=run, allocate=allocate, features=section(layers), preempt=preempt)
         before = (state.snapshot(0.0).requests.status.tobytes(), state.blocks.num_free,
-                  state.residency.slab.used.tobytes(), state.residency.free_slots().tobytes())
+                  state.feature("layer_offload").residency.slab.used.tobytes(), state.feature("layer_offload").residency.free_slots().tobytes())
         try:
             state.apply(plan, 0.0)
         except PlanError as e:
             event(f"refused: {str(e).split(':')[-1][:40]}")
             after = (state.snapshot(0.0).requests.status.tobytes(), state.blocks.num_free,
-                     state.residency.slab.used.tobytes(), state.residency.free_slots().tobytes())
+                     state.feature("layer_offload").residency.slab.used.tobytes(), state.feature("layer_offload").residency.free_slots().tobytes())
             assert after == before, f"a refused plan changed the state: {e}"
             state.check_invariants()
             continue

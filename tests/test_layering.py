@@ -43,6 +43,7 @@ ASSEMBLY = ("jserve.builder", "jserve.config", "jserve.serving", "jserve.benchma
     ("policies", ("jserve.runners", *ASSEMBLY)),  # the plan/view contract and data only
     ("runners", ASSEMBLY),  # runners sit below what assembles engines and the front ends
     ("engine", ("jserve.runners", "jserve.policies", *ASSEMBLY)),
+    ("cache_features", ("jserve.runners", "jserve.policies", *ASSEMBLY)),  # plugged into the engine
 ])
 def test_layer_does_not_import(layer: str, forbidden: tuple[str, ...]) -> None:
     assert crossings(layer, forbidden) == []

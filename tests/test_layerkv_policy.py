@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, specs_for
 
+from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.request_table import RequestArrays
@@ -106,7 +107,8 @@ def make_view(rows: list[dict], *, num_blocks: int = 100, free: int = 0, free_ho
             getattr(r, name)[i] = value
     return SchedulerView(now=now, requests=r, block_size=BS, num_blocks=num_blocks, num_free_blocks=free,
                          limits=SchedulerLimits(256, 100_000, 10_000), num_host_blocks=free_host,
-                         num_free_host_blocks=free_host, num_layers=num_layers, free_layer_slots=slots)
+                         num_free_host_blocks=free_host,
+                         features={NAME: LayerView(num_layers, slots)})
 
 
 def decoding(arrival: float, first: float, generated: int, prompt: int = 32, slo: float = 0.2,
@@ -133,14 +135,14 @@ def test_algorithm1_on_a_view_gates_the_prefills_that_need_offloading():
     assert policy.min_allowed_prefill_time(view) == pytest.approx(allow)
     plan = policy.schedule(view)
     assert allow < 2 * COSTS.prefill_time(100)  # Eq. 2: one prompt's 1 s fits, two do not
-    assert list(plan.run) == [2] and dict(plan.layers) == {2: 0}
+    assert list(plan.run) == [2] and dict(kept(plan)) == {2: 0}
     assert plan.allocate[2] == 7  # its logical blocks, all of them host slots
     # without the SLO-aware scheduler (the ablation) all three go, every layer offloaded
     ablation = LayerKVPolicy(name="layerkv/SLO", slo_aware=False, costs=COSTS).schedule(view)
-    assert list(ablation.run) == [2, 3, 4] and set(ablation.layers.values()) == {0}
+    assert list(ablation.run) == [2, 3, 4] and set(kept(ablation).values()) == {0}
     # prompts vLLM would admit (whole blocks free) go whole, whatever T_allow says
     roomy = policy.schedule(make_view(d + q, free=60))
-    assert list(roomy.run) == [2, 3, 4] and not roomy.layers
+    assert list(roomy.run) == [2, 3, 4] and not kept(roomy)
 
 
 def test_eq1_current_tpot_with_the_whole_block_return_is_the_running_batchs_step():
@@ -214,7 +216,7 @@ def test_a_prefill_keeps_the_layers_the_forecast_spares():
     policy = LayerKVPolicy(costs=COSTS)
     assert policy.spare_slots(view) == 8
     plan = policy.schedule(view)
-    assert dict(plan.layers) == {1: 1} and plan.allocate[1] == 7
+    assert dict(kept(plan)) == {1: 1} and plan.allocate[1] == 7
 
 
 def test_decodes_bring_back_offloaded_requests_oldest_first():
@@ -225,11 +227,11 @@ def test_decodes_bring_back_offloaded_requests_oldest_first():
     # newer (3 more) would leave less than the watermark... it has none with 100 blocks: 1;
     # it decodes with its layers on the host instead (or, with the whole-block return, waits)
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([run, old, new], free=5))
-    assert list(plan.run) == [0, 1, 2] and dict(plan.layers) == {1: L}
+    assert list(plan.run) == [0, 1, 2] and dict(kept(plan)) == {1: L}
     whole = LayerKVPolicy(costs=COSTS, decode_from_host=False).schedule(make_view([run, old, new], free=5))
-    assert list(whole.run) == [0, 1] and dict(whole.layers) == {1: L}
+    assert list(whole.run) == [0, 1] and dict(kept(whole)) == {1: L}
     both = LayerKVPolicy(costs=COSTS).schedule(make_view([run, old, new], free=7))
-    assert list(both.run) == [0, 1, 2] and dict(both.layers) == {1: L, 2: L}
+    assert list(both.run) == [0, 1, 2] and dict(kept(both)) == {1: L, 2: L}
 
 
 def test_a_host_decode_takes_its_next_block_in_its_kept_layers_and_on_the_host():
@@ -239,12 +241,12 @@ def test_a_host_decode_takes_its_next_block_in_its_kept_layers_and_on_the_host()
     at_edge = decoding(1.0, 95.0, 17, prompt=32, status=OFFLOADED, device_layers=2, num_blocks=3)
     none = np.zeros(L, np.int64)
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([at_edge], free=1, slots=none))
-    assert plan.run == {0: 1} and plan.allocate == {0: 1} and not plan.layers
+    assert plan.run == {0: 1} and plan.allocate == {0: 1} and not kept(plan)
     # no whole block free: Eq. 5's forecast is 4 slots short of its threshold, so the
     # request offloads its retained layers this step (half frees 3, then all) instead of
     # decoding
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([at_edge], free=0, slots=none))
-    assert dict(plan.layers) == {0: 0} and not plan.run
+    assert dict(kept(plan)) == {0: 0} and not plan.run
     # every layer on the host: host slots alone
     on_host = dict(at_edge, device_layers=0)
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([on_host], free=0, slots=none))
@@ -279,10 +281,10 @@ def test_a_stall_of_the_whole_block_return_offloads_every_retained_layer():
     # nothing runs; the only OFFLOADED request keeps 2 layers and cannot come back whole
     held = decoding(0.0, 95.0, 1, status=OFFLOADED, device_layers=2)
     plan = LayerKVPolicy(costs=COSTS, decode_from_host=False).schedule(make_view([held], free=1))
-    assert dict(plan.layers) == {0: 0} and not plan.run
+    assert dict(kept(plan)) == {0: 0} and not plan.run
     # decoding from the host, it is no stall: it decodes as it is
     plan = LayerKVPolicy(costs=COSTS).schedule(make_view([held], free=1))
-    assert plan.run == {0: 1} and not plan.layers
+    assert plan.run == {0: 1} and not kept(plan)
 
 
 # --------------------------------------------------------------------------- random traces

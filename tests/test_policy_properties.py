@@ -221,7 +221,7 @@ def test_schedule_is_pure_and_state_accepts_plan(policy: Policy, data: st.DataOb
     check_plan(view, plan)
     for check in plan_checks_for(policy):
         check(view, plan)
-    assert plan.num_batched_tokens > 0 or plan.preempt or plan.layers or len(view.requests) == 0, \
+    assert plan.num_batched_tokens > 0 or plan.preempt or plan.features or len(view.requests) == 0, \
         "the engine would stall"
     h.state.apply(plan, view.now)  # raises PlanError if the state cannot honour it
     h.state.check_invariants()

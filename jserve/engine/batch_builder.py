@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache_features.hidden_cache.section import CacheType
 from jserve.engine.batch import Batch, BatchInputs, LayerMove, LayerTraffic
-from jserve.engine.layer_residency import LayerResidency
+from jserve.cache_features.layer_offload.residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import CacheType
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.request import Request

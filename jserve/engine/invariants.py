@@ -4,26 +4,26 @@ made it rather than as a leak or a wrong output much later."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from jserve.cache.blocks import BlockManager
-from jserve.cache.layers import kept_layers
 from jserve.cache.prefix import PrefixIndex
-from jserve.engine.layer_residency import LayerResidency
+from jserve.cache_features.protocol import CacheFeature
+from jserve.cache_features.registry import block_tokens
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import CacheType
-from jserve.engine.request import OFFLOADED, SWAPPED, WAITING
+from jserve.engine.request import SWAPPED, WAITING
 
 
-_ROW_COLUMNS = ("seq_id", "cache_type", "status", "device_layers", "num_blocks", "num_host_blocks",
+_ROW_COLUMNS = ("seq_id", "status", "num_blocks", "num_host_blocks",
                 "num_computed", "num_tokens", "max_len")
 
 
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
-                     prefix: PrefixIndex | None, residency: LayerResidency,
-                     hidden_block_tokens: int = 0) -> None:
+                     prefix: PrefixIndex | None, features: tuple[CacheFeature, ...] = ()) -> None:
     blocks.check_invariants()
     live_seqs = set(live.requests)
-    residency.check_invariants(live_seqs)
-    num_layers = residency.num_layers
+    for feature in features:
+        feature.check_invariants(prefix is not None)
     if host_blocks is not None:
         host_blocks.check_invariants()
         assert host_blocks.seq_ids() <= live_seqs, "host blocks of a request that ended"
@@ -32,29 +32,14 @@ def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: Bloc
     assert len(live.table) == len(live.requests) == len(rows)
     # Each live row's columns as Python ints, read once: numpy scalars cost this check (run
     # after every step of the property tests) most of its time.
-    per_row = zip(live.items(), *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
-    types, hidden_type = {int(t) for t in CacheType}, int(CacheType.HIDDEN)
-    for (seq_id, _), row_seq, cache_type, status, device_layers, num_blocks, num_host_blocks, \
+    tokens = np.broadcast_to(block_tokens(features, blocks.block_size, rows), rows.shape)
+    per_row = zip(live.items(), tokens.tolist(), *(getattr(cols, name)[rows].tolist() for name in _ROW_COLUMNS))
+    owned = {s for feature in features for s in feature.own_blocks()}  # checked by their feature
+    for (seq_id, _), bs, row_seq, status, num_blocks, num_host_blocks, \
             num_computed, num_tokens, max_len in per_row:
         assert row_seq == seq_id
-        part = residency.partial.get(seq_id)
-        hidden = cache_type == hidden_type  # rows, not K/V
-        assert cache_type in types, f"seq {seq_id} cache type {cache_type}"
-        if hidden:
-            assert hidden_block_tokens > 0, f"hidden seq {seq_id} on a model without a hidden cache"
-            assert part is None and prefix is None, f"hidden seq {seq_id} offloaded or prefix-shared"
-            assert status != SWAPPED and num_host_blocks == 0, f"hidden seq {seq_id} swapped"
-        bs = hidden_block_tokens if hidden else blocks.block_size
-        assert (part is None) == (device_layers == num_layers), f"seq {seq_id} layers"
-        if part is not None:  # prefilled, some layers' KV on the host
-            assert status == OFFLOADED, f"partly offloaded seq {seq_id} is {status}"
-            assert part.kept == kept_layers(num_layers, device_layers)
-            assert num_blocks == part.num_blocks, f"seq {seq_id} layer blocks"
-            # 0 between the plan that prefills it keeping some layers and that step's commit
-            assert 0 <= num_computed <= part.num_blocks * bs
-            assert num_host_blocks == 0 and host_blocks.num_held(seq_id) == 0
+        if owned and seq_id in owned:
             continue
-        assert status != OFFLOADED, f"seq {seq_id} offloaded with every layer on the device"
         assert num_blocks == blocks.num_held(seq_id), f"seq {seq_id} blocks"
         assert 0 <= num_computed <= num_tokens <= max_len
         assert status == WAITING or num_computed <= (num_blocks + num_host_blocks) * bs

@@ -144,7 +144,7 @@ class Engine:
         if batch.num_seqs == 0:
             if batch.moves_blocks:
                 self.runner.execute(batch)
-            if (not plan.preempt and not plan.swap_in and not plan.layers and len(view.requests)
+            if (not plan.preempt and not plan.swap_in and not plan.features and len(view.requests)
                     and self._in_flight is None):
                 raise PlanError(
                     f"policy {self.policy.name!r} scheduled nothing with {len(view.requests)} "

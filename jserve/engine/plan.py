@@ -8,16 +8,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
-class CacheType(enum.IntEnum):
-    """What a request's cache blocks hold (Apt-Serve's hybrid cache, Section 4.3): every
-    layer's K and V (`KV`), or every layer's attention input rows (`HIDDEN`, after the
-    attention norm), from which each step recomputes K and V. A hidden block holds
-    `SchedulerView.hidden_block_tokens` tokens (twice `block_size` for MHA models)."""
-
-    KV = 0
-    HIDDEN = 1
-
-
 class PreemptMode(enum.Enum):
     RECOMPUTE = "recompute"  # drop the KV; the request re-prefills prompt + output later
     SWAP = "swap"  # move the KV to host memory; a later plan swaps it back in
@@ -37,49 +27,25 @@ class Plan:
        in from its eviction rule, after the policy: see `Engine.step`);
     3. `swap_in`: bring swapped requests' KV back into fresh device blocks (they become
        running, with all their computed tokens);
-    4. `layers`: set how many of a request's layers keep their KV on the device after this
-       plan (LayerKV; `jserve.cache.layers.kept_layers` says which; absent: unchanged).
-       Fewer than now offloads layers (their device slots freed, host slots taken, copied
-       before the step), more brings them back (host -> device before the step); all of
-       them makes it an ordinary request again, in whole blocks (it takes as many whole
-       blocks as its table has; its slots are freed first, so its own split blocks that
-       become entirely free count among them). Every release of a plan comes before any
-       take, and whole blocks are taken before layer slots. A request that starts now keeping fewer than all runs
-       its whole prompt in this step and its offloaded layers' new KV goes to host memory
-       as it is computed. A request with fewer than all layers may run any tokens (a
-       decode, as LayerKV's Section 4 has it): for the step, its offloaded layers' context
-       is read from the host to the device layer by layer, and the new K/V is written back;
-       a repeated plan (`repeat`) runs only requests with every layer on the device;
-    5. `allocate`: grow a request's table by that many blocks. A waiting request whose
+    4. `allocate`: grow a request's table by that many blocks. A waiting request whose
        prompt starts with cached blocks (the view shows them as its `num_computed`) takes
        those over as the first blocks of its table: they count in `allocate` but are
        shared, not copied, so the count is never less than the memory it costs;
-       For a request that keeps `x` of `L` layers after the plan, each block is `x` layer
-       slots on the device and `L - x` on the host;
-    6. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
+    5. `run`: compute that many of each request's not-yet-cached tokens (a prefill chunk,
        a whole prompt, or 1 for a decode). Insertion order is batch order.
-    7. `reserve`: set a request's reservation (blocks promised to it, materialised by later
+    6. `reserve`: set a request's reservation (blocks promised to it, materialised by later
        `allocate`s) to that many blocks; reservations are bookkeeping for policies that
        allocate a predicted demand (CacheOpt, RLP, S3), and their sum never exceeds the cache.
 
     Blocks a preemption frees may serve a swap-in or an allocation of the same plan: the
     runner copies swapped-out blocks before anything writes to them.
 
-    `cache_type`: a request's `CacheType` after this plan (absent: unchanged; a new request
-    starts as `KV`). The type of a request that holds no device blocks (waiting, new or
-    preempted by recompute, this plan's preemptions included) is simply set: it takes its
-    blocks in that type when a plan allocates to it. A running request whose type changes
-    switches the paper's way (Section 5: discard and recompute) within this plan: its
-    blocks are released right after the preemptions, before any take (so they may serve
-    this plan's allocations), its computed tokens drop to 0, and it must be in `run`,
-    recomputing from its first token in the new type (a whole re-prefill, or a first chunk
-    with a chunked-prefill policy); `allocate` counts blocks of the new type. A switch is
-    not a preemption (the request keeps running; `num_preemptions` is unchanged). A hidden
-    request is never swapped (preempt it by recompute), never shares prefix-cache blocks (a
-    hidden request needs an engine without a prefix cache) and keeps every layer on the
-    device (no `layers` below the model's); a swapped or partly offloaded request cannot
-    change type; a model whose block holds no hidden row (`hidden_block_tokens == 0`)
-    cannot use `HIDDEN`. A plan that sets types does not repeat.
+    `features`: each cache feature's section of the plan, by the feature's name
+    (`jserve.cache_features`; a policy builds one through that feature's `section` module).
+    The core checks and books whole blocks; each feature checks its section against the
+    state and books it in the order above: its releases after the evictions, before any
+    take; its whole-block takes with the swap-ins; its other takes after the allocations.
+    A plan with a section does not repeat.
 
     `repeat`: how many steps in a row, this one included, the policy would plan the same
     decodes: every request in `run` computes its one new token, growing its table by a
@@ -97,11 +63,10 @@ class Plan:
     reserve: Mapping[int, int] = field(default_factory=dict)
     evict: frozenset[int] = frozenset()  # physical block ids
     repeat: int = 1
-    layers: Mapping[int, int] = field(default_factory=dict)
-    cache_type: Mapping[int, CacheType] = field(default_factory=dict)
+    features: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("run", "allocate", "preempt", "reserve", "layers", "cache_type"):
+        for name in ("run", "allocate", "preempt", "reserve", "features"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "swap_in", frozenset(self.swap_in))
         object.__setattr__(self, "evict", frozenset(int(b) for b in self.evict))

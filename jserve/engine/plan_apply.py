@@ -1,12 +1,12 @@
 """Carrying out a checked plan, in the order `Plan` documents: preemptions release KV
-(dropped, or moved to the host tier), evictions drop cached blocks, swap-ins bring KV
-back, layer residency changes (LayerKV), allocations grow tables (a started request first
-taking over its cached prefix), then the requests that run and the reservations are booked.
+(dropped, or moved to the host tier), evictions drop cached blocks, cache features release
+what their sections give up, swap-ins bring KV back, allocations grow tables (a started
+request first taking over its cached prefix), then the requests that run and the
+reservations are booked.
 
-Layer residency changes release everything first (before the swap-ins), then every whole
-block is taken (swap-ins, requests getting every layer back, allocations), then every
-layer slot: the order `PlanChecker`'s exact counting assumes. A block a release frees (or
-merges back to whole) may so serve a take of the same plan; runners read every source
+Every release comes before any take, whole blocks (swap-ins, features' whole-block takes,
+allocations) before a feature's other takes: the order `PlanChecker`'s counting assumes. A
+block a release frees may so serve a take of the same plan; runners read every source
 before writing anything.
 
 Nothing here checks anything: `PlanChecker` has, and a checked plan always applies.
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache_features.protocol import CacheFeature
+from jserve.cache_features.registry import block_tokens
 from jserve.engine.batch import BlockMove
-from jserve.engine.layer_residency import LayerChange, LayerMoves, LayerResidency
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import CacheType, PreemptMode
+from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
-from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
+from jserve.engine.request import RUNNING, SWAPPED, WAITING
 from jserve.errors import PlanError
 
 
@@ -36,7 +37,7 @@ class Moves:
 
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
-    layers: LayerMoves | None = None  # None: no residency change
+    layers: object = None  # layer residency's copies (`LayerMoves`); None: no change
 
 
 NO_MOVES = Moves()
@@ -48,38 +49,33 @@ class PlanApplier:
     blocks: BlockManager
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
-    residency: LayerResidency
-    hidden_block_tokens: int = 0  # tokens a block holds as hidden rows (Apt-Serve)
+    features: tuple[CacheFeature, ...] = ()
 
     def apply(self, checked: CheckedPlan, now: float) -> Moves:
-        plan = checked.plan
+        plan, booked = checked.plan, tuple(zip(self.features, checked.sections))
         swap_out = self._preempt(checked, now)
-        if plan.cache_type:
-            self._set_cache_types(checked)
         if plan.evict:
             swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
-        changes = self._release_layers(checked) if plan.layers else []
+        for feature, section in booked:
+            feature.release(section)
         swap_in = self._swap_in(sorted(plan.swap_in))
-        layer_moves = LayerMoves() if plan.layers else None
-        L = self.residency.num_layers
-        for change in changes:
-            if change.x == L:
-                self.residency.make_whole(change, layer_moves)
+        for feature, section in booked:
+            feature.take_whole(section)
         swap_in += self._allocate(checked)
-        for change in changes:
-            if change.x < L:
-                self.residency.take_for(change, layer_moves)
-        for seq_id in checked.partial_allocations:  # in the layers the plan leaves them
-            self.residency.allocate(seq_id, checked.plan.allocate[seq_id])
+        for feature, section in booked:
+            feature.take_slots(section)
         self._start_runs(checked, now)
+        for feature, section in booked:
+            feature.after_runs(section, checked.run_rows)
         self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
-        return Moves(tuple(swap_out), tuple(swap_in), layer_moves)
+        moves = {k: v for feature, section in booked for k, v in feature.moves(section).items()}
+        return Moves(tuple(swap_out), tuple(swap_in), **moves)
 
     def _preempt(self, checked: CheckedPlan, now: float) -> list[BlockMove]:
         cols, swap_out = self.live.cols, []
         for (seq_id, mode), row in zip(checked.plan.preempt.items(), checked.preempt_rows.tolist()):
-            if self.residency.release(seq_id):  # partly offloaded: by recompute only
-                cols.device_layers[row] = self.residency.num_layers
+            for feature in self.features:
+                feature.drop(seq_id, row)
             held = np.asarray(self.blocks.table(seq_id), np.int32)
             self.blocks.free(seq_id)
             cols.num_blocks[row] = 0
@@ -99,25 +95,9 @@ class PlanApplier:
             self.live.awaiting_run.add(seq_id)
         return swap_out
 
-    def _set_cache_types(self, checked: CheckedPlan) -> None:
-        """Set the plan's cache types; a running request that switches discards its blocks
-        (before any take, like a recompute preemption) and recomputes from its first token
-        in this plan's run (`Plan.cache_type`)."""
-        cols = self.live.cols
-        for seq_id in cols.seq_id[checked.switch_rows].tolist():
-            self.blocks.free(seq_id)
-        rows = checked.switch_rows
-        cols.num_blocks[rows] = 0
-        cols.num_computed[rows] = 0
-        cols.reserved_blocks[rows] = 0
-        cols.cache_type[checked.type_rows] = checked.types
-
     def block_tokens(self, rows: np.ndarray) -> np.ndarray | int:
-        """Tokens one block of each of `rows` holds, by its cache type."""
-        if not self.hidden_block_tokens:
-            return self.blocks.block_size
-        return np.where(self.live.cols.cache_type[rows] == CacheType.HIDDEN, self.hidden_block_tokens,
-                        self.blocks.block_size)
+        """Tokens one block of each of `rows` holds (a cache feature's may differ)."""
+        return block_tokens(self.features, self.blocks.block_size, rows)
 
     def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:
         cols, swap_in = self.live.cols, []
@@ -131,22 +111,13 @@ class PlanApplier:
             swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
         return swap_in
 
-    def _release_layers(self, checked: CheckedPlan) -> list[LayerChange]:
-        """Residency changes' releases, before any whole-block take; their takes follow
-        (`make_whole` with the whole-block takes, `take_for` with the slot takes)."""
-        layers = checked.plan.layers
-        changes = [self.residency.release_for(seq_id, x) for seq_id, x in layers.items()]
-        self.live.cols.device_layers[checked.layer_rows] = np.fromiter(layers.values(), np.int16, len(layers))
-        return [c for c in changes if c is not None]
-
     def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
         """Grow the tables by whole blocks; returns the copies that load host-tier cached
-        blocks. Partly offloaded requests' layer slots are taken after the residency
-        changes' (`apply`)."""
-        loads, partial = [], checked.partial_allocations
+        blocks. Allocations a cache feature books itself are its own (`take_slots`)."""
+        loads, own = [], checked.own_allocations
         for seq_id, n in checked.plan.allocate.items():
             hit = checked.hits.get(seq_id)
-            if partial and seq_id in partial:
+            if own and seq_id in own:
                 continue
             if hit is None:
                 self.blocks.allocate(seq_id, n)
@@ -158,7 +129,7 @@ class PlanApplier:
     def decode_growth(self, rows: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
         """For `steps` more one-token decodes of `rows`: how many blocks each fills, and
         at which step (1-based) each row takes its first new one (then one every
-        `block_size` steps, or `hidden_block_tokens` for a hidden request). Step `j`
+        `block_tokens` steps). Step `j`
         computes position `num_computed + j - 1`."""
         cols, bs = self.live.cols, self.block_tokens(rows)
         first = cols.num_blocks[rows] * bs - cols.num_computed[rows] + 1
@@ -185,14 +156,6 @@ class PlanApplier:
     def _start_runs(self, checked: CheckedPlan, now: float) -> None:
         cols = self.live.cols
         cols.status[checked.run_rows] = RUNNING
-        if checked.plan.layers or self.residency.partial:
-            # the status follows the residency: a request with layers on the host stays
-            # OFFLOADED while it runs (a decode reading them from the host), and one the
-            # plan gives every layer back is RUNNING
-            rows = np.concatenate([checked.run_rows, checked.layer_rows])
-            partial = cols.device_layers[rows] < self.residency.num_layers
-            cols.status[rows[partial]] = OFFLOADED
-            cols.status[rows[~partial & (cols.status[rows] == OFFLOADED)]] = RUNNING
         started = self.live.awaiting_run.intersection(checked.plan.run)
         for seq_id in started:
             metrics = self.live.requests[seq_id].metrics

@@ -10,20 +10,20 @@ and building its batch look nothing up again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache.prefix import PrefixHit
-from jserve.engine.layer_residency import LayerResidency
+from jserve.cache_features.protocol import CacheFeature, SectionCheck
+from jserve.cache_features.registry import block_tokens, check_sections_known, refuse_shared
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.prefix_reuse import PrefixReuse
-from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
+from jserve.engine.refusal import member, not_live, refuse_first, values
+from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 
@@ -42,66 +42,12 @@ class CheckedPlan:
     run_lens: np.ndarray
     reserve_rows: np.ndarray
     reserve_counts: np.ndarray
-    layer_rows: np.ndarray  # rows of `plan.layers`' requests, in its order
-    partial_allocations: frozenset[int]  # seq ids whose allocation is layer slots
-    type_rows: np.ndarray  # rows of `plan.cache_type`'s requests, in its order
-    types: np.ndarray  # their cache types after the plan
-    switch_rows: np.ndarray  # running requests whose type changes (discarded)
+    own_allocations: frozenset[int]  # seq ids whose allocation a cache feature books
+    sections: tuple[SectionCheck, ...]  # each cache feature's, in the registry's order
+    discarded: np.ndarray  # running requests a feature's section discards (recompute from 0)
 
 
 _NO_ROWS = np.zeros(0, np.int64)
-_NO_SEQS: frozenset[int] = frozenset()
-Check = tuple[np.ndarray, Callable[[int], str]]  # (offends, message for the i-th entry)
-
-
-def _refuse_first(seq_ids: Sequence[int], checks: Sequence[Check]) -> None:
-    """Raise for the first entry (in plan order) that fails any check, with the message
-    of the first check it fails."""
-    bad = np.zeros(len(seq_ids), bool)
-    for offends, _ in checks:
-        bad |= offends
-    if bad.any():
-        i = int(np.argmax(bad))
-        message = next(message for offends, message in checks if offends[i])
-        raise PlanError(message(i))
-
-
-def _not_live(seq_ids: Sequence[int], rows: np.ndarray, verb: str) -> Check:
-    return rows < 0, lambda i: f"plan tries to {verb} seq {seq_ids[i]}, which is not a live request"
-
-
-def _values(mapping: Mapping[int, int]) -> np.ndarray:
-    return np.fromiter(mapping.values(), np.int64, len(mapping))
-
-
-def _types_after(plan: Plan, seq_ids: Sequence[int], now: np.ndarray) -> np.ndarray:
-    """Cache types of `seq_ids` after `plan` (their types `now` where it sets none)."""
-    if not plan.cache_type:
-        return now
-    return np.fromiter(map(plan.cache_type.get, seq_ids, now.tolist()), np.int64, len(seq_ids))
-
-
-def _member(keys: Collection[int], of: Collection[int]) -> np.ndarray:
-    if not of:
-        return np.zeros(len(keys), bool)
-    return np.fromiter(map(of.__contains__, keys), bool, len(keys))
-
-
-@dataclass(frozen=True)
-class LayerDemand:
-    """What a plan's layer residency changes take (`_check_layers`): whole blocks beyond
-    `fresh_blocks`' count, layer slots per layer on the device and the host, and the room
-    their releases (done before any take) leave: blocks merged back to whole and free slots
-    per layer, on each side."""
-
-    whole: int
-    device: np.ndarray
-    host: np.ndarray
-    merged: int
-    free_slots: np.ndarray
-    host_merged: int
-    host_free_slots: np.ndarray
-    partial_allocations: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -111,17 +57,19 @@ class PlanChecker:
     host_blocks: BlockManager | None
     limits: SchedulerLimits
     reuse: PrefixReuse | None
-    residency: LayerResidency
-    hidden_block_tokens: int = 0  # tokens a block holds as hidden rows; 0: no hidden cache
+    features: tuple[CacheFeature, ...] = ()
 
     def check(self, plan: Plan) -> CheckedPlan:
         """The plan with its rows, or `PlanError` for the first thing it gets wrong."""
         preempt_rows, to_host = self._check_preemptions(plan)
         self._check_swap_ins(plan)
+        check_sections_known(plan, self.features)
+        sections = tuple(feature.check(plan) for feature in self.features)
+        refuse_shared(plan, self.features, sections)
+        switch_rows = np.concatenate([_NO_ROWS, *(c.discarded for c in sections)])
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
                             "on the host")
-        type_rows, types, switch_rows = self._check_cache_types(plan)
         discarded = list(plan.preempt)
         if len(switch_rows):
             discarded += self.live.cols.seq_id[switch_rows].tolist()
@@ -129,16 +77,15 @@ class PlanChecker:
         hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
         self._check_evictions(plan, released, hits)
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
-        layer_rows, layers = self._check_layers(plan)
-        wanted = self.fresh_blocks(plan, hits) + (0 if layers is None else layers.whole)
+        wanted = self.fresh_blocks(plan, hits) + sum(c.whole_taken for c in sections)
         available = (self.blocks.num_free + self._uncached(released) + len(plan.evict)
-                     + (0 if layers is None else layers.merged))
+                     + sum(c.whole_freed for c in sections))
         if wanted > available:
             from_host = self._swapped_in_blocks(plan)
             swapping = f" ({from_host} of them to swap in)" if from_host else ""
             raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
-        if layers is not None:
-            self._check_layer_room(layers, available - wanted, to_host)
+        for feature, checked in zip(self.features, sections):
+            feature.check_room(checked, available - wanted, to_host)
         lim = self.limits
         if len(plan.run) > lim.max_num_seqs:
             raise PlanError(f"plan runs {len(plan.run)} sequences, max_num_seqs is {lim.max_num_seqs}")
@@ -152,9 +99,9 @@ class PlanChecker:
         if plan.repeat != 1:
             self._check_repeat(plan, run_rows, run_lens)
         return CheckedPlan(plan, hits, preempt_rows, allocate_rows, allocate_counts,
-                           run_rows, run_lens, reserve_rows, reserve_counts, layer_rows,
-                           _NO_SEQS if layers is None else layers.partial_allocations,
-                           type_rows, types, switch_rows)
+                           run_rows, run_lens, reserve_rows, reserve_counts,
+                           frozenset().union(*(c.own_allocations for c in sections)),
+                           sections, switch_rows)
 
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
         """Rows of the requests it preempts, and how many blocks go to the host."""
@@ -164,19 +111,12 @@ class PlanChecker:
         swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
         status = self.live.cols.status[rows]
         offloaded = status == OFFLOADED
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "preempt"),
+        refuse_first(seq_ids, [
+            not_live(seq_ids, rows, "preempt"),
             ((status != RUNNING) & ~offloaded,
              lambda i: f"seq {seq_ids[i]}: only running requests can be preempted"),
             (swap & (self.host_blocks is None),
              lambda i: f"seq {seq_ids[i]}: swap preemption needs a host KV tier (num_host_blocks > 0)"),
-            (swap & offloaded,
-             lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute, or "
-                       "offload its other layers (Plan.layers)"),
-            (swap & ((self.live.cols.cache_type[rows] == CacheType.HIDDEN)
-                     | (_types_after(plan, seq_ids, self.live.cols.cache_type[rows]) == CacheType.HIDDEN)),
-             lambda i: f"seq {seq_ids[i]}: a hidden-cache request is preempted by recompute, "
-                       "never swapped"),
         ])
         return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
 
@@ -184,8 +124,8 @@ class PlanChecker:
         if not plan.swap_in:
             return
         seq_ids, rows = list(plan.swap_in), self.live.rows(plan.swap_in)
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "swap in"),
+        refuse_first(seq_ids, [
+            not_live(seq_ids, rows, "swap in"),
             (self.live.cols.status[rows] != SWAPPED,
              lambda i: f"seq {seq_ids[i]}: only swapped requests can be swapped in"),
         ])
@@ -211,15 +151,15 @@ class PlanChecker:
                             "it starts takes from the cache")
 
     def _check_allocations(self, plan: Plan, hits: dict[int, PrefixHit]) -> tuple[np.ndarray, np.ndarray]:
-        seq_ids, rows, counts = list(plan.allocate), self.live.rows(plan.allocate), _values(plan.allocate)
+        seq_ids, rows, counts = list(plan.allocate), self.live.rows(plan.allocate), values(plan.allocate)
         cached = {s: hit.num_blocks for s, hit in hits.items()}
         least = np.fromiter(map(cached.get, seq_ids, repeat(0)), np.int64, len(seq_ids))
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "allocate to"),
+        refuse_first(seq_ids, [
+            not_live(seq_ids, rows, "allocate to"),
             (counts < least, lambda i: f"seq {seq_ids[i]}: allocates {counts[i]} blocks, fewer than "
                                        f"the {least[i]} cached ones its table starts with"),
             (counts < 0, lambda i: f"seq {seq_ids[i]}: cannot allocate {counts[i]} blocks"),
-            (_member(seq_ids, plan.preempt),
+            (member(seq_ids, plan.preempt),
              lambda i: f"seq {seq_ids[i]}: allocated to and preempted in the same plan"),
         ])
         return rows, counts
@@ -228,10 +168,10 @@ class PlanChecker:
                             ) -> tuple[np.ndarray, np.ndarray]:
         if not plan.reserve:
             return _NO_ROWS, _NO_ROWS
-        seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), _values(plan.reserve)
-        preempted = _member(seq_ids, plan.preempt)
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "reserve for"),
+        seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), values(plan.reserve)
+        preempted = member(seq_ids, plan.preempt)
+        refuse_first(seq_ids, [
+            not_live(seq_ids, rows, "reserve for"),
             ((counts < 0) | preempted, lambda i: f"seq {seq_ids[i]}: cannot reserve {counts[i]} blocks"
                                                  + (" and preempt it" if preempted[i] else "")),
         ])
@@ -246,23 +186,19 @@ class PlanChecker:
 
     def _check_runs(self, plan: Plan, switch_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cols, bs = self.live.cols, self.blocks.block_size
-        seq_ids, rows, n = list(plan.run), self.live.rows(plan.run), _values(plan.run)
+        seq_ids, rows, n = list(plan.run), self.live.rows(plan.run), values(plan.run)
         computed, total = cols.num_computed[rows], cols.num_tokens[rows]
         allocated = np.fromiter(map(plan.allocate.get, seq_ids, repeat(0)), np.int64, len(seq_ids))
         held = cols.num_blocks[rows] + cols.num_host_blocks[rows] + allocated
-        if self.hidden_block_tokens:  # tokens per block by each request's type after the plan
-            types = cols.cache_type[rows]
-            if plan.cache_type:
-                types = _types_after(plan, seq_ids, types)
-                switched = np.isin(rows, switch_rows)  # discarded: recompute from token 0
-                computed, held = np.where(switched, 0, computed), np.where(switched, allocated, held)
-            if types.any():
-                bs = np.where(types == CacheType.HIDDEN, self.hidden_block_tokens, bs)
+        if len(switch_rows):  # discarded: recompute from token 0
+            switched = np.isin(rows, switch_rows)
+            computed, held = np.where(switched, 0, computed), np.where(switched, allocated, held)
+        bs = block_tokens(self.features, bs, rows, plan)
         end = computed + n
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "run"),
-            (_member(seq_ids, plan.preempt), lambda i: f"seq {seq_ids[i]}: run and preempted in the same plan"),
-            ((cols.status[rows] == SWAPPED) & ~_member(seq_ids, plan.swap_in),
+        refuse_first(seq_ids, [
+            not_live(seq_ids, rows, "run"),
+            (member(seq_ids, plan.preempt), lambda i: f"seq {seq_ids[i]}: run and preempted in the same plan"),
+            ((cols.status[rows] == SWAPPED) & ~member(seq_ids, plan.swap_in),
              lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in before running it"),
             ((n < 1) | (end > total), lambda i: f"seq {seq_ids[i]}: cannot run {n[i]} tokens with "
                                                 f"{computed[i]} of {total[i]} computed"),
@@ -272,123 +208,13 @@ class PlanChecker:
         ])
         return rows, n
 
-    def _check_cache_types(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows of `plan.cache_type`'s requests, their types after the plan, and the rows
-        of the running requests that switch (`Plan` says the rules). Also refuses layer
-        offload of a request that is hidden after the plan."""
-        cols = self.live.cols
-        if plan.layers:
-            layer_seqs = [s for s, x in plan.layers.items() if x < self.residency.num_layers]
-            layer_rows = self.live.rows(layer_seqs)
-            hidden = _types_after(plan, layer_seqs, cols.cache_type[layer_rows]) == CacheType.HIDDEN
-            if (hidden & (layer_rows >= 0)).any():
-                seq = layer_seqs[int(np.argmax(hidden & (layer_rows >= 0)))]
-                raise PlanError(f"seq {seq}: a hidden-cache request keeps every layer on the device")
-        if not plan.cache_type:
-            return _NO_ROWS, _NO_ROWS, _NO_ROWS
-        seq_ids, rows = list(plan.cache_type), self.live.rows(plan.cache_type)
-        types = np.fromiter(map(int, plan.cache_type.values()), np.int64, len(rows))
-        hidden = types == CacheType.HIDDEN
-        status = cols.status[rows]
-        changes = types != cols.cache_type[rows]
-        preempted = _member(seq_ids, plan.preempt)
-        switching = changes & (status == RUNNING) & ~preempted
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "set the cache type of"),
-            ((types < 0) | (types > 1), lambda i: f"seq {seq_ids[i]}: unknown cache type {types[i]}"),
-            (hidden & (self.hidden_block_tokens < 1),
-             lambda i: f"seq {seq_ids[i]}: this model's block holds no hidden row "
-                       "(hidden_block_tokens == 0), so it cannot use the hidden cache"),
-            (hidden & (self.reuse is not None),
-             lambda i: f"seq {seq_ids[i]}: a hidden-cache request cannot share prefix-cache blocks; "
-                       "build the engine without a prefix cache"),
-            (changes & ((status == SWAPPED) | _member(seq_ids, plan.swap_in)),
-             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in (or let it run) before "
-                       "changing its cache type"),
-            (changes & (status == OFFLOADED) & ~preempted,
-             lambda i: f"seq {seq_ids[i]}: has layers on the host; preempt it by recompute to "
-                       "change its cache type"),
-            (switching & ~_member(seq_ids, plan.run),
-             lambda i: f"seq {seq_ids[i]}: switches cache type while running, so it must recompute "
-                       "in this plan's run (or be preempted by recompute)"),
-        ])
-        return rows, types, rows[switching]
-
-    def _check_layers(self, plan: Plan) -> tuple[np.ndarray, LayerDemand | None]:
-        """Rows of `plan.layers`' requests and what the plan's residency changes take
-        (None when it changes nothing and no request is partly offloaded)."""
-        res = self.residency
-        if not plan.layers and not res.partial:
-            return _NO_ROWS, None
-        L, cols = res.num_layers, self.live.cols
-        seq_ids, rows, xs = list(plan.layers), self.live.rows(plan.layers), _values(plan.layers)
-        status = cols.status[rows]
-        offload = xs < L
-        _refuse_first(seq_ids, [
-            _not_live(seq_ids, rows, "set the layers of"),
-            ((xs < 0) | (xs > L), lambda i: f"seq {seq_ids[i]}: cannot keep {xs[i]} of {L} layers"),
-            (_member(seq_ids, plan.preempt),
-             lambda i: f"seq {seq_ids[i]}: layers set and preempted in the same plan"),
-            ((status == SWAPPED) | _member(seq_ids, plan.swap_in),
-             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in in an earlier plan before "
-                       "setting its layers"),
-            (offload & (self.reuse is not None),
-             lambda i: f"seq {seq_ids[i]}: layer offload cannot share blocks with a prefix cache"),
-            (offload & (self.host_blocks is None),
-             lambda i: f"seq {seq_ids[i]}: layer offload needs a host KV tier (num_host_blocks > 0)"),
-            (offload & (status == WAITING) & ~_member(seq_ids, plan.run),
-             lambda i: f"seq {seq_ids[i]}: a waiting request keeps fewer layers only in the plan "
-                       "that prefills it"),
-        ])
-        partial = frozenset(s for s in set(plan.allocate).intersection(set(plan.layers) | set(res.partial))
-                            if plan.layers.get(s, L if s not in res.partial else -1) < L)
-        if not plan.layers and not partial:  # only decodes and releases of partial requests
-            return rows, None
-        device, host = np.zeros(L, np.int64), np.zeros(L, np.int64)
-        whole = 0
-        for seq_id, x, n in zip(seq_ids, xs.tolist(), cols.num_blocks[rows].tolist()):
-            before, after = set(res.kept(seq_id)), set(kept_layers(L, x))
-            if x == L:  # back to whole blocks (nothing for a fully resident request)
-                whole += n if seq_id in res.partial else 0
-                continue
-            host[list(before - after)] += n
-            device[list(after - before)] += n
-        every = set(range(L))
-        for seq_id in partial:
-            x = plan.layers.get(seq_id, len(res.kept(seq_id)))
-            kept, n = set(kept_layers(L, x)), plan.allocate[seq_id]
-            whole -= n
-            device[list(kept)] += n
-            host[list(every - kept)] += n
-        room = res.room_after_releases(plan.layers, set(plan.preempt).intersection(res.partial))
-        return rows, LayerDemand(whole, device, host, *room, partial)
-
-    def _check_layer_room(self, layers: LayerDemand, whole_left: int, to_host: int) -> None:
-        """Slot takes come after every release and whole-block take, so layer `l` can give
-        out its free slots plus the whole blocks left (`jserve.cache.layers`)."""
-        short = layer_shortfall(layers.device, layers.free_slots, whole_left)
-        if short:
-            raise PlanError(f"plan takes {short} device layer slots more than a layer has free "
-                            f"({whole_left} whole blocks left after its whole-block takes)")
-        if self.residency.host_slab is None:
-            return
-        host_left = self.host_blocks.num_free - to_host + layers.host_merged
-        short = layer_shortfall(layers.host, layers.host_free_slots, host_left)
-        if short:
-            raise PlanError(f"plan offloads {short} host layer slots more than a layer has free "
-                            f"({host_left} whole host blocks left after its swap-outs)")
-
     def _check_repeat(self, plan: Plan, rows: np.ndarray, n: np.ndarray) -> None:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""
         if plan.repeat < 1:
             raise PlanError(f"plan repeats {plan.repeat} times; at least once")
-        if plan.preempt or plan.swap_in or plan.evict or plan.cache_type or plan.layers:
-            raise PlanError("a plan that preempts, swaps in, evicts or sets cache types or layers "
-                            "cannot repeat")
-        partial = [s for s in plan.run if s in self.residency.partial]
-        if partial:  # its growth is layer slots, and each step reads its host layers
-            raise PlanError(f"seq {partial[0]}: has layers on the host; a repeated plan runs only "
-                            "requests with every layer on the device")
+        if plan.preempt or plan.swap_in or plan.evict or plan.features:
+            raise PlanError("a plan that preempts, swaps in, evicts or has a cache feature's "
+                            "section cannot repeat")
         decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
         if not decoding.all():
             seq = list(plan.run)[int(np.argmin(decoding))]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jserve.cache.blocks import BlockManager
-from jserve.engine.layer_residency import LayerResidency
+from jserve.cache_features.protocol import CacheFeature
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.request import FinishReason, Request, RequestStatus
@@ -19,7 +19,7 @@ class Finisher:
     blocks: BlockManager
     host_blocks: BlockManager | None
     reuse: PrefixReuse | None
-    residency: LayerResidency
+    features: tuple[CacheFeature, ...]
     # Requests that ended while swapped out: the runner drops their host copy.
     _host_dropped: list[int] = field(default_factory=list, init=False)
 
@@ -42,8 +42,9 @@ class Finisher:
         if self.reuse is not None:
             self.reuse.cache_turn(req, now)
         self.blocks.free(req.seq_id)
-        if self.residency.partial:
-            self.residency.release(req.seq_id)
+        row = self.live.row(req.seq_id)
+        for feature in self.features:
+            feature.drop(req.seq_id, row)
         if self.host_blocks is not None and self.host_blocks.free(req.seq_id):
             self._host_dropped.append(req.seq_id)
         self.live.remove(req)

@@ -24,11 +24,12 @@ from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixCacheSize, PrefixIndex
+from jserve.cache_features.protocol import CacheFeature, StateParts
+from jserve.cache_features.registry import build_features
 from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
-from jserve.engine.layer_residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.load_meter import LoadMeter
 from jserve.engine.plan import Plan
@@ -58,20 +59,16 @@ class EngineState:
         chunked_prefill: bool = False,
         num_host_blocks: int = 0,
         prefix_cache: PrefixCacheSize | None = None,
-        num_layers: int = 1,
-        hidden_block_tokens: int = 0,
-        hidden_block_cost: float = 0.0,
         predictions: PredictionSource | None = None,
+        **feature_options: object,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
-        (None: none; its trim is `capacity_request` / `trim`). `num_layers`: the model's, for layer-wise residency (`Plan.layers`); the host tier
-        also holds offloaded layers. `hidden_block_tokens`: tokens one block holds as
-        hidden rows (`jserve.cache.sizing.hidden_block_tokens`; 0: no hidden cache, and
-        `Plan.cache_type` may not pick it); `hidden_block_cost`: rho, the extra step
-        seconds per hidden block, which the view hands policies (0.0: unknown).
-        `predictions`: where admitted requests' output-length predictions come from
-        (None: only from the caller)."""
+        (None: none; its trim is `capacity_request` / `trim`). `predictions`: where
+        admitted requests' output-length predictions come from (None: only from the
+        caller). `feature_options`: the cache features' options
+        (`jserve.cache_features.registry`; each feature reads its own: the model's
+        `num_layers`, `hidden_block_tokens`, ...)."""
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             # Every running sequence must be able to decode in the same step (vLLM's rule).
             raise ValueError(
@@ -91,30 +88,33 @@ class EngineState:
                                    host_capacity_blocks=cache.host_blocks) if cache is not None else None)
         self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
-        self.residency = LayerResidency(self.blocks, self.host_blocks, num_layers)
         self.live = LiveRequests()
         self.load = LoadMeter()
         self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache.capacity_blocks,
                                    count_referenced=cache.count_referenced, min_history=cache.min_history)
                        if cache is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
-                                    eos_token_id, self.load, self._reuse, num_layers, predictions)
-        if hidden_block_tokens < 0 or hidden_block_cost < 0:
-            raise ValueError(f"hidden_block_tokens and hidden_block_cost must be >= 0, got "
-                             f"{hidden_block_tokens}, {hidden_block_cost}")
-        self.hidden_block_tokens, self.hidden_block_cost = hidden_block_tokens, hidden_block_cost
+                                    eos_token_id, self.load, self._reuse,
+                                    int(feature_options.get("num_layers", 1)), predictions)
+        self.features = build_features(StateParts(self.live, self.blocks, self.host_blocks, self._reuse),
+                                       **feature_options)
         self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
-                                    self.residency, hidden_block_tokens)
-        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.residency,
-                                    hidden_block_tokens)
-        self._batches = BatchBuilder(self.live, self.blocks, self.residency)
-        self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.residency)
+                                    self.features)
+        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
+        # The batch builder (runner side, being reworked) still reads partly offloaded
+        # requests' slots itself, from the layer feature's residency.
+        self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency)
+        self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
         self._applied: CheckedPlan | None = None
         self._moves: Moves = NO_MOVES
         self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
         self._applied_at = 0.0
         self._booked_at = 0.0
+
+    def feature(self, name: str) -> CacheFeature:
+        """The engine's cache feature of that name (`jserve.cache_features.registry`)."""
+        return next(f for f in self.features if f.name == name)
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -156,14 +156,14 @@ class EngineState:
         """With a prefix cache, a waiting request's `num_computed` is the cached prefix it
         would start from, and `num_free_blocks` counts every block no table holds (free or
         evictable) less what sharing saves, so that preempting a request frees, as far as
-        any policy can tell, exactly the blocks its table lists. Blocks split into layer
-        slots (`Plan.layers`) are not free blocks; their free slots are
-        `free_layer_slots`. Requests admitted since the last snapshot get their predictions
-        first."""
+        any policy can tell, exactly the blocks its table lists. Blocks a cache feature
+        has split are not free blocks (`num_lent`); each feature gives its own section.
+        Requests admitted since the last snapshot get their predictions first."""
         self._admission.predict_arrivals()
         if self._reuse is not None:
             self._reuse.offer()
-        host, res = self.host_blocks, self.residency
+        host = self.host_blocks
+        sections = {f.name: f.view_section() for f in self.features}
         return SchedulerView(
             now=now, requests=self.live.table.snapshot(), block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks,
@@ -173,12 +173,7 @@ class EngineState:
             num_free_host_blocks=0 if host is None else host.num_free,
             arrival_rate=self.load.arrival_rate(now),
             iteration_time=self.load.iteration_time,
-            num_layers=res.num_layers, free_layer_slots=res.free_slots(),
-            free_host_layer_slots=res.free_host_slots(),
-            # With a prefix cache no request may take the hidden cache (plan_check), so
-            # policies are told it is unavailable.
-            hidden_block_tokens=self.hidden_block_tokens if self.prefix is None else 0,
-            hidden_block_cost=self.hidden_block_cost,
+            features={name: v for name, v in sections.items() if v is not None},
         )
 
     def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:
@@ -261,10 +256,11 @@ class EngineState:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
-        strings, streamed text), when the step moved blocks or ran hidden-cache requests,
+        strings, streamed text), when the step moved blocks or a cache feature forbids it,
         or with a prefix cache (whose evictions a rule chooses step by step). `PlanError` if the free blocks do not
         cover the growth the policy promised."""
-        if wanted < 1 or self._reuse is not None or batch.moves_blocks or batch.hidden is not None:
+        if (wanted < 1 or self._reuse is not None or batch.moves_blocks
+                or not all(f.allows_repeat(batch) for f in self.features)):
             return 0
         seq_ids = batch.seq_ids.tolist()
         rows = self.live.rows(seq_ids)
@@ -291,5 +287,4 @@ class EngineState:
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
-        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.residency,
-                         self.hidden_block_tokens)
+        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.features)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
-from jserve.engine.plan import CacheType
 from jserve.engine.request_table import RequestArrays
 
 Tokens = TypeVar("Tokens", int, np.ndarray)
@@ -44,31 +44,9 @@ class SchedulerView:
     num_free_host_blocks: int = 0
     arrival_rate: float = 0.0  # requests/s arrived over the recent window
     iteration_time: float = 0.0  # longest recent step, seconds (0 before the first step)
-    # Layer-wise residency (LayerKV). `num_free_blocks` counts whole blocks (free in every
-    # layer); blocks split into per-layer slots for partly offloaded requests are not in it,
-    # and their free slots are `free_layer_slots[l]` (per layer). Requests' `device_layers`
-    # column says how many layers each keeps on the device (`num_layers`: all of them).
-    num_layers: int = 1
-    free_layer_slots: np.ndarray | None = None  # [num_layers]; None: all zero
-    free_host_layer_slots: np.ndarray | None = None  # [num_layers], the host tier's
-    # Apt-Serve's hidden cache: tokens one block holds as hidden rows (0: the model cannot
-    # use it; requests' `cache_type` column says which hold it), and rho, the seconds a
-    # step takes longer per hidden block in the batch (0.0: unknown).
-    hidden_block_tokens: int = 0
-    hidden_block_cost: float = 0.0
-
-    @property
-    def num_free_layer_blocks(self) -> int:
-        """Device layer slots free, summed over layers: `num_layers` per whole free block
-        plus the free slots of split blocks (a request keeping `x` layers takes `x` per
-        logical block)."""
-        return self.num_layers * self.num_free_blocks + _total(self.free_layer_slots)
-
-    @property
-    def num_free_host_layer_blocks(self) -> int:
-        """Host layer slots free, summed over layers (a request keeping `x` layers takes
-        `num_layers - x` per logical block)."""
-        return self.num_layers * self.num_free_host_blocks + _total(self.free_host_layer_slots)
+    # Each cache feature's part of the view, by its name (`jserve.cache_features`): a
+    # policy reads one through that feature's `section` module.
+    features: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -80,17 +58,3 @@ class SchedulerView:
     def blocks_for(self, num_tokens: Tokens) -> Tokens:
         """Blocks that hold `num_tokens` tokens (of one request, or of each of many)."""
         return -(-num_tokens // self.block_size)
-
-    def blocks_for_type(self, num_tokens: Tokens, cache_type: Tokens) -> Tokens:
-        """Blocks that hold `num_tokens` tokens in `cache_type` (`CacheType`; one request,
-        or elementwise for many); a hidden type when the model cannot use it raises."""
-        hidden = np.asarray(cache_type) == CacheType.HIDDEN
-        if hidden.any() and self.hidden_block_tokens < 1:
-            raise ValueError("this model's blocks hold no hidden row (hidden_block_tokens == 0)")
-        per_block = np.where(hidden, max(self.hidden_block_tokens, 1), self.block_size)
-        out = -(-np.asarray(num_tokens) // per_block)
-        return int(out) if np.ndim(out) == 0 else out
-
-
-def _total(slots: np.ndarray | None) -> int:
-    return 0 if slots is None else int(slots.sum())

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.engine.plan import CacheType, Plan, PreemptMode
+from jserve.cache_features.hidden_cache.section import (
+    CacheType,
+    blocks_for_type,
+    cache_types,
+    hidden_view,
+    section,
+)
+from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -87,7 +94,7 @@ class AptServePolicy:
         return np.where(late, FALLBACK_VALUE if self.decay is None else self.decay * p, p)
 
     def _hidden_ok(self, view: SchedulerView) -> bool:
-        return self.hybrid and view.hidden_block_tokens > view.block_size
+        return self.hybrid and hidden_view(view).block_tokens > view.block_size
 
     def candidates(self, view: SchedulerView, rows: np.ndarray, tokens: np.ndarray) -> Candidates:
         """Blocks each request's whole cache takes on each type (m_i): all its tokens, the
@@ -95,7 +102,7 @@ class AptServePolicy:
         it is computed in chunks (as Sarathi's)."""
         end = view.requests.num_tokens[rows]
         kv = view.blocks_for(end)
-        hidden = view.blocks_for_type(end, CacheType.HIDDEN) if self._hidden_ok(view) else kv
+        hidden = blocks_for_type(view, end, CacheType.HIDDEN) if self._hidden_ok(view) else kv
         return Candidates(self._values(view, rows), kv, hidden, tokens)
 
     def _choose(self, view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bounds) -> np.ndarray:
@@ -109,7 +116,7 @@ class AptServePolicy:
         less those past their SLO unless `count_late`."""
         n = len(view.requests)
         counted = n if self.count_late else n - int(slo_violated(view, np.arange(n)).sum())
-        return counted * view.hidden_block_cost
+        return counted * hidden_view(view).block_cost
 
     def _keep_free(self, view: SchedulerView, running: int) -> int:
         return int(self.watermark * view.num_blocks) if running else 0
@@ -131,13 +138,13 @@ class AptServePolicy:
         tokens = np.minimum(remaining, max(budget, 1)) if self.chunked_prefill else remaining
         c = self.candidates(view, waiting, tokens)
         choice = self._choose(view, waiting, c, Bounds(blocks=free, tokens=budget, seqs=lim.max_num_seqs - kept))
-        run, allocate, types = dict(decodes.run), dict(decodes.allocate), dict(decodes.cache_type)
+        run, allocate, types = dict(decodes.run), dict(decodes.allocate), dict(cache_types(decodes))
         for k in np.flatnonzero(choice != NONE):  # arrival order
             seq = int(r.seq_id[waiting[k]])
             run[seq] = int(tokens[k])
             allocate[seq] = int((c.kv_blocks if choice[k] == KV else c.hidden_blocks)[k])
             types[seq] = CacheType(int(choice[k]))
-        return Plan(run=run, allocate=allocate, preempt=decodes.preempt, cache_type=types)
+        return Plan(run=run, allocate=allocate, preempt=decodes.preempt, features=section(types))
 
     def _budget(self, view: SchedulerView) -> int:
         lim = view.limits.max_num_batched_tokens
@@ -181,7 +188,7 @@ class AptServePolicy:
             preempt[seq], types[seq] = PreemptMode.RECOMPUTE, CacheType(int(choice[k]))
         for k in np.flatnonzero(choice == NONE):
             preempt[int(r.seq_id[running[k]])] = PreemptMode.RECOMPUTE
-        return Plan(run=run, allocate=allocate, preempt=preempt, cache_type=types)
+        return Plan(run=run, allocate=allocate, preempt=preempt, features=section(types))
 
 
     def _upgrades(self, view: SchedulerView, running: np.ndarray, upgrade: np.ndarray, budget: int) -> list[int]:

@@ -14,6 +14,13 @@ from typing import ClassVar
 import numpy as np
 
 from jserve.cache.layers import layer_demand, layer_shortfall
+from jserve.cache_features.layer_offload.section import (
+    kept,
+    layer_view,
+    num_free_host_layer_blocks,
+    num_free_layer_blocks,
+    section,
+)
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import PolicyCapabilities, RunnerCosts
@@ -120,11 +127,11 @@ class LayerKVPolicy:
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)
         plan = self._prefills(view, offloads) or self._decodes(view, offloads)
-        if self.decode_from_host and not (plan.run or plan.preempt or plan.layers or offloads):
+        if self.decode_from_host and not (plan.run or plan.preempt or plan.features or offloads):
             plan = self._unstall(view)
         if offloads:
             plan = Plan(run=plan.run, allocate=plan.allocate, preempt=plan.preempt,
-                        layers={**offloads, **plan.layers})
+                        features=section({**offloads, **kept(plan)}))
         return plan
 
     # -------------------------------------------------------------- Eqs. 1-3: how many
@@ -168,7 +175,7 @@ class LayerKVPolicy:
         throughput within 3% of vLLM's needs of the decode's reads too."""
         if not (self.hide_host_reads and self.costs is not None) or not len(queue):
             return queue
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         seqs, context, reads, out = len(batch), int(r.num_tokens[batch].sum()), 0.0, []
         for i in queue:
             more = float(self.costs.offload_time(int(r.num_tokens[i]), L - int(r.device_layers[i])))
@@ -181,7 +188,7 @@ class LayerKVPolicy:
         """Seconds of that iteration: the fitted decode line, or the time its OFFLOADED
         requests' host layers take to reach the device (Eq. 4's per-token-layer time, the
         link's other direction) where longer, as copies pipelined with the compute."""
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         batch = self.current_batch(view, d)
         t = self.costs.decode_time(len(batch), int(r.num_tokens[batch].sum()))
         host = batch[r.device_layers[batch] < L]
@@ -199,7 +206,7 @@ class LayerKVPolicy:
     def forecast(self, view: SchedulerView, layers: dict[int, int] | None = None) -> Forecast:
         """Eq. 5's inputs from the view, with `layers` (seq -> kept layers) applied to the
         OFFLOADED requests."""
-        r, L = view.requests, view.num_layers
+        r, L = view.requests, layer_view(view).num_layers
         run = r.with_status(RUNNING)
         queue = r.with_status(OFFLOADED)
         kept = r.device_layers[queue].astype(np.int64)
@@ -224,7 +231,7 @@ class LayerKVPolicy:
         return np.ceil(left / view.block_size)
 
     def threshold_slots(self, view: SchedulerView) -> int:
-        return math.ceil(self.threshold * view.num_blocks) * view.num_layers
+        return math.ceil(self.threshold * view.num_blocks) * layer_view(view).num_layers
 
     def spare_slots(self, view: SchedulerView, layers: dict[int, int] | None = None, joins: bool = True) -> int:
         """Device layer slots the forecast keeps free above the threshold at its lowest
@@ -235,7 +242,7 @@ class LayerKVPolicy:
             r = view.requests
             row = {int(s): i for i, s in enumerate(r.seq_id)}
             freed = sum((int(r.device_layers[row[s]]) - x) * int(r.num_blocks[row[s]]) for s, x in layers.items())
-        avail = forecast_free(view.num_free_layer_blocks + freed, self.forecast(view, layers), self.horizon,
+        avail = forecast_free(num_free_layer_blocks(view) + freed, self.forecast(view, layers), self.horizon,
                               self.threshold_slots(view), joins)
         return int(avail.min()) - self.threshold_slots(view)
 
@@ -254,7 +261,7 @@ class LayerKVPolicy:
             return {}
         newest = holding[np.argsort(-r.last_token_time[holding], kind="stable")]
         layers: dict[int, int] = {}
-        host = view.num_free_host_layer_blocks
+        host = num_free_host_layer_blocks(view)
         for halve in (True, False):
             for i in newest:
                 seq, x = int(r.seq_id[i]), layers.get(int(r.seq_id[i]), int(r.device_layers[i]))
@@ -275,7 +282,7 @@ class LayerKVPolicy:
         queue = r.with_status(OFFLOADED)
         holding = queue[r.device_layers[queue] > 0]
         if len(holding):
-            return Plan(layers={int(s): 0 for s in r.seq_id[holding]})
+            return Plan(features=section({int(s): 0 for s in r.seq_id[holding]}))
         if len(queue):
             return Plan(preempt={int(r.seq_id[queue[-1]]): PreemptMode.RECOMPUTE})
         return Plan()
@@ -293,7 +300,7 @@ class LayerKVPolicy:
         watermark once the OFFLOADED requests, earlier in vLLM's queue, are back) fully, as
         vLLM does; past them, prompts that need layer offloading while the summed Eq. 3 times
         of this step's prefills stay below min T_allow (Algorithm 1)."""
-        r, lim, L = view.requests, view.limits, view.num_layers
+        r, lim, L = view.requests, view.limits, layer_view(view).num_layers
         waiting = r.with_status(WAITING)
         if not len(waiting):
             return None
@@ -302,8 +309,8 @@ class LayerKVPolicy:
         allowed = self.min_allowed_prefill_time(view) if self.slo_aware else math.inf
         holders = int(((r.status == RUNNING) | (r.status == OFFLOADED)).sum())
         watermark = int(self.watermark * view.num_blocks) if holders else 0
-        whole, slots = view.num_free_blocks, _slots(view.free_layer_slots, L)
-        host_whole, host_slots = view.num_free_host_blocks, _slots(view.free_host_layer_slots, L)
+        whole, slots = view.num_free_blocks, _slots(layer_view(view).free_slots, L)
+        host_whole, host_slots = view.num_free_host_blocks, _slots(layer_view(view).free_host_slots, L)
         spare = max(self.spare_slots(view, offloads), 0)
         x_min = (self.costs.min_kept_layers(tokens, L) if self.costs else np.zeros(len(tokens), np.int64))
         queue = r.with_status(OFFLOADED)
@@ -338,7 +345,7 @@ class LayerKVPolicy:
             elapsed += float(times[k])
             spare = max(spare - x * need, 0)
             watermark = int(self.watermark * view.num_blocks)
-        return Plan(run=run, allocate=allocate, layers=layers) if run else None
+        return Plan(run=run, allocate=allocate, features=section(layers)) if run else None
 
     # -------------------------------------------------------------- decodes
     def _decodes(self, view: SchedulerView, offloads: dict[int, int]) -> Plan:
@@ -361,7 +368,7 @@ class LayerKVPolicy:
             if need > free - watermark:
                 break
             run[seq] = int(r.num_tokens[i] - r.num_computed[i])
-            layers[seq] = view.num_layers
+            layers[seq] = layer_view(view).num_layers
             grow = need - int(r.num_blocks[i])
             if grow:
                 allocate[seq] = grow
@@ -370,7 +377,7 @@ class LayerKVPolicy:
             back += 1
         if self.decode_from_host:
             self._host_decodes(view, queue[back:], free, run, allocate)
-        return Plan(run=run, allocate=allocate, preempt=base.preempt, layers=layers)
+        return Plan(run=run, allocate=allocate, preempt=base.preempt, features=section(layers))
 
     def _host_decodes(self, view: SchedulerView, queue: list[int], free: int,
                       run: dict[int, int], allocate: dict[int, int]) -> None:
@@ -378,9 +385,9 @@ class LayerKVPolicy:
         `hidden_reads` picks beside the batch, each whose next block (slots in its kept
         layers, host slots in the others) fits what is left after the whole-block takes
         (`free`)."""
-        r, L = view.requests, view.num_layers
-        whole, slots = free, _slots(view.free_layer_slots, L)
-        host_whole, host_slots = view.num_free_host_blocks, _slots(view.free_host_layer_slots, L)
+        r, L = view.requests, layer_view(view).num_layers
+        whole, slots = free, _slots(layer_view(view).free_slots, L)
+        host_whole, host_slots = view.num_free_host_blocks, _slots(layer_view(view).free_host_slots, L)
         batch = np.flatnonzero(np.isin(r.seq_id, np.fromiter(run, np.int64, len(run))))
         for i in self.hidden_reads(view, batch, np.asarray(queue, np.int64)):
             seq, x = int(r.seq_id[i]), int(r.device_layers[i])

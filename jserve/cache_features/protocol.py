@@ -1,0 +1,116 @@
+"""The one protocol a cache feature implements: a hook per stage of the loop, so that the
+core checks and books whole blocks and asks each feature only where its requests differ.
+Every hook has a default that does nothing, so a feature writes only the stages it uses."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jserve.cache.blocks import BlockManager
+from jserve.engine.batch import Batch
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.plan import Plan
+from jserve.engine.prefix_reuse import PrefixReuse
+
+NO_ROWS = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class StateParts:
+    """The engine state's parts a feature reads and changes."""
+
+    live: LiveRequests
+    blocks: BlockManager
+    host_blocks: BlockManager | None
+    reuse: PrefixReuse | None
+
+
+@dataclass(frozen=True)
+class SectionCheck:
+    """What a feature's check found in a plan: what the core must count, and what the
+    feature's own apply hooks book (`booking`).
+
+    `discarded`: rows of running requests whose blocks go back before any take, recomputing
+    from their first token in this plan. `whole_taken` / `whole_freed`: whole blocks its
+    takes need and its releases give back, beyond the core's. `own_allocations`: seq ids
+    whose `Plan.allocate` the feature books itself (not as whole blocks). `claims`: seq ids
+    the plan puts in the feature's own state, which no other feature may hold after it."""
+
+    discarded: np.ndarray = field(default_factory=NO_ROWS.copy)
+    whole_taken: int = 0
+    whole_freed: int = 0
+    own_allocations: frozenset[int] = frozenset()
+    claims: tuple[int, ...] = ()
+    booking: object = None
+
+
+NOTHING = SectionCheck()
+
+
+class CacheFeature:
+    """A cache feature's hooks, in loop order. `name` keys its section in `Plan.features`
+    (a plan naming a feature that is not registered is refused)."""
+
+    name: str = ""
+
+    # ------------------------------------------------------------------ snapshot
+    def view_section(self) -> object | None:
+        """Its part of the `SchedulerView` (`SchedulerView.features[name]`), or None."""
+        return None
+
+    # ------------------------------------------------------------------ check
+    def check(self, plan: Plan) -> SectionCheck:
+        """Its plan section (and the rules it adds to the core's sections) against the
+        state; `PlanError` for the first offender. Runs after the core's preemption and
+        swap-in checks, before any block count."""
+        return NOTHING
+
+    def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
+        """Which of `seq_ids` are in the feature's own state after `plan`."""
+        return np.zeros(len(seq_ids), bool)
+
+    def check_room(self, checked: SectionCheck, whole_left: int, to_host: int) -> None:
+        """Refuse takes of its own beyond the room left: `whole_left` whole device blocks
+        after every whole-block take, `to_host` host blocks the plan's swaps take."""
+
+    def block_tokens(self, rows: np.ndarray, plan: Plan | None = None) -> np.ndarray | None:
+        """Tokens one block of each of `rows` holds (after `plan` when given), or None
+        where the feature leaves every request at `block_size`."""
+        return None
+
+    # ------------------------------------------------------------------ apply, in the plan's order
+    def drop(self, seq_id: int, row: int) -> None:
+        """Give back what it holds of a request the core drops (preempted, or ended)."""
+
+    def release(self, checked: SectionCheck) -> None:
+        """Its releases: after the plan's preemptions and evictions, before any take (so
+        what it frees may serve the same plan's takes)."""
+
+    def take_whole(self, checked: SectionCheck) -> None:
+        """Its whole-block takes, with the swap-ins, before the plan's allocations."""
+
+    def take_slots(self, checked: SectionCheck) -> None:
+        """Its takes that are not whole blocks, after every whole-block take."""
+
+    def after_runs(self, checked: SectionCheck, run_rows: np.ndarray) -> None:
+        """Set what the core's booking of the plan's runs does not know (a status)."""
+
+    def moves(self, checked: SectionCheck) -> Mapping[str, object]:
+        """The copies its booking makes before the step's compute (`plan_apply.Moves`
+        fields)."""
+        return {}
+
+    # ------------------------------------------------------------------ after the step
+    def allows_repeat(self, batch: Batch) -> bool:
+        """Whether the just-run `batch`'s decodes may repeat (`Plan.repeat`)."""
+        return True
+
+    def own_blocks(self) -> Collection[int]:
+        """Seq ids whose blocks the feature keeps instead of the `BlockManager`."""
+        return ()
+
+    def check_invariants(self, prefix_cache: bool) -> None:
+        """What must hold of its requests between steps."""
