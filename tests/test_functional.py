@@ -8,9 +8,11 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from jserve.models import functional
 from jserve.models.loading import LoadedModel
+from jserve.models.registry import get_config
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "jax.md"
 
@@ -38,3 +40,22 @@ def test_a_config_and_params_make_the_same_module(tiny_loaded: LoadedModel) -> N
     rebuilt = functional.PagedModel.of(tiny_loaded.config, attention=model.attention)
     assert rebuilt == model
     assert rebuilt.bind(params).cfg == tiny_loaded.config
+
+
+def test_make_batch_names_out_of_vocabulary_ids() -> None:
+    """Under jit an id past the vocabulary reads some embedding row silently; here it raises."""
+    cfg = get_config("tiny-llama")
+    cache = functional.KVCache.zeros(cfg, num_blocks=2, block_size=16, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"token ids \[-1, 512\] are outside the vocabulary \[0, 512\)"):
+        functional.make_batch(cache, [[5, 512], [-1, 512]], [0, 0], [[0], [1]], max_len=16,
+                              vocab_size=cfg.vocab_size)
+
+
+def test_make_batch_pads_sequences_to_min_seqs() -> None:
+    cfg = get_config("tiny-llama")
+    cache = functional.KVCache.zeros(cfg, num_blocks=2, block_size=16, dtype=np.float32)
+    pad = functional.make_batch(cache, [[5, 6]], [0], [[0]], max_len=16, vocab_size=cfg.vocab_size)
+    exact = functional.make_batch(cache, [[5, 6]], [0], [[0]], max_len=16, vocab_size=cfg.vocab_size,
+                                  min_tokens=2, min_seqs=1)
+    assert (pad.sample_index.shape, pad.token_ids.shape) == ((8,), (8,))
+    assert (exact.sample_index.shape, exact.token_ids.shape) == ((1,), (2,))
