@@ -19,7 +19,7 @@ padded to power-of-two buckets, so a loop of steps compiles a few shapes, not on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +135,12 @@ class PagedModel:
         `PagedModel.of(cfg).bind(params)` is the Flax module to serve)."""
         return split(abstract_model(cfg, dtype), attention)[0]
 
+    def with_attention(self, attention: str | AttentionFn) -> PagedModel:
+        """The same model through another attention backend: `with_attention("dense")` is
+        the one `jax.grad` can go through (the reference's loop bounds are data, the
+        kernels alias their outputs); both compute the same values."""
+        return replace(self, attention=_backend(attention))
+
     def bind(self, params: Params) -> CausalLM:
         """The Flax module of these parameters (e.g. to serve it: `LLM(model.bind(params))`)."""
         return nnx.merge(self.graphdef, params)
@@ -158,10 +164,14 @@ class PagedModel:
 
 def split(model: CausalLM, attention: str | AttentionFn = "auto") -> tuple[PagedModel, Params]:
     """A Flax model (`load_model(...).model`, or one of yours) as (`PagedModel`, params).
-    `attention`: a backend name ('auto': Pallas kernels on GPU, jnp reference elsewhere)."""
+    `attention`: a backend name ('auto': Pallas kernels on GPU, jnp reference elsewhere;
+    'dense': differentiable) or an `AttentionFn`."""
     graphdef, params = nnx.split(model)
-    fn = select_attention(attention) if isinstance(attention, str) else attention
-    return PagedModel(graphdef, fn), params
+    return PagedModel(graphdef, _backend(attention)), params
+
+
+def _backend(attention: str | AttentionFn) -> AttentionFn:
+    return select_attention(attention) if isinstance(attention, str) else attention
 
 
 def init(cfg: ModelConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.float32,
