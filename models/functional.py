@@ -7,7 +7,8 @@ passed in, and the cache comes back updated, so a call
     logits, cache = paged_model(params, cache, batch)
 
 is a pure function a caller can put inside its own `jax.jit` (donating the cache), `vmap`
-over parameters, or differentiate. `jserve.runners.jax_runner.JaxRunner` runs its jit step
+over parameters, or differentiate (through the `dense` attention backend:
+`with_attention("dense")`). `jserve.runners.jax_runner.JaxRunner` runs its jit step
 through these same functions: one implementation, whether the engine schedules the batches
 or the caller does.
 
