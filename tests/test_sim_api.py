@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from jserve import LLM
 from jserve.benchmarking.bench import BenchConfig
 from jserve.cli import main
 from jserve.config import EngineConfig
@@ -115,3 +116,7 @@ def test_a_sweep_checks_its_points_before_running() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         sweep(config, [1], ["vllm", "nosuch"])
 
+
+def test_llm_refuses_the_simulator_and_points_to_it() -> None:
+    with pytest.raises(ValueError, match="jserve.sim.simulate"):
+        LLM(runner="sim")
