@@ -101,6 +101,10 @@ def test_unknown_options_name_themselves_and_what_was_meant() -> None:
     ({"workload": "nosuch"}, "nosuch"),
     ({"num_requests": 0}, "num_requests must be an int >= 1"),
     ({"model": "opt-175b"}, "does not fit"),
+    ({"tbt_slo_on": "mean"}, "tbt_slo_on must be one of p99-tbt"),
+    ({"predictions": "trained"}, "predictions must be one of noise"),
+    ({"conversation_process": "poisson"}, "process must be one of"),
+    ({"workload": "sharegpt-multiturn", "turn_rate": 0}, "turn_rate must be a finite number > 0"),
 ])
 def test_bad_values_are_refused_when_the_config_is_made(options: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
