@@ -182,7 +182,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
         pipelined=(config.async_scheduling and cache is None and isinstance(runner, JaxRunner)
-                   and runner.layer_pool is None and not runner.hidden_steps),
+                   and not policy.capabilities.offloads_layers
+                   and not policy.capabilities.uses_hidden_cache),
         predictions=None if predictor is None else PromptPredictions(predictor),
     )
     if config.warmup:

@@ -7,7 +7,8 @@ passed in, and the cache comes back updated, so a call
     logits, cache = paged_model(params, cache, batch)
 
 is a pure function a caller can put inside its own `jax.jit` (donating the cache), `vmap`
-over parameters, or differentiate. `jserve.runners.jax_runner.JaxRunner` runs its jit step
+over parameters, or differentiate (through the `dense` attention backend:
+`with_attention("dense")`). `jserve.runners.jax_runner.JaxRunner` runs its jit step
 through these same functions: one implementation, whether the engine schedules the batches
 or the caller does.
 
@@ -19,7 +20,7 @@ padded to power-of-two buckets, so a loop of steps compiles a few shapes, not on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ from jserve.models.paged import AttentionFn, KVCache
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from jserve.pallas_kernels.backends import select_attention
 
-__all__ = ["KVCache", "PagedBatch", "PagedModel", "decode_batch", "init", "make_batch", "paged_batch", "pow2_at_least", "split"]
+__all__ = ["KVCache", "PagedBatch", "PagedModel", "check_token_ids", "decode_batch", "init", "make_batch",
+           "paged_batch", "pow2_at_least", "split"]
 
 Params = nnx.State
 
@@ -72,22 +74,35 @@ def paged_batch(token_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray
 
 
 def make_batch(cache: KVCache, tokens: Sequence[Sequence[int]], start: Sequence[int],
-               block_tables: Sequence[Sequence[int]], *, max_len: int, min_tokens: int = 8
-               ) -> PagedBatch:
+               block_tables: Sequence[Sequence[int]], *, max_len: int, vocab_size: int,
+               min_tokens: int = 8, min_seqs: int = 8) -> PagedBatch:
     """A step in which sequence `i` computes `tokens[i]` (a whole prompt, a chunk of one, or
     one decode token) from position `start[i]`, writing its K/V into the blocks of
     `block_tables[i]`, which must hold positions up to `start[i] + len(tokens[i])`.
     `max_len`: the longest a sequence gets (tables are padded to it, so steps share a shape).
-    Tokens pad to a power of two of at least `min_tokens`: a prompt's bucket, passed to the
-    decode steps too, makes one compiled shape of them all."""
-    lens = np.array([len(t) for t in tokens], np.int32)
+    Tokens pad to a power of two of at least `min_tokens`, sequences to one of at least
+    `min_seqs`: a prompt's bucket, passed to the decode steps too, makes one compiled shape
+    of them all. Ids outside `[0, vocab_size)` raise here, where they are still numbers: the
+    model would read an arbitrary embedding row for them without a word."""
+    ids = [np.asarray(t, np.int32) for t in tokens]
+    flat = np.concatenate(ids)
+    check_token_ids(flat, vocab_size)
+    lens = np.array([len(t) for t in ids], np.int32)
     block_size = cache.k[0].shape[1]
     return paged_batch(
-        np.concatenate([np.asarray(t, np.int32) for t in tokens]), np.asarray(start, np.int32),
+        flat, np.asarray(start, np.int32),
         lens, [np.asarray(b, np.int32) for b in block_tables],
-        num_tokens=pow2_at_least(int(lens.sum()), min_tokens), num_seqs=pow2_at_least(len(lens), 8),
+        num_tokens=pow2_at_least(int(lens.sum()), min_tokens),
+        num_seqs=pow2_at_least(len(lens), min_seqs),
         max_blocks=-(-max_len // block_size), block_size=block_size,
         scratch_block=cache.scratch_block)
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Raise `ValueError` naming the ids of `ids` outside `[0, vocab_size)`."""
+    bad = np.unique(ids[(ids < 0) | (ids >= vocab_size)])
+    if bad.size:
+        raise ValueError(f"token ids {bad.tolist()} are outside the vocabulary [0, {vocab_size})")
 
 
 def decode_batch(token_ids: jax.Array, positions: jax.Array, block_tables: jax.Array, *,
@@ -121,6 +136,12 @@ class PagedModel:
         `PagedModel.of(cfg).bind(params)` is the Flax module to serve)."""
         return split(abstract_model(cfg, dtype), attention)[0]
 
+    def with_attention(self, attention: str | AttentionFn) -> PagedModel:
+        """The same model through another attention backend: `with_attention("dense")` is
+        the one `jax.grad` can go through (the reference's loop bounds are data, the
+        kernels alias their outputs); both compute the same values."""
+        return replace(self, attention=_backend(attention))
+
     def bind(self, params: Params) -> CausalLM:
         """The Flax module of these parameters (e.g. to serve it: `LLM(model.bind(params))`)."""
         return nnx.merge(self.graphdef, params)
@@ -144,10 +165,14 @@ class PagedModel:
 
 def split(model: CausalLM, attention: str | AttentionFn = "auto") -> tuple[PagedModel, Params]:
     """A Flax model (`load_model(...).model`, or one of yours) as (`PagedModel`, params).
-    `attention`: a backend name ('auto': Pallas kernels on GPU, jnp reference elsewhere)."""
+    `attention`: a backend name ('auto': Pallas kernels on GPU, jnp reference elsewhere;
+    'dense': differentiable) or an `AttentionFn`."""
     graphdef, params = nnx.split(model)
-    fn = select_attention(attention) if isinstance(attention, str) else attention
-    return PagedModel(graphdef, fn), params
+    return PagedModel(graphdef, _backend(attention)), params
+
+
+def _backend(attention: str | AttentionFn) -> AttentionFn:
+    return select_attention(attention) if isinstance(attention, str) else attention
 
 
 def init(cfg: ModelConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.float32,

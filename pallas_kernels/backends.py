@@ -6,6 +6,8 @@
 - `pallas-interpret`: the same kernels run by the Pallas interpreter on any platform, with
   small tiles so that tests at small sizes cross tile and split edges. For checking and
   debugging the kernels on CPU, not for speed.
+- `dense`: the KV write's reference and attention with no loop (`dense_attention`), the
+  one path `jax.grad` goes through (training, scoring); slower than the others at serving.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.dense_attention import dense_paged_attention
 from jserve.pallas_kernels.hidden_attention import (
     HiddenPool, KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
     write_hidden_rows,
@@ -96,6 +99,7 @@ def pallas_backend(name: str, *, interpret: bool = False, block_m: int = 64, blo
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": AttentionBackend("reference", write_kv_reference, ragged_paged_attention_reference),
+    "dense": AttentionBackend("dense", write_kv_reference, dense_paged_attention),
     "pallas": pallas_backend("pallas"),
     "pallas-interpret": pallas_backend("pallas-interpret", interpret=True, block_m=16,
                                       block_k=16, keys_per_split=32),

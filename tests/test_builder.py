@@ -91,7 +91,7 @@ def test_simulated_engine_from_the_same_config() -> None:
 
 def test_simulator_with_a_profile_pads_like_the_jax_runner(profile: str) -> None:
     built = build_engine(EngineConfig(runner="sim", model="tiny-llama", profile=profile))
-    assert isinstance(built.runner.cost_model, CalibratedCostModel) and built.runner.pad(5) == 8
+    assert isinstance(built.runner.cost_model, CalibratedCostModel) and built.runner.pad(5) == 16
 
 
 def test_a_policy_keeps_the_costs_it_was_given() -> None:

@@ -107,7 +107,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
     assert set(llm.runner._executables) == warmed
     for policy, loaded in (("vllm", mha_loaded), ("apt-serve", tiny_loaded)):
         other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
-        other.runner.warmup(shapes=[(16, 8)])
+        other.runner.warmup(shapes=[16])
         assert not any(shape[-1] for shape in other.runner._executables), (policy, loaded.config.name)
 
 

@@ -78,11 +78,11 @@ def test_smollm2_identical_with_mixed_residencies(smollm2_loaded: LoadedModel) -
 
 def test_warmup_compiles_layered_prefill_variants_only_for_an_offloading_policy(tiny_loaded: LoadedModel) -> None:
     plain = LLM(tiny_loaded, num_blocks=32, warmup=False)
-    plain.runner.warmup(shapes=[(16, 8)])
-    assert set(plain.runner._executables) == {(16, 8, False, False, False)}
+    plain.runner.warmup(shapes=[16])
+    assert set(plain.runner._executables) == {(16, False, False, False)}
     offloading = LLM(tiny_loaded, policy=ForcedLayerOffload(), num_blocks=32, warmup=False, swap_space=0.001)
-    offloading.runner.warmup(shapes=[(16, 8)])
-    assert set(offloading.runner._executables) == {(16, 8, False, False, False), (16, 8, False, True, False)}
+    offloading.runner.warmup(shapes=[16])
+    assert set(offloading.runner._executables) == {(16, False, False, False), (16, False, True, False)}
 
 
 def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny_loaded: LoadedModel) -> None:
@@ -93,7 +93,7 @@ def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny
     runner = offloading.runner
     scratch = runner.scratch_block
     before = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
-    runner.warmup(shapes=[(16, 8)])
+    runner.warmup(shapes=[16])
     after = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
     for b, a in zip(before, after, strict=True):
         np.testing.assert_array_equal(np.delete(b, scratch, axis=0), np.delete(a, scratch, axis=0))

@@ -161,7 +161,9 @@ def jserve_greedy(path: pathlib.Path, ps: list[list[int]], new_tokens: int = NEW
     step = jax.jit(model, donate_argnums=1)
     # Every step in the prompts' shape: one compile.
     pad = functional.pow2_at_least(sum(map(len, ps)), 8)
-    batch = functional.make_batch(cache, ps, [0] * len(ps), tables, max_len=max_len, min_tokens=pad)
+    vocab = loaded.model.cfg.vocab_size
+    batch = functional.make_batch(cache, ps, [0] * len(ps), tables, max_len=max_len, vocab_size=vocab,
+                                  min_tokens=pad)
     ids, logits = [], []
     for s in range(new_tokens):
         out, cache = step(params, cache, batch)
@@ -170,5 +172,5 @@ def jserve_greedy(path: pathlib.Path, ps: list[list[int]], new_tokens: int = NEW
         ids.append(out.argmax(-1))
         batch = functional.make_batch(cache, [[int(t)] for t in ids[-1]],
                                       [len(p) + s for p in ps], tables, max_len=max_len,
-                                      min_tokens=pad)
+                                      vocab_size=vocab, min_tokens=pad)
     return np.stack(ids, 1), np.stack(logits, 1)

@@ -28,6 +28,7 @@ from jserve.benchmarking.conversations import (
     synthetic_message_ids,
 )
 from jserve.benchmarking.metrics import (
+    TBT_SLO_MEASURES,
     EngineTotals,
     RequestRecord,
     Summary,
@@ -51,6 +52,8 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.config import EngineConfig
 from jserve.runners.hardware import get_hardware
 from jserve.runners.testbeds import simulated_stack
+
+PREDICTIONS: tuple[str, ...] = ("noise", "oracle", "none")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,11 @@ class BenchConfig:
         if self.trace is None:
             get_workload(self.workload)  # unknown or malformed names fail with the known ones
         check_rate_cv(self.rate, self.cv)
+        self.arrivals  # the conversation process and its rates, checked even when unused
+        if self.tbt_slo_on not in TBT_SLO_MEASURES:
+            raise ValueError(f"tbt_slo_on must be one of {', '.join(TBT_SLO_MEASURES)}, not {self.tbt_slo_on!r}")
+        if self.predictions not in PREDICTIONS:
+            raise ValueError(f"predictions must be one of {', '.join(PREDICTIONS)}, not {self.predictions!r}")
         for name in ("ttft_slo", "tbt_slo"):
             slo = getattr(self, name)
             if slo is not None and not (math.isfinite(slo) and slo > 0):
@@ -114,6 +122,12 @@ class BenchConfig:
     def multiturn(self) -> bool:
         """Closed-loop conversations rather than a replayed trace."""
         return self.workload == "sharegpt-multiturn" and self.trace is None
+
+    @property
+    def arrivals(self) -> ConversationArrivals:
+        """How the conversations of a multi-turn run start and follow their replies."""
+        return ConversationArrivals(self.conversation_process, self.rate, turn_rate=self.turn_rate,
+                                    end_rate=self.end_rate, think_time=self.think_time)
 
     @property
     def max_total_len(self) -> int:
@@ -253,11 +267,9 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> BenchResult:
 def conversation_schedule(cfg: BenchConfig) -> list[ScheduledConversation]:
     """`num_requests` ShareGPT conversations (fitted to `max_total_len`), starting at
     `rate` per second, with the config's think-time process."""
-    arrivals = ConversationArrivals(cfg.conversation_process, cfg.rate, turn_rate=cfg.turn_rate,
-                                    end_rate=cfg.end_rate, think_time=cfg.think_time)
     chats = multiturn_conversations(cfg.num_requests, cfg.seed, cfg.max_total_len,
                                     min_turns=cfg.conversation_min_turns)
-    return schedule_conversations(chats, arrivals, cfg.seed)
+    return schedule_conversations(chats, cfg.arrivals, cfg.seed)
 
 
 def run_conversation_benchmark(cfg: BenchConfig, progress: bool = True,

@@ -92,7 +92,7 @@ class Engine:
         self.runner = runner
         self.clock = clock
         self.eviction = eviction
-        self.pipelined = pipelined
+        self._pipelined = pipelined
         self.stats = EngineStats()
         self._in_flight: tuple[Booked, PendingOutput] | None = None
 
@@ -114,6 +114,12 @@ class Engine:
 
     def abort(self, request_id: str) -> Request | None:
         return self.state.abort(request_id, self.clock())
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps are pipelined now: asked for, and the runner in place dispatches (a
+        wrapper that reads every step's output, such as a trace replay's, runs in step)."""
+        return self._pipelined and isinstance(self.runner, DispatchingRunner)
 
     @property
     def has_unfinished(self) -> bool:

@@ -57,7 +57,8 @@ class LLM:
         else:
             config = EngineConfig(model=model, **options)
         if config.runner != "real":
-            raise ValueError("LLM runs the model (runner='real'); simulate with `jserve bench --engine sim`")
+            raise ValueError("LLM runs the model (runner='real'); simulate with `jserve.sim.simulate` "
+                             "or `jserve bench --engine sim`")
         built = build_engine(config)
         self.engine_config = config
         self.engine = built.engine
