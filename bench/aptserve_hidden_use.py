@@ -38,7 +38,7 @@ class CountedPolicy:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.uses_hidden_cache = inner.uses_hidden_cache
+        self.capabilities = inner.capabilities
         self.counts: collections.Counter[str] = collections.Counter()
 
     def schedule(self, view: SchedulerView) -> Plan:

@@ -186,7 +186,7 @@ class GateProbe:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.predictor_kind = inner.predictor_kind
+        self.capabilities = inner.capabilities
         self.rows: list[tuple[float, float, int, int, bool, float]] = []
 
     def schedule(self, view: SchedulerView) -> Plan:

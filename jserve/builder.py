@@ -13,14 +13,16 @@ model.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
 
-from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cache.sizing import (
     block_bytes,
     device_kv_budget,
@@ -31,7 +33,9 @@ from jserve.cache.sizing import (
 from jserve.config import EngineConfig
 from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine, Runner
-from jserve.engine.policy import Policy
+from jserve.engine.admission import PredictionSource
+from jserve.engine.policy import Policy, ReadsRunnerCosts, RunnerCosts
+from jserve.engine.request import Request
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.policies.tail_optimized_lru import eviction_rule_for
@@ -57,6 +61,12 @@ from jserve.models.hf_checkpoint import checkpoint_dtype, is_checkpoint_dir
 from jserve.models.loading import LoadedModel, load_model
 from jserve.models.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from jserve.benchmarking.conversations import ConversationFutures
+    from jserve.predictor import LengthPredictor
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class BuiltEngine:
@@ -66,6 +76,7 @@ class BuiltEngine:
     clock: WallClock | VirtualClock  # the engine's time; `wait_until` idles to an arrival
     model_config: ModelConfig
     loaded: LoadedModel | None = None  # the real engine's model (weights, tokenizer)
+    predictor: LengthPredictor | None = None  # the real engine's output-length predictor
 
     @property
     def runner(self) -> Runner:
@@ -91,6 +102,7 @@ def assemble_engine(
     tokenizer: Tokenizer | None = None, num_host_blocks: int = 0,
     prefix_cache: PrefixCacheConfig | None = None, num_layers: int = 1,
     hidden_block_tokens: int = 0, hidden_block_cost: float = 0.0, pipelined: bool = False,
+    predictions: PredictionSource | None = None,
 ) -> Engine:
     """An engine loop over a fresh state, from resolved sizes: what `build_engine` ends in,
     and what tests with a fake runner call directly."""
@@ -99,7 +111,7 @@ def assemble_engine(
         vocab_size=vocab_size, tokenizer=tokenizer, chunked_prefill=policy.chunked_prefill,
         num_host_blocks=num_host_blocks, num_layers=num_layers,
         hidden_block_tokens=hidden_block_tokens, hidden_block_cost=hidden_block_cost,
-        **(prefix_cache.state_options(block_size) if prefix_cache else {}),
+        prefix_cache=prefix_cache.in_blocks(block_size) if prefix_cache else None, predictions=predictions,
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
     return Engine(state, policy, runner, clock, eviction=eviction, pipelined=pipelined)
@@ -145,8 +157,8 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
         loaded.model, num_blocks=num_blocks, block_size=config.block_size,
         max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len, attention=config.attention,
-        layer_staging=getattr(policy, "offloads_layers", False), num_host_blocks=num_host_blocks,
-        hidden_steps=getattr(policy, "uses_hidden_cache", False) and hidden_tokens > config.block_size,
+        layer_staging=policy.capabilities.offloads_layers, num_host_blocks=num_host_blocks,
+        hidden_steps=policy.capabilities.uses_hidden_cache and hidden_tokens > config.block_size,
         tensor_parallel=tp,
     )
     # Several processes: this one runs the engine loop (process 0), or follows its steps.
@@ -161,23 +173,53 @@ def _build_real(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltE
                                   swap_path=SwapPath.GATHERED)
         measured = CalibratedCostModel.load(config.profile, extras=swaps)
         cache = _with_prefill_fit(cache, measured)
-        policy = _with_data(policy, "preemption_costs", lambda: preemption_costs_from_cost_model(
-            measured, config.block_size, block_bytes(model, config.block_size, dbytes)))
-        policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
-            measured, model, get_hardware(config.hardware), dbytes, fit_lengths(limits.max_model_len)))
+        policy = _given_costs(policy, lambda: _runner_costs(config, measured, model, dbytes))
     clock = WallClock()
+    predictor = _length_predictor(config, policy, loaded)
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
         tokenizer=loaded.tokenizer, prefix_cache=cache, num_layers=model.num_layers,
         num_host_blocks=num_host_blocks, hidden_block_tokens=hidden_tokens, hidden_block_cost=rho,
         pipelined=(config.async_scheduling and cache is None and isinstance(runner, JaxRunner)
-                   and not getattr(policy, "offloads_layers", False)
-                   and not getattr(policy, "uses_hidden_cache", False)),
+                   and not policy.capabilities.offloads_layers
+                   and not policy.capabilities.uses_hidden_cache),
+        predictions=None if predictor is None else PromptPredictions(predictor),
     )
     if config.warmup:
         runner.warmup(progress=True, background=config.background_compile)
-    return BuiltEngine(engine, clock, model, loaded)
+    return BuiltEngine(engine, clock, model, loaded, predictor)
+
+
+@dataclass(frozen=True)
+class PromptPredictions:
+    """A trained output-length predictor as the engine's prediction source: it reads the
+    prompts, a step's arrivals encoded together."""
+
+    predictor: LengthPredictor
+
+    def predict(self, requests: Sequence[Request]) -> list[tuple[int, int]]:
+        prompts = [r.prompt_token_ids for r in requests]
+        return [p.columns for p in self.predictor.predict_batch(prompts)]
+
+
+def _length_predictor(config: EngineConfig, policy: Policy, loaded: LoadedModel) -> LengthPredictor | None:
+    """The real engine's predictor: none for a policy that reads no predictions or
+    `predictor=None`; with 'auto', the shipped one of the policy's kind where it reads the
+    served model's tokens; else the one given."""
+    kind = policy.capabilities.predictor_kind
+    if config.predictor is None or kind is None:
+        return None
+    if config.predictor != "auto":
+        return config.predictor
+    from jserve.predictor import LengthPredictor
+
+    if loaded.tokenizer is None or loaded.config.name != LengthPredictor.base_model():
+        log.warning("policy %s allocates by predicted length, but the shipped predictor "
+                    "reads %s's tokens, not %s's: requests get no prediction",
+                    policy.name, LengthPredictor.base_model(), loaded.config.name)
+        return None
+    return LengthPredictor.load(kind, base=loaded)
 
 
 # vLLM's default swap space, GiB per device.
@@ -200,7 +242,7 @@ def host_tier_bytes(config: EngineConfig, policy: Policy, model: ModelConfig, db
     devices = config.tensor_parallel_size
     if config.swap_space is not None:
         return config.swap_space * 2**30 * devices
-    if not getattr(policy, "offloads_layers", False):
+    if not policy.capabilities.offloads_layers:
         return DEFAULT_SWAP_SPACE * 2**30 * devices
     limits = config.limits
     longest = limits.max_model_len * block_bytes(model, 1, dbytes)
@@ -257,7 +299,7 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
                                      tensor_parallel=config.tensor_parallel_size, swap_path=SwapPath.GATHERED)
         return CalibratedCostModel.load(config.profile, extras=roofline)
     stack = cost_model_info(config.cost_model).engine(config.engine_overhead)
-    if stack.pads_prompts and not getattr(config.make_policy(), "pads_prompts", False):
+    if stack.pads_prompts and not config.make_policy().capabilities.pads_prompts:
         # Only a scheduler whose prompt batches pad (vLLM 0.2.x's) pays for the padding:
         # another scheduler on that stack is taken to run its prompts unpadded, as every
         # vLLM since 0.2.5 does, not as 0.2.x's model runner would pad batches it never formed.
@@ -268,7 +310,6 @@ def sim_cost_model(config: EngineConfig) -> CostModel:
 
 def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEngine:
     model = config.model_config()
-    hw = get_hardware(config.hardware)
     dbytes = config.sim_dtype_bytes
     tp = config.tensor_parallel_size
     cost = sim_cost_model(config)
@@ -280,10 +321,7 @@ def _build_sim(config: EngineConfig, cache: PrefixCacheConfig | None) -> BuiltEn
     block = block_bytes(model, config.block_size, dbytes)
     hidden_tokens = hidden_block_tokens(model, config.block_size, tp)
     runner = SimRunner(cost, clock, pad=pad, bytes_per_block=block)
-    policy = _with_data(config.make_policy(), "preemption_costs", lambda: preemption_costs_from_cost_model(
-        cost, config.block_size, block))
-    policy = _with_data(policy, "costs", lambda: layerkv_costs_from_cost_model(
-        cost, model, hw, dbytes, fit_lengths(limits.max_model_len)))
+    policy = _given_costs(config.make_policy(), lambda: _runner_costs(config, cost, model, dbytes))
     engine = assemble_engine(
         policy, runner, clock.now, num_blocks=num_blocks, block_size=config.block_size,
         limits=limits, vocab_size=model.vocab_size, prefix_cache=cache, num_layers=model.num_layers,
@@ -302,9 +340,20 @@ def _with_prefill_fit(cache: PrefixCacheConfig | None, cost: CostModel) -> Prefi
     return dataclasses.replace(cache, prefill_seconds_per_token=prefill_seconds_per_token(cost))
 
 
-def _with_data(policy: Policy, field: str, make: Callable[[], object]) -> Policy:
-    """Fill a policy's runner-derived `field` (CacheOpt's `preemption_costs`, LayerKV's
-    `costs`) when it has one and was not given its own; others are returned as they are."""
-    if getattr(policy, field, False) is not None:
+def _runner_costs(config: EngineConfig, cost: CostModel, model: ModelConfig, dbytes: int) -> RunnerCosts:
+    """The figures a policy may plan with, fitted to `cost` (the simulator's cost model or
+    the real runner's profile) over `model` as the runner holds it."""
+    return RunnerCosts(
+        preemption=preemption_costs_from_cost_model(cost, config.block_size,
+                                                    block_bytes(model, config.block_size, dbytes)),
+        layerkv=layerkv_costs_from_cost_model(cost, model, get_hardware(config.hardware), dbytes,
+                                              fit_lengths(config.limits.max_model_len)),
+    )
+
+
+def _given_costs(policy: Policy, costs: Callable[[], RunnerCosts]) -> Policy:
+    """The policy built with the runner's costs where its capabilities say it reads them
+    (fitted only then); any other policy as it is."""
+    if not policy.capabilities.reads_runner_costs:
         return policy
-    return dataclasses.replace(policy, **{field: make()})
+    return cast(ReadsRunnerCosts, policy).given(costs())

@@ -196,7 +196,7 @@ class EngineConfig:
         sharded_config(self.model_config(), self.tensor_parallel_size)  # heads must split evenly
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.prefix_cache is not None and getattr(self.make_policy(), "offloads_layers", False):
+        if self.prefix_cache is not None and self.make_policy().capabilities.offloads_layers:
             raise ValueError(f"policy {self.policy_name!r} keeps some requests' layers on the host "
                              "(LayerKV), which splits blocks per layer; a prefix cache shares whole "
                              "blocks between requests: use one or the other")

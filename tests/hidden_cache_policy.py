@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from jserve.cache_features.hidden_cache.section import CacheType, blocks_for_type, hidden_view, section
 from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 
@@ -39,7 +40,7 @@ class ForcedHiddenCache:
     switch: bool = False
     name: str = "forced-hidden-cache"
     chunked_prefill: bool = False
-    uses_hidden_cache: bool = True
+    capabilities: PolicyCapabilities = PolicyCapabilities(uses_hidden_cache=True)
 
     def _type(self, view: SchedulerView, i: int) -> CacheType:
         want = self.choose(int(view.requests.seq_id[i]))

@@ -23,7 +23,7 @@ from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
 from jserve.cache_features.layer_offload.section import layer_view, section
 from jserve.engine.plan import Plan, PreemptMode
-from jserve.engine.policy import Policy
+from jserve.engine.policy import Policy, PolicyCapabilities
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -98,7 +98,7 @@ class ForcedLayerOffload:
     host_decodes: bool = False
     name: str = "forced-layer-offload"
     chunked_prefill: bool = False
-    offloads_layers: bool = True
+    capabilities: PolicyCapabilities = PolicyCapabilities(offloads_layers=True)
 
     def schedule(self, view: SchedulerView) -> Plan:
         r, L = view.requests, layer_view(view).num_layers

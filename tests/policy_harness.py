@@ -291,6 +291,7 @@ class CheckedPolicy:
         self.inner = inner
         self.name = inner.name
         self.chunked_prefill = inner.chunked_prefill
+        self.capabilities = inner.capabilities
         self.plan_checks = tuple(plan_checks)
         self.plans: list[Plan] = []
         self.num_partial_chunks = 0  # runs that stop short of a request's last known token

@@ -204,7 +204,7 @@ class _Upgrades:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.uses_hidden_cache = inner.uses_hidden_cache
+        self.capabilities = inner.capabilities
         self.in_step = self.preempted = 0
 
     def schedule(self, view):

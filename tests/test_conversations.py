@@ -12,6 +12,7 @@ import pytest
 from jserve.benchmarking.conversations import (
     ConversationArrivals,
     ConversationRecord,
+    FutureTurn,
     ScheduledConversation,
     ScheduledTurn,
     conversation_futures,
@@ -23,7 +24,6 @@ from jserve.benchmarking.conversations import (
 from jserve.benchmarking.metrics import RequestRecord
 from jserve.benchmarking.workload import ConversationTrace, ConversationTurn
 from jserve.builder import assemble_engine
-from jserve.cache.prefix import FutureTurn
 from jserve.engine.clock import VirtualClock
 from jserve.engine.loop import Engine
 from jserve.engine.view import SchedulerLimits

@@ -29,11 +29,12 @@ import pytest
 
 from jserve import builder
 from jserve.benchmarking.conversations import (
+    ConversationFutures,
     ScheduledConversation,
     ScheduledTurn,
     conversation_futures,
 )
-from jserve.cache.prefix import ConversationFutures, PrefixCacheConfig
+from jserve.cache.prefix import PrefixCacheConfig
 from jserve.config import EngineConfig
 from jserve.engine.batch import Batch, StepOutput
 from jserve.engine.clock import VirtualClock

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jserve.cache.prefix import CachedBlocks, CacheSnapshot, Conversations, FutureTurn
+from jserve.benchmarking.conversations import FutureTurn
+from jserve.cache.prefix import CachedBlocks, CacheSnapshot, Conversations
 from jserve.policies.tail_optimized_lru import (
     EVICTION_RULES,
     ORACLE_RULES,

@@ -15,7 +15,8 @@ from jserve.config import EngineConfig
 from jserve.engine.admission import known_prediction, output_length_known
 from jserve.engine.plan import Plan
 from jserve.engine.sampling_params import SamplingParams
-from jserve.engine.view import SchedulerView
+from jserve.engine.state import EngineState
+from jserve.engine.view import SchedulerLimits, SchedulerView
 
 
 def params(max_tokens: int, ignore_eos: bool = True, **kw) -> SamplingParams:
@@ -51,7 +52,7 @@ class Spy:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
-        self.predictor_kind = inner.predictor_kind
+        self.capabilities = inner.capabilities
         self.seen: dict[int, tuple[int, bool]] = {}
 
     def schedule(self, view: SchedulerView) -> Plan:
@@ -91,3 +92,33 @@ def test_fixed_output_travels_with_the_trace(tmp_path) -> None:
     save_trace(fixed, tmp_path / "t.jsonl")
     assert load_trace(tmp_path / "t.jsonl") == fixed
     assert np.all([r.output_len == 32 for r in fixed.requests])
+
+
+class CountingSource:
+    """A prediction source that predicts 40 tokens over, recording each call's request ids."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def predict(self, requests) -> list[tuple[int, int]]:
+        self.calls.append([r.request_id for r in requests])
+        return [(40, 1)] * len(requests)
+
+
+def test_the_state_asks_its_prediction_source_once_per_arrival_at_the_next_snapshot() -> None:
+    source = CountingSource()
+    state = EngineState(num_blocks=64, block_size=4, limits=SchedulerLimits(4, 64, 64),
+                        eos_token_id=None, vocab_size=100, predictions=source)
+    open_ = SamplingParams(max_tokens=30)  # EOS allowed: the length is open, capped at 30
+    state.add("open", [1, 2, 3], open_, 0.0)
+    state.add("given", [1, 2, 3], open_, 0.0, predicted_len=7, predicted_dir=-1)  # the caller's
+    state.add("known", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), 0.0)
+    state.add("gone", [1, 2, 3], open_, 0.0)
+    state.abort("gone", 0.0)
+    view = state.snapshot(0.0)
+    assert source.calls == [["open"]]  # one batch of the step's arrivals; nothing asked twice
+    r = view.requests
+    assert list(zip(r.predicted_len.tolist(), r.predicted_dir.tolist(), r.length_known.tolist())) == [
+        (30, 1, False), (7, -1, False), (5, 0, True)]  # max_tokens caps the source's 40
+    state.snapshot(0.0)
+    assert source.calls == [["open"]]

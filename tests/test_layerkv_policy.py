@@ -324,7 +324,7 @@ def test_registered_with_its_ablation():
     assert ablation.name == "layerkv/SLO" and not ablation.slo_aware
     whole = POLICIES["layerkv-whole"]()
     assert whole.name == "layerkv-whole" and not whole.decode_from_host and POLICIES["layerkv"]().decode_from_host
-    assert LayerKVPolicy.predictor_kind == "s3"
+    assert LayerKVPolicy.capabilities.predictor_kind == "s3"
 
 
 def test_host_decodes_only_while_their_reads_hide_under_the_step():

@@ -39,6 +39,7 @@ from jserve.engine.policy import Policy
 from jserve.engine.request import RequestStatus
 from jserve.engine.view import SchedulerLimits, SchedulerView
 from jserve.policies import POLICIES
+from jserve.policies.apt_serve import AptServePolicy
 from jserve.policies.cacheopt import CacheOptPolicy
 from jserve.policies.rlp import RLPPolicy
 from jserve.policies.s3 import S3Policy
@@ -129,12 +130,12 @@ def check_reservations(view: SchedulerView, plan: Plan) -> None:
 
 def plan_checks_for(policy: Policy) -> tuple[PlanCheck, ...]:
     checks: tuple[PlanCheck, ...] = (check_holders_within_max_num_seqs,)
-    if getattr(policy, "reserves", False):
+    if policy.capabilities.reserves:
         checks += (check_reservations,)
     if policy.chunked_prefill and _has_field(policy, "token_budget"):
         budget = policy.token_budget  # type: ignore[attr-defined]
         checks += (lambda view, plan: check_chunked_plan(view, plan, budget),)
-        if not getattr(policy, "adaptive", False):  # Apt-Serve-S picks victims by value, not arrival
+        if not (isinstance(policy, AptServePolicy) and policy.adaptive):  # Apt-Serve-S picks victims by value
             checks += (check_victims_arrived_later,)
     return checks
 

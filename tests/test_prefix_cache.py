@@ -206,7 +206,7 @@ def shared_prefix_specs(draw: st.DrawFn, cfg: dict, max_requests: int = 10) -> l
 def _policies() -> list[str]:
     """Every policy a prefix cache may run with: not those that offload layers (LayerKV),
     which `EngineConfig` refuses with one."""
-    return sorted(name for name, make in POLICIES.items() if not getattr(make(), "offloads_layers", False))
+    return sorted(name for name, make in POLICIES.items() if not make().capabilities.offloads_layers)
 
 
 @pytest.mark.parametrize("policy", _policies())

@@ -27,6 +27,7 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cli import main
 from jserve.config import EngineConfig, ServerConfig
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
 from jserve.predictor import Prediction
@@ -43,14 +44,14 @@ HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @dataclass
 class SloRecordingPolicy:
     """vLLM's schedule, noting the SLO and prediction columns it is shown (test-only state).
-    It names a predictor kind, so the server asks the `LLM`'s predictor for every request."""
+    It names a predictor kind, so the engine asks the `LLM`'s predictor about every request."""
 
     name: str = "vllm"
     chunked_prefill: bool = False
     inner: VLLMPolicy = field(default_factory=VLLMPolicy)
     seen: set[tuple[float, float]] = field(default_factory=set)
     predictions: set[tuple[int, int, int]] = field(default_factory=set)  # (prompt, length, dir)
-    predictor_kind = "cacheopt"
+    capabilities: PolicyCapabilities = PolicyCapabilities(predictor_kind="cacheopt")
 
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests
@@ -64,8 +65,8 @@ class SloRecordingPolicy:
 class PromptLengthPredictor:
     """Predicts prompt length + 3 tokens, expecting an over-prediction: easy to recognise."""
 
-    def predict(self, prompt_token_ids: list[int]) -> Prediction:
-        return Prediction(len(prompt_token_ids) + 3, over_prob=0.9)
+    def predict_batch(self, prompts: list[list[int]]) -> list[Prediction]:
+        return [Prediction(len(p) + 3, over_prob=0.9) for p in prompts]
 
 
 @dataclass

@@ -25,6 +25,7 @@ class Spy:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.chunked_prefill = inner, inner.name, inner.chunked_prefill
+        self.capabilities = inner.capabilities
         self.max_lens: list[np.ndarray] = []
         self.steps: list[tuple] = []
 

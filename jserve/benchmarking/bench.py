@@ -218,7 +218,7 @@ def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, in
     """Output-length predictions for a prediction-based policy, by request id: drawn from
     its trained predictor's noise model (calibrated on held-out errors; serving benchmarks
     run synthetic prompts the predictor cannot read), or the true lengths."""
-    kind = getattr(cfg.engine.make_policy(), "predictor_kind", None)
+    kind = cfg.engine.make_policy().capabilities.predictor_kind
     if kind is None or cfg.predictions == "none":
         return None
     if cfg.predictions == "oracle":

@@ -10,7 +10,7 @@ import hashlib
 import heapq
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,14 +24,15 @@ from jserve.benchmarking.metrics import (
 )
 from jserve.benchmarking.replay import TraceEnds, open_params, record_of
 from jserve.benchmarking.workload import ConversationTrace, TraceRequest, arrival_times
-from jserve.cache.prefix import ConversationFutures, FutureTurn
 from jserve.engine.clock import VirtualClock, WallClock
 from jserve.engine.loop import Engine
 from jserve.engine.request import FinishReason
 
 __all__ = [
     "ConversationArrivals",
+    "ConversationFutures",
     "ConversationRecord",
+    "FutureTurn",
     "ScheduledConversation",
     "ScheduledTurn",
     "conversation_futures",
@@ -40,6 +41,20 @@ __all__ = [
     "schedule_conversations",
     "synthetic_message_ids",
 ]
+
+@dataclass(frozen=True)
+class FutureTurn:
+    """A turn an oracle eviction rule knows in advance: its new message's length and the
+    think time between the previous turn's reply and its arrival, or where arrivals are
+    fixed in advance (open loop) its scheduled arrival, seconds on the engine's clock."""
+
+    new_tokens: int
+    think_time: float
+    arrival: float | None = None
+
+
+# conversation id -> every turn of it, in order; turn 0's think time is unused.
+ConversationFutures = Mapping[str, Sequence[FutureTurn]]
 
 ArrivalProcess = Literal["birth-death", "think-time", "open-loop", "exp-think"]
 PROCESSES: tuple[str, ...] = ("birth-death", "think-time", "open-loop", "exp-think")

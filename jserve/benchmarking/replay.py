@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,6 +83,18 @@ class TraceEnds:
         return dataclasses.replace(done, ended=ended)
 
 
+@dataclasses.dataclass(frozen=True)
+class TracePredictions:
+    """A benchmark's output-length predictions as the engine's prediction source: drawn
+    beforehand per request id (from a predictor's noise model, or the true lengths), since
+    the trace's synthetic prompts say nothing a predictor could read."""
+
+    by_request_id: Mapping[str, tuple[int, int]]
+
+    def predict(self, requests: Sequence[Request]) -> list[tuple[int, int]]:
+        return [self.by_request_id.get(r.request_id, (0, 0)) for r in requests]
+
+
 def record_of(req: Request, spec: TraceRequest) -> RequestRecord:
     m = req.metrics
     return RequestRecord(
@@ -107,7 +119,8 @@ def replay(
     """Run the whole trace to completion; arrival times are offsets from the call.
 
     `predictions`: request id -> (predicted output length, expected error direction), for
-    policies that allocate by prediction (none: the engine sees no predictions)."""
+    policies that allocate by prediction: the engine's prediction source for the run
+    (none: the engine sees no predictions, whatever predictor it has)."""
     start = clock.now()
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     specs = {r.request_id: r for r in pending}
@@ -115,17 +128,17 @@ def replay(
     max_model_len = engine.state.limits.max_model_len
     ends = TraceEnds(engine.runner)
     engine.runner = ends
+    own_predictions = engine.state.predictions
+    engine.state.predictions = None if predictions is None else TracePredictions(predictions)
     try:
         i = 0
         while i < len(pending) or engine.has_unfinished:
             now = clock.now()
             while i < len(pending) and start + pending[i].arrival_time <= now:
                 spec = pending[i]
-                length, direction = (predictions or {}).get(spec.request_id, (0, 0))
                 req = engine.add_request(spec.request_id, prompt_ids(spec), trace_params(spec, max_model_len),
                                          prompt=spec.prompt, arrival_time=start + spec.arrival_time,
-                                         ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo,
-                                         predicted_len=length, predicted_dir=direction)
+                                         ttft_slo=spec.ttft_slo, tbt_slo=spec.tbt_slo)
                 ends.end_at(req.seq_id, len(req.prompt_token_ids) + spec.output_len)
                 i += 1
             if not engine.has_unfinished:
@@ -140,4 +153,5 @@ def replay(
                         on_finish(record)
     finally:
         engine.runner = ends.runner
+        engine.state.predictions = own_predictions
     return records

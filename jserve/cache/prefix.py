@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,21 +67,6 @@ class CacheSnapshot:
     ttft_floor: float = 0.0
 
 
-@dataclass(frozen=True)
-class FutureTurn:
-    """A turn an oracle knows in advance: its new message's length and the think time
-    between the previous turn's reply and its arrival, or where arrivals are fixed in
-    advance (open loop) its scheduled arrival, seconds on the engine's clock."""
-
-    new_tokens: int
-    think_time: float
-    arrival: float | None = None
-
-
-# conversation id -> every turn of it, in order; turn 0's think time is unused.
-ConversationFutures = Mapping[str, Sequence[FutureTurn]]
-
-
 CAPACITY_COUNTS = ("all", "unreferenced")
 XI_FITS = ("offline", "online")
 # Appendix F of the T-LRU paper: "the average prompt length in ShareGPT is approximately 100
@@ -108,8 +93,9 @@ class PrefixCacheConfig:
     # this many tokens of host memory and copied back when a prompt reuses them. 0: off.
     host_capacity_tokens: int = 0
     # What the oracle rules (end-aware-tlru, length-aware-tlru, tbelady) read: the
-    # workload's future turns, which only a benchmark knows.
-    futures: ConversationFutures | None = field(default=None, compare=False, repr=False)
+    # workload's future turns, which only a benchmark knows (its `ConversationFutures`,
+    # `jserve.benchmarking.conversations`; the rules' `KnownFutures`).
+    futures: Mapping[str, Sequence[Any]] | None = field(default=None, compare=False, repr=False)
     # T-LRU's next-message estimate Q_hat in tokens, fixed (the paper's); None: the running
     # mean of arriving messages' new tokens (jserve's earlier variant).
     q_hat: float | None = PAPER_Q_HAT_SHAREGPT
@@ -159,14 +145,36 @@ class PrefixCacheConfig:
             return self.history_threshold
         return -1
 
-    def state_options(self, block_size: int) -> dict[str, object]:
-        """`EngineState` keyword arguments for this cache."""
+    def in_blocks(self, block_size: int) -> PrefixCacheSize:
+        """This cache as the engine state keeps it, in blocks of `block_size` tokens."""
         capacity = None if self.capacity_tokens is None else self.capacity_tokens // block_size
-        return {"prefix_cache": True, "cache_isolation": self.isolation,
-                "cache_capacity_blocks": capacity,
-                "cache_count_referenced": self.capacity_counts == "all",
-                "cache_min_history": self.min_history_tokens,
-                "host_cache_blocks": self.host_capacity_tokens // block_size}
+        return PrefixCacheSize(isolation=self.isolation, capacity_blocks=capacity,
+                               count_referenced=self.capacity_counts == "all",
+                               min_history=self.min_history_tokens,
+                               host_blocks=self.host_capacity_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class PrefixCacheSize:
+    """A prefix cache as the engine state keeps one: finished requests' full blocks stay
+    cached for later prompts that start the same way, keyed by conversation too with
+    `isolation`. `capacity_blocks` caps how many unreferenced blocks stay cached (None:
+    every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C over idle
+    histories), or with `count_referenced` how many blocks the cache holds, those running
+    requests reuse included; the engine trims the cache to it before each snapshot. A
+    finished turn whose history is at most `min_history` tokens is not cached at all
+    (Threshold-LRU's rule). `host_blocks` adds a host tier that evicted blocks are demoted
+    to and promoted back from (0: none)."""
+
+    isolation: bool = False
+    capacity_blocks: int | None = None
+    count_referenced: bool = False
+    min_history: int = -1
+    host_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks is not None and self.capacity_blocks < 0:
+            raise ValueError(f"cache capacity_blocks must be >= 0, got {self.capacity_blocks}")
 
 
 class EvictionRule(Protocol):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypedDict
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict
 
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.load_meter import LoadMeter
@@ -28,9 +28,10 @@ class RequestOptions(TypedDict, total=False):
     # where none was given).
     ttft_slo: float | None
     tbt_slo: float | None
-    # An output-length predictor's estimate and its expected error direction (+1 over,
-    # -1 under, 0 unknown), for policies that allocate by prediction; admission puts what
-    # the request itself tells before it (`known_prediction`).
+    # An output-length prediction the caller already has and its expected error direction
+    # (+1 over, -1 under, 0 unknown), for policies that allocate by prediction; without
+    # one, the engine's `PredictionSource` is asked. Admission puts what the request itself
+    # tells before either (`known_prediction`).
     predicted_len: int
     predicted_dir: int
     conversation_id: str | None  # the chat it is a turn of, for the prefix cache
@@ -61,7 +62,19 @@ def known_prediction(params: SamplingParams, prompt_len: int, max_len: int, pred
     return min(predicted_len, max_len - prompt_len), predicted_dir, False
 
 
-@dataclass(frozen=True)
+class PredictionSource(Protocol):
+    """Where the engine's output-length predictions come from: a trained predictor reading
+    prompts (the real engine's, `jserve.builder`), or a benchmark's drawn per request id
+    (`jserve.benchmarking.replay`). The engine asks it for every request it admits whose
+    length is neither known nor predicted by the caller, all of a step's arrivals at once."""
+
+    def predict(self, requests: Sequence[Request]) -> list[tuple[int, int]]:
+        """(predicted output length, expected error direction) per request, in order; a
+        length of 0 is no prediction."""
+        ...
+
+
+@dataclass
 class Admission:
     live: LiveRequests
     limits: SchedulerLimits
@@ -72,6 +85,9 @@ class Admission:
     load: LoadMeter
     reuse: PrefixReuse | None
     num_layers: int = 1  # every request starts with all of them on the device
+    predictions: PredictionSource | None = None
+    # Admitted requests the source has not been asked about yet (`predict_arrivals`).
+    _unpredicted: list[Request] = field(default_factory=list, init=False, repr=False)
 
     def admit(
         self,
@@ -113,7 +129,27 @@ class Admission:
         if self.reuse is not None:
             self.reuse.record_arrival(req)
         self.load.record_arrival(arrival_time)
+        if self.predictions is not None and not known and predicted_len <= 0:
+            self._unpredicted.append(req)
         return req
+
+    def predict_arrivals(self) -> None:
+        """Ask the prediction source about the requests admitted since the last call, in
+        one batch, and put its answers under what the requests tell (`known_prediction`).
+        The state calls it before every snapshot, so no policy sees a request before its
+        prediction; batching the step's arrivals makes one predictor call of them (and,
+        on the server, keeps that call off the event loop, in the step's thread)."""
+        if not self._unpredicted:
+            return
+        live = [r for r in self._unpredicted if self.live.requests.get(r.seq_id) is r]
+        self._unpredicted.clear()
+        if not live or self.predictions is None:
+            return
+        cols = self.live.cols
+        for req, (length, direction) in zip(live, self.predictions.predict(live), strict=True):
+            row = self.live.row(req.seq_id)
+            cols.predicted_len[row], cols.predicted_dir[row], _ = known_prediction(
+                req.params, len(req.prompt_token_ids), req.max_len, length, direction)
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from jserve.cache.prefix import EvictionRule
+from jserve.cache.prefix import CacheSnapshot, EvictionRule
 from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.policy import Policy
@@ -103,8 +103,9 @@ class Engine:
         predicted_len: int = 0, predicted_dir: int = 0, conversation_id: str | None = None,
     ) -> Request:
         """The request, waiting. `predicted_len` / `predicted_dir`: an output-length
-        prediction and its expected error direction, for policies that allocate by
-        prediction (see `RequestOptions` in `jserve.engine.admission`).
+        prediction the caller already has and its expected error direction; without one,
+        the state's prediction source is asked (see `RequestOptions` in
+        `jserve.engine.admission`).
         `conversation_id`: the chat this turn belongs to, for the prefix cache."""
         now = self.clock() if arrival_time is None else arrival_time
         return self.state.add(request_id, prompt_token_ids, params, now, prompt=prompt,
@@ -197,21 +198,25 @@ class Engine:
     def _trim_to_capacity(self, now: float) -> None:
         """Bring the prefix cache within its capacity before the snapshot offers waiting
         requests their hits: a history a turn released in the last step is trimmed by the
-        eviction rule first, so no turn can take over more than the capacity keeps."""
-        need = self.state.capacity_request(now)
-        if need is None:
-            return
-        n, snapshot = need
-        evict = self.eviction.evict(snapshot, n)
-        self.stats.num_evicted_blocks += len(evict)
-        self.state.trim(evict.tolist())
+        eviction rule first, so no turn can take over more than the capacity keeps. (Left
+        to the pass after the policy, the turns take those histories over: the golden
+        capped-cache runs then compute fewer tokens and evict fewer blocks.)"""
+        evict = self._rule_picks(self.state.capacity_request(now))
+        if evict:
+            self.state.trim(evict)
 
     def _with_evictions(self, plan: Plan, now: float) -> Plan:
-        need = self.state.eviction_request(plan, now)
-        if need is None:
+        evict = self._rule_picks(self.state.eviction_request(plan, now))
+        if not evict:
             return plan
-        n, snapshot = need
-        evict = self.eviction.evict(snapshot, n)
-        self.stats.num_evicted_blocks += len(evict)
         # Evicting is the rule's choice step by step: such a step is never repeated.
-        return dataclasses.replace(plan, evict=frozenset(evict.tolist()), repeat=1)
+        return dataclasses.replace(plan, evict=frozenset(evict), repeat=1)
+
+    def _rule_picks(self, need: tuple[int, CacheSnapshot] | None) -> list[int]:
+        """The blocks the eviction rule picks for what the state asks (none when nothing)."""
+        if need is None:
+            return []
+        n, snapshot = need
+        evict = self.eviction.evict(snapshot, n).tolist()
+        self.stats.num_evicted_blocks += len(evict)
+        return evict

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Unpack
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache.prefix import CacheSnapshot, PrefixIndex
+from jserve.cache.prefix import CacheSnapshot, PrefixCacheSize, PrefixIndex
 from jserve.cache_features.protocol import CacheFeature, StateParts
 from jserve.cache_features.registry import build_features
-from jserve.engine.admission import Admission, RequestOptions
+from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.invariants import check_invariants
@@ -58,28 +58,17 @@ class EngineState:
         tokenizer: Tokenizer | None = None,
         chunked_prefill: bool = False,
         num_host_blocks: int = 0,
-        prefix_cache: bool = False,
-        cache_isolation: bool = False,
-        cache_capacity_blocks: int | None = None,
-        cache_count_referenced: bool = False,
-        cache_min_history: int = -1,
-        host_cache_blocks: int = 0,
+        prefix_cache: PrefixCacheSize | None = None,
+        predictions: PredictionSource | None = None,
         **feature_options: object,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
-        plans may only preempt by recompute). `prefix_cache`: keep finished requests' full
-        blocks for later prompts that start the same way; `cache_isolation` keys them by
-        conversation too; `cache_capacity_blocks` caps how many unreferenced blocks stay
-        cached (None: every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C
-        over idle histories), or with `cache_count_referenced` how many blocks the cache
-        holds, those running requests reuse included; the engine trims the cache to it
-        before each snapshot (`capacity_request`, `trim`); a finished turn whose history is at most `cache_min_history`
-        tokens is not cached at all (Threshold-LRU's rule); `host_cache_blocks` adds a host
-        tier that evicted blocks are demoted to and promoted back from (0: none).
-        `feature_options`: the cache features' options (`jserve.cache_features.registry`;
-        each feature reads its own: the model's `num_layers`, `hidden_block_tokens`, ...)."""
-        if cache_capacity_blocks is not None and cache_capacity_blocks < 0:
-            raise ValueError(f"cache_capacity_blocks must be >= 0, got {cache_capacity_blocks}")
+        plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
+        (None: none; its trim is `capacity_request` / `trim`). `predictions`: where
+        admitted requests' output-length predictions come from (None: only from the
+        caller). `feature_options`: the cache features' options
+        (`jserve.cache_features.registry`; each feature reads its own: the model's
+        `num_layers`, `hidden_block_tokens`, ...)."""
         if limits.max_num_batched_tokens < limits.max_num_seqs:
             # Every running sequence must be able to decode in the same step (vLLM's rule).
             raise ValueError(
@@ -94,19 +83,19 @@ class EngineState:
                 f"{limits.max_model_len} needs a policy that chunks prefills"
             )
         self.limits = limits
-        self.prefix = PrefixIndex(num_blocks, block_size, isolate=cache_isolation,
-                                  host_capacity_blocks=host_cache_blocks) if prefix_cache else None
+        cache = prefix_cache  # its size, in blocks
+        self.prefix = (PrefixIndex(num_blocks, block_size, isolate=cache.isolation,
+                                   host_capacity_blocks=cache.host_blocks) if cache is not None else None)
         self.blocks = BlockManager(num_blocks, block_size, self.prefix)
         self.host_blocks = BlockManager(num_host_blocks, block_size) if num_host_blocks else None
         self.live = LiveRequests()
         self.load = LoadMeter()
-        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache_capacity_blocks,
-                                   count_referenced=cache_count_referenced,
-                                   min_history=cache_min_history)
-                       if self.prefix is not None else None)
+        self._reuse = (PrefixReuse(self.prefix, self.live, self.blocks, cache.capacity_blocks,
+                                   count_referenced=cache.count_referenced, min_history=cache.min_history)
+                       if cache is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
                                     eos_token_id, self.load, self._reuse,
-                                    int(feature_options.get("num_layers", 1)))
+                                    int(feature_options.get("num_layers", 1)), predictions)
         self.features = build_features(StateParts(self.live, self.blocks, self.host_blocks, self._reuse),
                                        **feature_options)
         self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
@@ -142,6 +131,15 @@ class EngineState:
         """Admit a request to the waiting set, or raise `InvalidRequestError` saying why."""
         return self._admission.admit(request_id, prompt_token_ids, params, arrival_time, **options)
 
+    @property
+    def predictions(self) -> PredictionSource | None:
+        return self._admission.predictions
+
+    @predictions.setter
+    def predictions(self, source: PredictionSource | None) -> None:
+        """Change where predictions come from (a trace replay brings its own)."""
+        self._admission.predictions = source
+
     def abort(self, request_id: str, now: float) -> Request | None:
         """End a request early (client gone); frees its blocks. Unknown/finished ids: None."""
         req = self.live.by_request_id(request_id)
@@ -159,7 +157,9 @@ class EngineState:
         would start from, and `num_free_blocks` counts every block no table holds (free or
         evictable) less what sharing saves, so that preempting a request frees, as far as
         any policy can tell, exactly the blocks its table lists. Blocks a cache feature
-        has split are not free blocks (`num_lent`); each feature gives its own section."""
+        has split are not free blocks (`num_lent`); each feature gives its own section.
+        Requests admitted since the last snapshot get their predictions first."""
+        self._admission.predict_arrivals()
         if self._reuse is not None:
             self._reuse.offer()
         host = self.host_blocks

@@ -19,6 +19,7 @@ from jserve.cache_features.hidden_cache.section import (
     section,
 )
 from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.apt_greedy import HIDDEN, KV, NONE, Bounds, Candidates, GreedyRules, greedy_types
@@ -65,10 +66,9 @@ class AptServePolicy:
     skip: bool = False  # True: the greedy skips a schedule that does not fit (ours)
 
     @property
-    def uses_hidden_cache(self) -> bool:
-        """Whether it may put requests on the hidden cache (the real runner's warm-up then
-        compiles steps with hidden sequences too)."""
-        return self.hybrid
+    def capabilities(self) -> PolicyCapabilities:
+        """The hybrid cache is the policy's, off in its KV-only ablation."""
+        return PolicyCapabilities(uses_hidden_cache=self.hybrid)
 
     def schedule(self, view: SchedulerView) -> Plan:
         r = view.requests

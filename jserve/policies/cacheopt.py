@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PolicyCapabilities, RunnerCosts
 from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.request import RequestStatus
 from jserve.engine.view import SchedulerView
@@ -207,8 +209,14 @@ class CacheOptPolicy:
     global_reserve: bool = True  # GR
     preemption_order: bool = True  # PP
     swap_selection: bool = True  # PSS
-    reserves = True  # class attribute: plans keep held <= reserved
-    predictor_kind = "cacheopt"  # class attribute: whose output-length predictions it reads
+    capabilities: ClassVar[PolicyCapabilities] = PolicyCapabilities(
+        predictor_kind="cacheopt", reserves=True, reads_runner_costs=True)
+
+    def given(self, costs: RunnerCosts) -> CacheOptPolicy:
+        """With the runner's preemption costs, unless it has its own."""
+        if self.preemption_costs is not None:
+            return self
+        return replace(self, preemption_costs=costs.preemption)
 
     # ---- demand
     def demand_tokens(self, view: SchedulerView) -> np.ndarray:

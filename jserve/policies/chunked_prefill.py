@@ -17,9 +17,12 @@ preempted by recompute (the lowest priority under FCFS).
 
 from __future__ import annotations
 
+import collections
+
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
+from jserve.policies.preemption import make_room
 
 
 def schedule_chunked(
@@ -37,28 +40,20 @@ def schedule_chunked(
         return max(0, view.blocks_for(end) - int(r.num_blocks[i]))
 
     running = list(r.with_status(RUNNING))  # oldest first
-    victims = list(running)  # preempted from the latest end
-    order = {int(v): k for k, v in enumerate(running)}
     remaining = r.num_tokens - r.num_computed
 
-    # 1. Decodes, oldest first.
-    for i in running:
-        if remaining[i] != 1 or int(r.seq_id[i]) in preempt:
+    def recompute(i: int) -> None:
+        preempt[int(r.seq_id[i])] = PreemptMode.RECOMPUTE
+
+    # 1. Decodes, oldest first; only a later arrival may be evicted for one (FCFS priority).
+    later = collections.deque(running)
+    while later:
+        i = later.popleft()
+        if remaining[i] != 1:
             continue
         need = claim(i, int(r.num_tokens[i]))
-        while need > free:
-            # Only a later arrival may be evicted for this request (FCFS priority).
-            victim = next((v for v in reversed(victims)
-                           if order[v] > order[i] and int(r.seq_id[v]) not in run), None)
-            if victim is None:
-                break
-            victims.remove(victim)
-            preempt[int(r.seq_id[victim])] = PreemptMode.RECOMPUTE
-            free += int(r.num_blocks[victim])
-        if need > free:
-            preempt[int(r.seq_id[i])] = PreemptMode.RECOMPUTE
-            free += int(r.num_blocks[i])
-            victims.remove(i)
+        fits, free = make_room(view, i, need, free, later, recompute)
+        if not fits:
             continue
         if budget < 1:
             break

@@ -8,7 +8,8 @@ with what was measured to choose them: docs/policies.md, LayerKV.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from jserve.cache_features.layer_offload.section import (
 )
 from jserve.engine.layerkv_costs import LayerKVCosts
 from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities, RunnerCosts
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.vllm import VLLMPolicy
@@ -115,8 +117,12 @@ class LayerKVPolicy:
     threshold: float = 0.01  # Eq. 5's floor, a fraction of the blocks (ours: vLLM's watermark)
     bucket_tokens: int = 50  # S3's predictor classes
     costs: LayerKVCosts | None = None  # Eqs. 3-4, filled by the builder
-    predictor_kind = "s3"  # class attribute: whose output-length predictions it reads
-    offloads_layers = True  # class attribute: keeps layers on the host (no prefix cache with it)
+    capabilities: ClassVar[PolicyCapabilities] = PolicyCapabilities(
+        predictor_kind="s3", offloads_layers=True, reads_runner_costs=True)
+
+    def given(self, costs: RunnerCosts) -> LayerKVPolicy:
+        """With the runner's Eq. 3-4 figures, unless it has its own."""
+        return self if self.costs is not None else replace(self, costs=costs.layerkv)
 
     def schedule(self, view: SchedulerView) -> Plan:
         offloads = self.offloads(view)

@@ -26,6 +26,7 @@ import numpy as np
 from jserve.engine.plan import Plan, PreemptMode
 from jserve.engine.request import RequestStatus
 from jserve.engine.view import SchedulerView
+from jserve.policies.preemption import swap_or_recompute
 
 
 def demand_blocks(view: SchedulerView, i: int, total_tokens: int | None) -> int:
@@ -123,12 +124,9 @@ class Work:
 def evict(view: SchedulerView, ledger: Ledger, i: int, swap: bool) -> PreemptMode:
     """Preempt running request `i`: by swap if `swap` and the host has room, else by
     recompute; its reservation returns to the pool."""
-    held = int(view.requests.num_blocks[i])
     ledger.release(i)
-    if swap and held <= ledger.host_free:
-        ledger.host_free -= held
-        return PreemptMode.SWAP
-    return PreemptMode.RECOMPUTE
+    mode, ledger.host_free = swap_or_recompute(int(view.requests.num_blocks[i]), swap, ledger.host_free)
+    return mode
 
 
 def decode_running(view: SchedulerView, ledger: Ledger, work: Work, queue: Iterable[int],

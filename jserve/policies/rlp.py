@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
     demand_blocks,
@@ -33,8 +35,7 @@ class RLPPolicy:
     chunked_prefill: bool = False
     margin_tokens: int = 0
     retry_margin_tokens: int = 100
-    reserves = True  # class attribute: plans keep held <= reserved
-    predictor_kind = "rlp"  # class attribute: whose output-length predictions it reads
+    capabilities: ClassVar[PolicyCapabilities] = PolicyCapabilities(predictor_kind="rlp", reserves=True)
 
     def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
         """Predicted total length (prompt + output + margin); None without a prediction."""

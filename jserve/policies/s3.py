@@ -18,8 +18,10 @@ bucket, and double it for a request that outgrew it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.view import SchedulerView
 from jserve.policies.reservation import (
     demand_blocks,
@@ -40,8 +42,7 @@ class S3Policy:
     name: str = "s3"
     chunked_prefill: bool = False
     bucket_tokens: int = 50
-    reserves = True  # class attribute: plans keep held <= reserved
-    predictor_kind = "s3"  # class attribute: whose output-length predictions it reads
+    capabilities: ClassVar[PolicyCapabilities] = PolicyCapabilities(predictor_kind="s3", reserves=True)
 
     def demand_tokens(self, view: SchedulerView, i: int) -> int | None:
         r = view.requests

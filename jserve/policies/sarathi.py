@@ -7,8 +7,10 @@ budget for its A100 experiments is 512 tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from jserve.engine.plan import Plan
+from jserve.engine.policy import PLAIN, PolicyCapabilities
 from jserve.engine.view import SchedulerView
 from jserve.policies.chunked_prefill import schedule_chunked
 
@@ -17,6 +19,7 @@ from jserve.policies.chunked_prefill import schedule_chunked
 class SarathiPolicy:
     name: str = "sarathi"
     chunked_prefill: bool = True
+    capabilities: ClassVar[PolicyCapabilities] = PLAIN
     token_budget: int = 512
 
     def schedule(self, view: SchedulerView) -> Plan:

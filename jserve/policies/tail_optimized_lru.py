@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -17,10 +19,22 @@ from jserve.cache.prefix import (
     PAPER_HISTORY_THRESHOLD,
     PAPER_Q_HAT_SHAREGPT,
     CacheSnapshot,
-    ConversationFutures,
     EvictionRule,
     PrefixCacheConfig,
 )
+
+
+class KnownTurn(Protocol):
+    """A turn an oracle rule knows in advance (a benchmark's `FutureTurn`): its new
+    message's tokens, its think time after the last reply, or its scheduled arrival."""
+
+    new_tokens: int
+    think_time: float
+    arrival: float | None
+
+
+# conversation id -> every turn of it, in order: what the oracle rules read.
+KnownFutures = Mapping[str, Sequence[KnownTurn]]
 
 
 def _first(snapshot: CacheSnapshot, n: int, *keys: np.ndarray) -> np.ndarray:
@@ -42,7 +56,7 @@ def _xi_tokens(snapshot: CacheSnapshot, tel_threshold: float, xi_tokens: float |
     return max(tel_threshold - snapshot.ttft_floor, 0.0) * max(snapshot.prefill_rate, 0.0)
 
 
-def _next_turns(snapshot: CacheSnapshot, futures: ConversationFutures) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _next_turns(snapshot: CacheSnapshot, futures: KnownFutures) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per conversation row: whether it has a next turn, that turn's new tokens and when
     it arrives (its scheduled time, or its think time after the last turn's reply;
     infinity where it has none)."""
@@ -89,7 +103,7 @@ def _check_tokens(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be a finite number of tokens >= 0 or None, got {value!r}")
 
 
-def _check_futures(name: str, futures: ConversationFutures | None) -> None:
+def _check_futures(name: str, futures: KnownFutures | None) -> None:
     if futures is None:
         raise ValueError(f"eviction rule {name!r} is an oracle: it needs the conversations' futures "
                          "(conversation id -> FutureTurn per turn)")
@@ -154,7 +168,7 @@ class TLRUEviction:
 class _OracleTLRU(TLRUEviction):
     """T-LRU that also reads the conversations' future turns."""
 
-    futures: ConversationFutures | None = None
+    futures: KnownFutures | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -199,7 +213,7 @@ class TBeladyEviction:
     name: str = "tbelady"
     tel_threshold: float = 0.2
     xi_tokens: float | None = None
-    futures: ConversationFutures | None = None
+    futures: KnownFutures | None = None
 
     def __post_init__(self) -> None:
         _check_tel_threshold(self.tel_threshold)
@@ -229,7 +243,7 @@ ORACLE_RULES = frozenset({"end-aware-tlru", "length-aware-tlru", "tbelady"})
 def make_eviction_rule(name: str, *, tel_threshold: float = 0.2,
                        q_hat: float | None = PAPER_Q_HAT_SHAREGPT, xi_tokens: float | None = None,
                        history_threshold: int = PAPER_HISTORY_THRESHOLD,
-                       futures: ConversationFutures | None = None) -> EvictionRule:
+                       futures: KnownFutures | None = None) -> EvictionRule:
     """The rule registered as `name`, given those of the options it takes (the others are
     ignored, so one set of flags configures any rule)."""
     try:

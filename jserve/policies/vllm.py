@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerView
+from jserve.policies.preemption import make_room, swap_or_recompute
 
 
 @dataclass(frozen=True)
@@ -25,9 +27,9 @@ class VLLMPolicy:
     max_paddings: int | None = None
 
     @property
-    def pads_prompts(self) -> bool:
-        """Whether its prefill batches are padded to their longest prompt (vLLM 0.2.x)."""
-        return self.max_paddings is not None
+    def capabilities(self) -> PolicyCapabilities:
+        """Its prefill batches are padded to their longest prompt with `max_paddings` (vLLM 0.2.x)."""
+        return PolicyCapabilities(pads_prompts=self.max_paddings is not None)
 
     def schedule(self, view: SchedulerView) -> Plan:
         return self._prefills(view) or self._decodes(view)
@@ -70,23 +72,17 @@ class VLLMPolicy:
         allocate: dict[int, int] = {}
         preempt: dict[int, PreemptMode] = {}
         host_free = view.num_free_host_blocks
+        swap = self.preemption_mode is PreemptMode.SWAP
 
         def evict(i: int) -> None:
             nonlocal host_free
-            held = int(r.num_blocks[i])
-            swap = self.preemption_mode is PreemptMode.SWAP and held <= host_free
-            preempt[int(r.seq_id[i])] = PreemptMode.SWAP if swap else PreemptMode.RECOMPUTE
-            host_free -= held if swap else 0
+            preempt[int(r.seq_id[i])], host_free = swap_or_recompute(int(r.num_blocks[i]), swap, host_free)
 
         while queue:
             i = queue.popleft()
             need = view.blocks_for(int(r.num_computed[i]) + 1) - int(r.num_blocks[i])
-            while need > free and queue:
-                victim = queue.pop()  # latest arrival
-                evict(victim)
-                free += int(r.num_blocks[victim])
-            if need > free:  # nobody left to evict but itself
-                evict(i)
+            fits, free = make_room(view, i, need, free, queue, evict)
+            if not fits:  # nobody left to evict but itself
                 break
             seq = int(r.seq_id[i])
             run[seq] = int(r.num_tokens[i] - r.num_computed[i])

@@ -14,15 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from jserve.engine.loop import Engine
 from jserve.engine.request import Request, RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
 from jserve.serving.server_metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from jserve.predictor import LengthPredictor
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +108,10 @@ class QueueFull(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
-                 predictor: LengthPredictor | None = None,
                  max_waiting: int | None = None) -> None:
-        """`predictor`: output-length predictions for policies that allocate by them (the
-        `LLM`'s; None: requests carry none). `max_waiting`: refuse new requests with
-        `QueueFull` while this many wait (queued adds included); None: no limit."""
+        """`max_waiting`: refuse new requests with `QueueFull` while this many wait (queued
+        adds included); None: no limit. Output-length predictions are the engine's own."""
         self.engine = engine
-        self.predictor = predictor
         self.metrics = metrics or ServerMetrics()
         self.max_waiting = max_waiting
         self._num_adding = 0  # adds queued for the loop, not yet in the engine's waiting count
@@ -181,10 +173,6 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = self.engine.clock()
-        length, direction = 0, 0
-        if self.predictor is not None:  # a jit call: keep it off the event loop
-            prediction = await asyncio.to_thread(self.predictor.predict, prompt_token_ids)
-            length, direction = prediction.columns
 
         def add() -> None:
             self._num_adding -= 1
@@ -193,7 +181,6 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt,
                                         arrival_time=arrival, ttft_slo=ttft_slo, tbt_slo=tbt_slo,
-                                        predicted_len=length, predicted_dir=direction,
                                         conversation_id=conversation_id)
             except Exception as e:  # InvalidRequestError, or a bug the handler reports as 500
                 admitted.set_exception(e)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +19,6 @@ from jserve.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from jserve.predictor import LengthPredictor
-
-log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 
@@ -70,25 +67,10 @@ class LLM:
         self.model = built.loaded
         self.config = built.model_config
         self.tokenizer: Tokenizer | None = built.tokenizer
-        self.predictor = self._predictor(config.predictor)
+        self.predictor: LengthPredictor | None = built.predictor  # the engine asks it at admission
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- requests
-    def _predictor(self, choice: str | None | LengthPredictor) -> LengthPredictor | None:
-        kind = getattr(self.policy, "predictor_kind", None)
-        if choice is None or kind is None:
-            return None
-        if choice != "auto":
-            return choice
-        from jserve.predictor import LengthPredictor
-
-        if self.tokenizer is None or self.config.name != LengthPredictor.base_model():
-            log.warning("policy %s allocates by predicted length, but the shipped predictor "
-                        "reads %s's tokens, not %s's: requests get no prediction",
-                        self.policy.name, LengthPredictor.base_model(), self.config.name)
-            return None
-        return LengthPredictor.load(kind, base=self.model)
-
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise InvalidRequestError(
@@ -120,17 +102,11 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(sampling_params)} sampling params for {len(texts)} prompts"
             )
-        if self.predictor is None:
-            predictions = [(0, 0)] * len(texts)
-        else:
-            predictions = [p.columns for p in self.predictor.predict_batch(prompt_token_ids)]
         ids: list[str] = []
         try:
-            for text, tokens, params, (length, direction) in zip(
-                    texts, prompt_token_ids, sampling_params, predictions):
+            for text, tokens, params in zip(texts, prompt_token_ids, sampling_params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, tokens, params, prompt=text,
-                                        predicted_len=length, predicted_dir=direction)
+                self.engine.add_request(request_id, tokens, params, prompt=text)
                 ids.append(request_id)
         except InvalidRequestError:
             for request_id in ids:  # all or nothing: the engine keeps serving what it had

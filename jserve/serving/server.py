@@ -155,8 +155,7 @@ class OpenAIServer:
         self.names = config.served_model_names or (self.model,)
         self.policy = llm.policy.name
         self.max_model_len = llm.engine.state.limits.max_model_len
-        self.engine = AsyncEngine(llm.engine, predictor=llm.predictor,
-                                  max_waiting=config.max_waiting_requests)
+        self.engine = AsyncEngine(llm.engine, max_waiting=config.max_waiting_requests)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ endpoints
