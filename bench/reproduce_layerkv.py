@@ -27,7 +27,7 @@ The setting, as the paper states it, and what is ours:
   and TPOT 200 ms for every request (Section 5.2.4), the TPOT SLO judged on each request's
   mean time per output token (`tbt_slo_on="tpot"`); the same SLOs are given to every run
   (vLLM ignores them; LayerKV's scheduler reads the TPOT one).
-- LayerKV reads S3's output-length predictions (`predictor_kind = "s3"`), drawn from the
+- LayerKV reads S3's output-length predictions (`capabilities.predictor_kind == "s3"`), drawn from the
   trained predictor's noise model as every simulated benchmark does.
 - Yi-34B-200K on 2 L20 and Llama-3.1-70B on 4 L20 (Section 5.1: tensor parallelism 2 and
   4, PCIe only, two GPUs per host link): `yi-34b-200k` (Yi-34B's shape with its 200K context)
