@@ -17,7 +17,7 @@ import numpy as np
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import PrefixHit
-from jserve.cache_features.protocol import CacheFeature, SectionCheck
+from jserve.cache_features.protocol import NO_ROWS, CacheFeature, SectionCheck
 from jserve.cache_features.registry import block_tokens, check_sections_known, refuse_shared
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import Plan, PreemptMode
@@ -47,9 +47,6 @@ class CheckedPlan:
     discarded: np.ndarray  # running requests a feature's section discards (recompute from 0)
 
 
-_NO_ROWS = np.zeros(0, np.int64)
-
-
 @dataclass(frozen=True)
 class PlanChecker:
     live: LiveRequests
@@ -66,7 +63,7 @@ class PlanChecker:
         check_sections_known(plan, self.features)
         sections = tuple(feature.check(plan) for feature in self.features)
         refuse_shared(plan, self.features, sections)
-        switch_rows = np.concatenate([_NO_ROWS, *(c.discarded for c in sections)])
+        switch_rows = np.concatenate([NO_ROWS, *(c.discarded for c in sections)])
         if to_host and to_host > self.host_blocks.num_free:
             raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
                             "on the host")
@@ -106,7 +103,7 @@ class PlanChecker:
     def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
         """Rows of the requests it preempts, and how many blocks go to the host."""
         if not plan.preempt:
-            return _NO_ROWS, 0
+            return NO_ROWS, 0
         seq_ids, rows = list(plan.preempt), self.live.rows(plan.preempt)
         swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
         status = self.live.cols.status[rows]
@@ -167,7 +164,7 @@ class PlanChecker:
     def _check_reservations(self, plan: Plan, preempt_rows: np.ndarray, switch_rows: np.ndarray
                             ) -> tuple[np.ndarray, np.ndarray]:
         if not plan.reserve:
-            return _NO_ROWS, _NO_ROWS
+            return NO_ROWS, NO_ROWS
         seq_ids, rows, counts = list(plan.reserve), self.live.rows(plan.reserve), values(plan.reserve)
         preempted = member(seq_ids, plan.preempt)
         refuse_first(seq_ids, [

@@ -32,6 +32,13 @@ _LOGPROBS = attrgetter("output_logprobs")
 _TOKEN_TIMES = attrgetter("metrics.token_times")
 
 
+def _append_tokens(reqs: list[Request], tokens: list[int], logprobs: list[float], now: float) -> None:
+    """Each request's new token, its log-probability and its time, through C-level maps."""
+    _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
+    _consume(map(list.append, map(_LOGPROBS, reqs), logprobs))
+    _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+
+
 @dataclass(frozen=True)
 class Booked:
     """A dispatched step's progress, booked before its tokens are read (`TokenCommit.book`):
@@ -62,9 +69,7 @@ class TokenCommit:
         rows, seq_ids = rows[sampled], batch.seq_ids[sampled].tolist()
         tokens = out.next_tokens[sampled].tolist()
         reqs = list(map(self.live.requests.__getitem__, seq_ids))
-        _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
-        _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
-        _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        _append_tokens(reqs, tokens, out.logprobs[sampled].tolist(), now)
         if out.top_logprobs is not None:
             record_logprobs(batch, out, list(map(self.live.requests.__getitem__, batch.seq_ids.tolist())))
         self._first_tokens(reqs, rows, now)
@@ -112,9 +117,7 @@ class TokenCommit:
         tokens = out.next_tokens[sampled].tolist()
         for req in reqs:
             req.pending_tokens = 0
-        _consume(map(list.append, map(_OUTPUT_IDS, reqs), tokens))
-        _consume(map(list.append, map(_LOGPROBS, reqs), out.logprobs[sampled].tolist()))
-        _consume(map(list.append, map(_TOKEN_TIMES, reqs), repeat(now, len(reqs))))
+        _append_tokens(reqs, tokens, out.logprobs[sampled].tolist(), now)
         if out.top_logprobs is not None or out.position_logprobs is not None:
             record_logprobs(booked.batch, out, booked.reqs)
         rows = self.live.rows([r.seq_id for r in reqs])

@@ -334,7 +334,7 @@ class PendingStep:
                           top_logprobs=top, position_logprobs=positions)
 
 
-def _done(out: StepOutput) -> PendingStep:
+def _ready(out: StepOutput) -> PendingStep:
     return PendingStep(None, out.next_tokens.shape[0], 0, False, False, out)
 
 
@@ -534,10 +534,10 @@ class JaxRunner:
         self._move_blocks(batch)
         self._write_layers(layer_reads)
         if batch.num_seqs == 0:
-            return _done(StepOutput.empty())
+            return _ready(StepOutput.empty())
         groups = self._staging_groups(batch)
         if len(groups) > 1:
-            return _done(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
+            return _ready(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
         return self._compute(batch)
 
     def _feed(self, batch: Batch) -> np.ndarray | None:
