@@ -71,6 +71,7 @@ def test_every_option_maps_onto_its_field(tmp_path) -> None:
         warmup=False, background_compile=True, hardware="h100", profile="p.json",
         prefix_cache=PrefixCacheConfig("tlru", 100, True, 0.1, 64))
     assert not engine_config_from_args(parse("serve", "--no-background-compile")).background_compile
+    assert not engine_config_from_args(parse("serve", "--no-async-scheduling")).async_scheduling
 
 
 def test_option_defaults_are_the_config_defaults() -> None:
