@@ -38,11 +38,7 @@ class PersistentBatch:
         return len(self._slot)
 
     def apply(self, delta: BatchDelta) -> None:
-        """Ended sequences free their slots; new ones take theirs; tables change in place."""
-        for seq_id in delta.ended:
-            slot = self._slot.pop(seq_id, None)
-            if slot is not None:
-                self._free.append(slot)
+        """New sequences take slots, tables change in place, ended sequences free theirs."""
         added = delta.added
         if len(added.seq_ids):
             slots = self.slots(added.seq_ids.tolist())
@@ -56,6 +52,10 @@ class PersistentBatch:
             self.tables[slot, at:end] = blocks
             self.tables[slot, end:self.num_blocks[slot]] = self.scratch_block
             self.num_blocks[slot] = end
+        for seq_id in delta.ended:  # last: an ended sequence's freed table is in `tables`
+            slot = self._slot.pop(seq_id, None)
+            if slot is not None:
+                self._free.append(slot)
 
     def slots(self, seq_ids: list[int]) -> np.ndarray:
         """The slots of `seq_ids` (a sequence without one takes one)."""
@@ -70,6 +70,8 @@ class PersistentBatch:
             if not self._free:
                 self._grow()
             slot = self._slot[seq_id] = self._free.pop()
+            self.tables[slot] = self.scratch_block
+            self.num_blocks[slot] = 0
         return slot
 
     def _grow(self) -> None:

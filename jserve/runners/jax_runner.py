@@ -535,9 +535,8 @@ class JaxRunner:
         """Start the step; its outputs are read when the caller asks (`PendingStep.result`).
         Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
         token its sequence sampled in the previous dispatched step, read on the device."""
-        if batch.inputs is None:
-            raise ValueError("the JAX runner needs a batch built with inputs")
-        self.held.apply(batch.inputs.delta)
+        if batch.inputs is not None:  # (a batch that only moves blocks may have none)
+            self.held.apply(batch.inputs.delta)
         layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
         self._write_layers(layer_reads)
