@@ -30,6 +30,9 @@ class LiveRequests:
         # Requests whose every token must be looked at (text to detokenize, stop strings,
         # stop ids, an EOS they do not ignore); the others end by length alone.
         self.token_checked: set[int] = set()
+        # Seq ids removed since the last `take_ended`: a runner holding per-sequence state
+        # frees theirs.
+        self._ended: list[int] = []
 
     @property
     def cols(self) -> RequestArrays:
@@ -58,6 +61,12 @@ class LiveRequests:
         del self._by_request_id[req.request_id]
         self.awaiting_run.discard(req.seq_id)
         self.token_checked.discard(req.seq_id)
+        self._ended.append(req.seq_id)
+
+    def take_ended(self) -> list[int]:
+        """Seq ids removed since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def by_request_id(self, request_id: str) -> Request | None:
         seq_id = self._by_request_id.get(request_id)
