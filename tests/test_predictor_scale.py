@@ -56,12 +56,12 @@ def test_the_simulator_draws_from_the_directory_s_own_noise_model(trained_dir: P
 
 def test_bench_and_sweep_take_predictor(trained_dir: Path, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["--policy", "cacheopt", "--num-requests", "20", "--rate", "4"]
+    common = ["--policy", "cacheopt", "--num-requests", "10", "--rate", "4"]
     assert main(["bench", *common, "--predictor", str(trained_dir),
                  "--output", str(tmp_path / "b.json")]) == 0
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["config"]["engine"]["predictor"] == str(trained_dir)
-    assert main(["sweep", "--policies", "vllm,cacheopt", "--rates", "4", "--num-requests", "20",
+    assert main(["sweep", "--policies", "vllm,cacheopt", "--rates", "4", "--num-requests", "10",
                  "--workers", "1", "--predictor", str(trained_dir),
                  "--output", str(tmp_path / "s.json")]) == 0
     capsys.readouterr()
