@@ -12,9 +12,9 @@ held-out accuracy, what each encoding shortcut costs, and CacheOpt at bar J's lo
    with the rate each encoder encodes `--rate-sample` prompts at here (after a warm-up batch;
    on a shared machine the rates are only comparable with each other).
 3. CacheOpt at bar J's loads (issue 41: OPT-13B on one simulated A100-80G, ShareGPT, 1,500
-   requests, seed 21, 8-token blocks, 12 and 28 req/s, Section 5's SLOs set by the SLO-unaware
-   baselines with the shipped predictor, as `cacheopt_preemptions.py` runs them), once per
-   predictor: the simulator draws CacheOpt's predictions from that directory's noise model
+   requests, seed 21, 8-token blocks, 12 and 28 req/s; `--slos paper`: Section 5's SLOs set by
+   the SLO-unaware baselines with the shipped predictor, as `cacheopt_preemptions.py` runs
+   them, or none), once per predictor: the simulator draws CacheOpt's predictions from that directory's noise model
    (`predictor=DIR`); vLLM beside.
 
     nice python bench/predictor_scale.py --predictor 9.7k=DIR [--encoders 64:8,128:8,64:15]
@@ -110,16 +110,23 @@ def bar_j(predictors: dict[str, pathlib.Path], args: argparse.Namespace,
     s = Setting("a100-80g", DEFAULT_COST_MODEL, args.workers)
     out = {}
     for rate in args.loads:
-        (runs, slos), = slo_runs(w, [(rate, args.seed)], s, ["vllm"], scratch)
-        path = scratch / f"slos_{rate:g}.jsonl"
-        save_trace(slos, path)
+        path, slos = None, None
+        if args.slos == "paper":
+            (runs, slos), = slo_runs(w, [(rate, args.seed)], s, ["vllm"], scratch)
+            path = scratch / f"slos_{rate:g}.jsonl"
+            save_trace(slos, path)
+            vllm = runs["vllm"]
         configs = []
         for directory in predictors.values():
             config = bench_config(w, "cacheopt", rate, args.seed, s, path)
             configs.append(dataclasses.replace(config, engine=dataclasses.replace(
                 config.engine, predictor=str(directory))))
-        rows = {"vllm": row(runs["vllm"], slos)}
-        for label, run in zip(predictors, simulate(configs, s), strict=True):
+        if slos is None:
+            vllm, *cacheopt = simulate([bench_config(w, "vllm", rate, args.seed, s), *configs], s)
+        else:
+            cacheopt = simulate(configs, s)
+        rows = {"vllm": row(vllm, slos)}
+        for label, run in zip(predictors, cacheopt, strict=True):
             rows[f"cacheopt, {label}"] = row(run, slos)
         out[f"{rate:g}"] = rows
         print(f"bar J at {rate:g} req/s done", flush=True)
@@ -139,12 +146,15 @@ def main() -> None:
                     help="a trained predictor directory to set beside the shipped one (repeatable)")
     ap.add_argument("--encoders", default="64:8,128:8,64:15",
                     help="TOKENS:LAYERS encoders to compare at equal data ('' skips; LAYERS 0: all)")
-    ap.add_argument("--ablation-train", type=int, default=1000)
-    ap.add_argument("--ablation-test", type=int, default=500)
+    ap.add_argument("--ablation-train", type=int, default=600)
+    ap.add_argument("--ablation-test", type=int, default=400)
     ap.add_argument("--rate-sample", type=int, default=64)
     ap.add_argument("--loads", type=lambda t: [float(x) for x in t.split(",")], default=[12.0, 28.0])
     ap.add_argument("--num-requests", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=21)
+    ap.add_argument("--slos", choices=("paper", "none"), default="paper",
+                    help="paper: Section 5's per-request SLOs, set by four baseline runs per "
+                         "load; none: no SLO (the audit's runs) (default: %(default)s)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--output", default=str(RESULTS / "issue43_predictor.json"))
     args = ap.parse_args()
@@ -167,7 +177,7 @@ def main() -> None:
         report["bar_j"] = bar_j(predictors, args, pathlib.Path(tmp))
     for rate, rows in report["bar_j"].items():
         print(f"\n## CacheOpt at {rate} req/s (OPT-13B, A100-80G, ShareGPT, {args.num_requests} "
-              f"requests, seed {args.seed}, Section 5's SLOs)\n")
+              f"requests, seed {args.seed}, SLOs: {args.slos})\n")
         print(table(rows, TAIL, "run"))
     out = pathlib.Path(args.output)
     out.write_text(json.dumps(report, indent=1) + "\n")
