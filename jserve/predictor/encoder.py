@@ -52,7 +52,7 @@ class EncoderConfig:
     CacheOpt head's MAE from 152 to 140 tokens on a validation split of the training
     prompts (1,573 train / 400 validation, max_prompt_len 128). `num_layers` runs only the
     base's first layers (then its final norm): None, all of them; fewer make encoding a
-    large training set proportionally cheaper (what that costs in held-out MAE:
+    large training set cheaper (measured rates and held-out cost:
     bench/results/issue43_predictor.md).
     """
 
