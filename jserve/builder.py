@@ -206,13 +206,20 @@ class PromptPredictions:
 def _length_predictor(config: EngineConfig, policy: Policy, loaded: LoadedModel) -> LengthPredictor | None:
     """The real engine's predictor: none for a policy that reads no predictions or
     `predictor=None`; with 'auto', the shipped one of the policy's kind where it reads the
-    served model's tokens; else the one given."""
+    served model's tokens; a directory's, which must read them; else the one given."""
     kind = policy.capabilities.predictor_kind
     if config.predictor is None or kind is None:
         return None
+    from jserve.predictor import LengthPredictor
+
+    if config.predictor_dir is not None:
+        base = LengthPredictor.base_model(config.predictor_dir)
+        if base != loaded.config.name:
+            raise ValueError(f"predictor {config.predictor_dir} reads {base}'s tokens; this "
+                             f"engine serves {loaded.config.name}")
+        return LengthPredictor.load(kind, config.predictor_dir, base=loaded)
     if config.predictor != "auto":
         return config.predictor
-    from jserve.predictor import LengthPredictor
 
     if loaded.tokenizer is None or loaded.config.name != LengthPredictor.base_model():
         log.warning("policy %s allocates by predicted length, but the shipped predictor "

@@ -282,7 +282,7 @@ def _train_predictor(args: argparse.Namespace) -> int:
     options = TrainOptions(
         output=pathlib.Path(args.output), kinds=KINDS if args.kind == "all" else (args.kind,),
         num_train=args.num_train, num_test=args.num_test,
-        encoder=EncoderConfig(max_prompt_len=args.max_prompt_len),
+        encoder=EncoderConfig(max_prompt_len=args.max_prompt_len, num_layers=args.encoder_layers),
         train=TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           seed=args.seed, direction_folds=args.direction_folds),
         resume=args.resume,
@@ -316,7 +316,12 @@ def _add_train_predictor_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-prompt-len", type=int, default=defaults.encoder.max_prompt_len,
                    help="prompt tokens the base reads; longer prompts keep head and tail "
                         "(default: %(default)s)")
-    t.add_argument("--epochs", type=int, default=train.epochs, help="epochs per stage (default: %(default)s)")
+    t.add_argument("--encoder-layers", type=int, default=defaults.encoder.num_layers, metavar="N",
+                   help="run only the base's first N layers to encode prompts (cheaper; what "
+                        "it costs: bench/results/issue43_predictor.md) (default: all)")
+    t.add_argument("--epochs", type=int, default=train.epochs,
+                   help="epochs per stage in all; with --resume, more continue the run "
+                        "(default: %(default)s)")
     t.add_argument("--batch-size", type=int, default=train.batch_size, help="default: %(default)s")
     t.add_argument("--lr", type=float, default=train.lr, help="AdamW learning rate (default: %(default)s)")
     t.add_argument("--seed", type=int, default=train.seed,
@@ -327,7 +332,8 @@ def _add_train_predictor_parser(sub: argparse._SubParsersAction) -> None:
                    help="folds over which CacheOpt's direction labels are collected out of "
                         "fold (default: %(default)s)")
     t.add_argument("--resume", action="store_true",
-                   help="continue the run in --output from its last epoch checkpoints")
+                   help="continue the run in --output from its last epoch checkpoints, or "
+                        "extend it: more --epochs, more --num-train (with more --epochs)")
     t.set_defaults(func=_train_predictor)
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from flax import nnx
@@ -69,10 +71,11 @@ class EngineConfig:
         policy: a name in `jserve.policies.POLICIES` or a policy object
             (e.g. `SarathiPolicy(token_budget=256)`).
         predictor: output-length predictor for the policies that allocate by prediction
-            (cacheopt, rlp, s3), read by the `LLM` front end: 'auto' loads the shipped one
-            of the policy's kind when it reads this model's tokens, None gives no
-            predictions (the policy then reserves each request's maximum), or a
-            `LengthPredictor`. Benchmarks draw predictions from the trace instead.
+            (cacheopt, rlp, s3, layerkv): 'auto' loads the shipped one of the policy's kind
+            when it reads this model's tokens, None gives no predictions (the policy then
+            reserves each request's maximum), a directory `jserve train-predictor` wrote,
+            or a `LengthPredictor`. Benchmarks draw predictions from the trace instead,
+            from the noise model of the directory's run (`--predictions noise`).
         max_model_len: prompt + output cap; None: the model's context, at most 2048.
         max_num_seqs / max_num_batched_tokens: per-step limits (vLLM's meaning; None: a
             whole prompt fits one step and every running sequence can decode together).
@@ -134,7 +137,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     policy: str | Policy = "vllm"
-    predictor: str | None | LengthPredictor = "auto"
+    predictor: str | os.PathLike[str] | None | LengthPredictor = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -182,8 +185,12 @@ class EngineConfig:
         if self.runner == "sim" and self.profile is None:
             cost_model_info(self.cost_model).check_hardware(self.hardware)
             cost_model_info(self.cost_model).engine(self.engine_overhead)
-        if isinstance(self.predictor, str) and self.predictor != "auto":
-            raise ValueError(f"predictor must be 'auto', None or a LengthPredictor, not {self.predictor!r}")
+        if isinstance(self.predictor, os.PathLike):
+            object.__setattr__(self, "predictor", os.fspath(self.predictor))
+        if self.predictor_dir is not None:
+            from jserve.predictor.checkpoint import check_predictor_dir
+
+            check_predictor_dir(self.predictor_dir, self.make_policy().capabilities.predictor_kind)
         if self.prefix_cache is not None and self.prefix_cache.eviction not in EVICTION_RULES:
             raise ValueError(f"unknown prefix-cache eviction rule {self.prefix_cache.eviction!r}; "
                              f"known rules: {', '.join(sorted(EVICTION_RULES))}")
@@ -244,6 +251,14 @@ class EngineConfig:
         return SchedulerLimits.with_default_budget(self.max_num_seqs, self.max_num_batched_tokens,
                                                    max_model_len)
 
+    @property
+    def predictor_dir(self) -> Path | None:
+        """The trained predictor's directory `predictor` names; None for 'auto' (the shipped
+        one), None or a predictor object."""
+        if isinstance(self.predictor, str) and self.predictor != "auto":
+            return Path(self.predictor)
+        return None
+
     def make_policy(self) -> Policy:
         """A fresh policy of the configured name, or the configured policy object."""
         return make_policy(self.policy) if isinstance(self.policy, str) else self.policy
@@ -255,7 +270,7 @@ class EngineConfig:
         cache = self.prefix_cache
         d.update(model=self.model_name, policy=self.policy_name,
                  engine_overhead=getattr(self.engine_overhead, "name", self.engine_overhead),
-                 predictor=self.predictor if self.predictor in ("auto", None)
+                 predictor=self.predictor if self.predictor is None or isinstance(self.predictor, str)
                  else type(self.predictor).__name__,
                  prefix_cache=None if cache is None else
                  {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache) if f.name != "futures"})
@@ -305,6 +320,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, benchmark: bool = False,
     if policy:
         parser.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
                             help="scheduling / KV-cache policy (default: %(default)s)")
+    parser.add_argument("--predictor", default=d.predictor, metavar="DIR",
+                        help="output-length predictor of the prediction-based policies: a "
+                             "directory `jserve train-predictor` wrote (the simulator and bench "
+                             "draw from its noise.json) (default: the shipped one)")
     names = ["--max-model-len", "--max-total-len"] if benchmark else ["--max-model-len"]
     parser.add_argument(*names, dest="max_model_len", type=int, default=None, metavar="L",
                         help="prompt + output token cap" + (", of the engine and the trace"
@@ -412,7 +431,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         capacity_counts=args.cache_capacity_counts)
     return EngineConfig(
         model=args.model, weights=args.weights, dtype=args.dtype,
-        policy=getattr(args, "policy", EngineConfig.policy),
+        policy=getattr(args, "policy", EngineConfig.policy), predictor=args.predictor,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

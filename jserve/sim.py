@@ -29,7 +29,7 @@ __all__ = ["BenchResult", "SimConfig", "Summary", "SweepResult", "simulate", "sw
 # SimConfig's options that configure the engine (`EngineConfig` fields); the others are the
 # benchmark's (`BenchConfig` fields).
 ENGINE_OPTIONS = frozenset({
-    "model", "policy", "hardware", "cost_model", "engine_overhead", "tensor_parallel_size",
+    "model", "policy", "predictor", "hardware", "cost_model", "engine_overhead", "tensor_parallel_size",
     "profile", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_blocks", "gpu_memory_utilization", "swap_space", "prefix_cache",
 })
@@ -81,6 +81,7 @@ class SimConfig:
     engine_overhead: str | EngineOverhead | None = EngineConfig.engine_overhead
     profile: str | None = EngineConfig.profile
     policy: str = EngineConfig.policy
+    predictor: str = EngineConfig.predictor  # "auto" (the shipped one) or a trained directory
     # The engine's limits and KV cache.
     dtype: str = EngineConfig.dtype
     max_model_len: int | None = EngineConfig.max_model_len

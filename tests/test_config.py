@@ -42,7 +42,7 @@ def test_defaults_resolve_for_the_model() -> None:
     ({"swap_space": -1.0}, "swap_space must be >= 0 GiB, got -1.0"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\], got 0.0"),
-    ({"predictor": "shipped"}, "predictor must be 'auto', None or a LengthPredictor, not 'shipped'"),
+    ({"predictor": "shipped"}, "predictor shipped is not a directory `jserve train-predictor` wrote"),
     ({"prefix_cache": "fifo"}, "unknown prefix-cache eviction rule 'fifo'; known rules: .*tlru"),
     ({"runner": "sim", "model": object()}, "the simulator takes a model name"),
 ])

@@ -216,8 +216,9 @@ def make_trace(cfg: BenchConfig) -> Trace:
 
 def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, int]] | None:
     """Output-length predictions for a prediction-based policy, by request id: drawn from
-    its trained predictor's noise model (calibrated on held-out errors; serving benchmarks
-    run synthetic prompts the predictor cannot read), or the true lengths."""
+    its trained predictor's noise model (the engine's `predictor` directory's, else the
+    shipped one's; calibrated on held-out errors; serving benchmarks run synthetic prompts
+    the predictor cannot read), or the true lengths."""
     kind = cfg.engine.make_policy().capabilities.predictor_kind
     if kind is None or cfg.predictions == "none":
         return None
@@ -225,8 +226,8 @@ def trace_predictions(cfg: BenchConfig, trace: Trace) -> dict[str, tuple[int, in
         return {r.request_id: (r.output_len, 0) for r in trace.requests}
     from jserve.predictor import load_noise_model
 
-    draws = load_noise_model(kind).sample([r.output_len for r in trace.requests],
-                                          np.random.default_rng(cfg.seed))
+    draws = load_noise_model(kind, cfg.engine.predictor_dir).sample(
+        [r.output_len for r in trace.requests], np.random.default_rng(cfg.seed))
     return {r.request_id: p.columns for r, p in zip(trace.requests, draws)}
 
 

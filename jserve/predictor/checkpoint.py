@@ -29,8 +29,8 @@ from jserve.predictor.encoder import EncoderConfig
 from jserve.predictor.heads import KINDS, Head, HeadConfig, Kind, make_head
 
 __all__ = [
-    "CONFIG_FILE", "METRICS_FILE", "NOISE_FILE", "PredictorSpec", "load_head", "resume_dir",
-    "save_head",
+    "CONFIG_FILE", "METRICS_FILE", "NOISE_FILE", "PredictorSpec", "check_predictor_dir",
+    "load_head", "resume_dir", "save_head",
 ]
 
 CONFIG_FILE = "config.json"
@@ -75,6 +75,33 @@ class PredictorSpec:
         if not path.exists():
             raise FileNotFoundError(f"{directory} is not a predictor directory (no {CONFIG_FILE})")
         return cls.from_json(json.loads(path.read_text()))
+
+
+def check_predictor_dir(directory: Path, kind: Kind | None) -> PredictorSpec:
+    """`directory`'s spec, or a ValueError saying what it lacks to serve `kind` (None: a
+    policy that reads no predictions) both ways a predictor is used: the heads that read
+    prompts and the noise model the simulator draws from."""
+    if not (directory / CONFIG_FILE).is_file():
+        raise ValueError(f"predictor {directory} is not a directory `jserve train-predictor` "
+                         f"wrote (it has no {CONFIG_FILE})")
+    try:
+        spec = PredictorSpec.read(directory)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"predictor {directory}: cannot read its {CONFIG_FILE} ({e})") from None
+    if kind is None:
+        return spec
+    if kind not in spec.kinds:
+        raise ValueError(f"predictor {directory} holds no {kind!r} predictor (it has "
+                         f"{', '.join(spec.kinds)}; train it with --kind {kind} or all)")
+    if not (directory / "heads" / kind).is_dir():
+        raise ValueError(f"predictor {directory} has no heads/{kind} checkpoint")
+    try:
+        noise = json.loads((directory / NOISE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"predictor {directory}: cannot read its {NOISE_FILE} ({e})") from None
+    if kind not in noise:
+        raise ValueError(f"predictor {directory}: {NOISE_FILE} has no {kind!r} noise model")
+    return spec
 
 
 def resume_dir(directory: Path, stage: str) -> Path:

@@ -13,17 +13,13 @@ would leak held-out answers into training. The held-out split is the *first* `nu
 examples of the seeded shuffle and training takes the ones after, so growing `num_train`
 never moves an example from held-out into training.
 
-Encoding with the frozen base is the whole cost of training, so features are cached on
-disk (`~/.cache/jserve/predictor`, or `$JSERVE_PREDICTOR_CACHE`), keyed by a digest of the
-encoder's configuration and every prompt's token ids: a rerun with other head settings, or
-a resumed run, never re-encodes.
+Encoding with the frozen base is the whole cost of training, so features are kept on disk
+per prompt and encoder configuration (`feature_store.py`): a rerun with other head
+settings, more training prompts or a resumed run encodes only prompts never seen.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +28,7 @@ import numpy as np
 
 from jserve.datasets.sharegpt import Conversation, sample_requests
 from jserve.predictor.encoder import PromptEncoder
+from jserve.predictor.feature_store import FeatureStore
 from jserve.models.tokenizer import Tokenizer
 
 __all__ = ["LengthDataset", "LengthExample", "build_dataset", "cached_features", "chat_prompt_ids"]
@@ -87,24 +84,9 @@ def build_dataset(
     return LengthDataset(train=tuple(examples[num_test:]), test=tuple(examples[:num_test]))
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("JSERVE_PREDICTOR_CACHE",
-                               os.path.expanduser("~/.cache/jserve/predictor")))
-
-
 def cached_features(encoder: PromptEncoder, examples: Sequence[LengthExample],
                     cache_dir: Path | None = None, progress: bool = False) -> np.ndarray:
-    """The encoder's features `[N, F]` of `examples`, computed once and kept on disk."""
-    digest = hashlib.sha256(json.dumps(encoder.config.cache_key()).encode())
-    for ex in examples:
-        digest.update(np.asarray(ex.prompt_ids, np.int32).tobytes())
-        digest.update(b"|")
-    path = (cache_dir or default_cache_dir()) / f"features-{digest.hexdigest()[:24]}.npy"
-    if path.exists():
-        return np.load(path)
-    features = encoder.encode([ex.prompt_ids for ex in examples], progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, features)
-    tmp.replace(path)  # atomic: an interrupted run never leaves a truncated cache entry
-    return features
+    """The encoder's features `[N, F]` of `examples`, each prompt encoded once and kept on
+    disk (`cache_dir`: default `feature_store.default_cache_dir()`)."""
+    return FeatureStore.of(encoder.config, cache_dir).features(
+        encoder, [ex.prompt_ids for ex in examples], progress)

@@ -17,6 +17,7 @@ prompt's tokens beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -49,18 +50,24 @@ class EncoderConfig:
 
     `last+mean` is the default because the mean beside the last token lowered the
     CacheOpt head's MAE from 152 to 140 tokens on a validation split of the training
-    prompts (1,573 train / 400 validation, max_prompt_len 128).
+    prompts (1,573 train / 400 validation, max_prompt_len 128). `num_layers` runs only the
+    base's first layers (then its final norm): None, all of them; fewer make encoding a
+    large training set cheaper (measured rates and held-out cost:
+    bench/results/issue43_predictor.md).
     """
 
     base_model: str = "smollm2-135m"
     max_prompt_len: int = 128
     pooling: Pooling = "last+mean"
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_prompt_len < 2:
             raise ValueError(f"max_prompt_len must be >= 2, got {self.max_prompt_len}")
         if self.pooling not in ("last", "last+mean"):
             raise ValueError(f"pooling must be 'last' or 'last+mean', got {self.pooling!r}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 or None (all), got {self.num_layers}")
 
     def feature_dim(self, hidden_size: int) -> int:
         return hidden_size * (2 if self.pooling == "last+mean" else 1)
@@ -82,6 +89,19 @@ def truncate_prompt(ids: Sequence[int], max_len: int) -> list[int]:
         return ids
     head = max_len // 2
     return ids[:head] + ids[len(ids) - (max_len - head):]
+
+
+def _first_layers(model: nnx.Module, num_layers: int | None) -> nnx.Module:
+    """`model` cut to its first `num_layers` blocks (its own arrays, not copies), or itself."""
+    if num_layers is None or num_layers == model.cfg.num_layers:
+        return model
+    if num_layers > model.cfg.num_layers:
+        raise ValueError(f"num_layers={num_layers}, but {model.cfg.name} has "
+                         f"{model.cfg.num_layers} layers")
+    cut = nnx.merge(*nnx.split(model))
+    cut.layers = nnx.List(list(cut.layers)[:num_layers])
+    cut.cfg = dataclasses.replace(cut.cfg, num_layers=num_layers)
+    return cut
 
 
 def _bucket(n: int, floor: int, cap: int) -> int:
@@ -111,7 +131,7 @@ class PromptEncoder:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_seqs = max_batch_seqs
         self._blocks_per_seq = math.ceil(config.max_prompt_len / _BLOCK_SIZE)
-        self._graphdef, self._params = nnx.split(base.model)
+        self._graphdef, self._params = nnx.split(_first_layers(base.model, config.num_layers))
 
     def encode(self, prompts: Sequence[Sequence[int]], progress: bool = False) -> np.ndarray:
         """Features `[len(prompts), feature_dim]` (float32); prompts are truncated first."""

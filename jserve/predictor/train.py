@@ -131,12 +131,17 @@ def _restore_into(obj: nnx.Module | nnx.Optimizer, pure: dict[str, Any]) -> None
     nnx.update(obj, state)
 
 
+def _stable_draws(n: int, seed: list[int]) -> np.ndarray:
+    """One uniform draw per example, the first `m` the same for any `n >= m`: a split made
+    from them keeps every example of a smaller run on its side when `--resume` adds data."""
+    return np.random.default_rng(seed).random(n)
+
+
 def split_validation(n: int, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(training rows, validation rows): a seeded `cfg.val_fraction` of `n` examples is
+    """(training rows, validation rows): about `cfg.val_fraction` of `n` examples, seeded,
     kept out of training to choose the epoch (see `fit`)."""
-    order = np.random.default_rng([cfg.seed, 2]).permutation(n)
-    n_val = round(n * cfg.val_fraction)
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
+    val = _stable_draws(n, [cfg.seed, 2]) < cfg.val_fraction
+    return np.flatnonzero(~val), np.flatnonzero(val)
 
 
 def fit(module: nnx.Module, loss_fn: LossFn, data: dict[str, np.ndarray], cfg: TrainConfig,
@@ -151,7 +156,8 @@ def fit(module: nnx.Module, loss_fn: LossFn, data: dict[str, np.ndarray], cfg: T
     what the length layer does on its training prompts, so that must look like what it does
     on new ones. Without validation examples (`val_fraction` 0) the last epoch is kept.
 
-    Resumes from the latest checkpoint in `ckpt_dir` when there is one.
+    Resumes from the latest checkpoint in `ckpt_dir` when there is one, up to `cfg.epochs`
+    epochs in all (so a resumed run with more epochs goes on where the last one stopped).
     """
     train_rows, val_rows = split_validation(len(next(iter(data.values()))), cfg)
     val = {k: v[val_rows] for k, v in data.items()}
@@ -167,6 +173,10 @@ def fit(module: nnx.Module, loss_fn: LossFn, data: dict[str, np.ndarray], cfg: T
         _restore_into(module, restored["model"])
         _restore_into(optimizer, restored["optimizer"])
         best, best_loss = restored["best_model"], float(restored["best_loss"])
+        if val_rows.size:  # a run resumed with more data chooses on the grown validation set
+            kept = nnx.clone(module)
+            _restore_into(kept, best)
+            best_loss = float(loss_fn(kept, val))
 
     @nnx.jit
     def step(module: nnx.Module, optimizer: nnx.Optimizer, batch: Batch) -> jax.Array:
@@ -230,8 +240,8 @@ def out_of_fold_directions(cfg_head: HeadConfig, levels: tuple[float, ...], x: n
                            progress: bool = True) -> Directions:
     """Each training prompt's `directions` under a step-1 length layer that never saw it
     (`cfg.direction_folds` folds; each fold's layer trains on the others)."""
-    folds = np.array_split(np.random.default_rng([cfg.seed, 1]).permutation(len(x)),
-                           cfg.direction_folds)
+    fold_of = (_stable_draws(len(x), [cfg.seed, 1]) * cfg.direction_folds).astype(np.int64)
+    folds = [np.flatnonzero(fold_of == k) for k in range(cfg.direction_folds)]
     q = np.empty((len(x), len(levels)), np.float32)
     over = np.empty(len(x), np.float32)
     for k, held in enumerate(folds):
@@ -282,13 +292,38 @@ def train_head(head: Head, x: np.ndarray, lengths: np.ndarray, cfg: TrainConfig,
 # ------------------------------------------------------------------------------ a whole run
 
 
+EXTENSIBLE = ("epochs", "num_train")  # what `--resume` may raise; every other setting must match
+
+
+def _check_extends(old: PredictorSpec, new: PredictorSpec, out: Path) -> None:
+    """`new` continues `old`: the same settings but for more epochs and more training data;
+    more data needs more epochs (every stage has already run its `old` epochs on the old data)."""
+    before = {k: v for k, v in old.to_json().items() if k != "training"}
+    after = {k: v for k, v in new.to_json().items() if k != "training"}
+    fixed = sorted(k for k in old.training.keys() | new.training.keys()
+                   if k not in EXTENSIBLE and old.training.get(k) != new.training.get(k))
+    if before != after or fixed:
+        changed = ", ".join(fixed) or "the encoder, heads or kinds"
+        raise ValueError(f"{out} holds a run with other settings ({changed} differ; see "
+                         f"{out / 'config.json'}): resume it with the same options (more --epochs "
+                         "or --num-train may be given) or choose another --output")
+    for name in EXTENSIBLE:
+        if new.training[name] < old.training[name]:
+            raise ValueError(f"--resume extends a run: {name} {new.training[name]} is below the "
+                             f"run's {old.training[name]}")
+    if new.training["num_train"] > old.training["num_train"] \
+            and new.training["epochs"] <= old.training["epochs"]:
+        raise ValueError(f"{out} already ran {old.training['epochs']} epochs; to train on more "
+                         "prompts pass more --epochs too (every stage goes on from its last epoch)")
+
+
 def _check_resume(options: TrainOptions, spec: PredictorSpec) -> None:
-    """Refuse to mix runs: resume only the same training, never overwrite one silently."""
+    """Refuse to mix runs: resume the same training, or extend it with more epochs or more
+    training prompts (the same held-out ones), never overwrite one silently."""
     out = options.output
     if options.resume:
-        if (out / "config.json").exists() and PredictorSpec.read(out).to_json() != spec.to_json():
-            raise ValueError(f"{out} holds a run with other settings ({out / 'config.json'}); "
-                             "resume it with the same options or choose another --output")
+        if (out / "config.json").exists():
+            _check_extends(PredictorSpec.read(out), spec, out)
     elif (out / "resume").exists():
         raise ValueError(f"{out} already has training checkpoints; pass --resume to continue "
                          "them or choose another --output")
