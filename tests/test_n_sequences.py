@@ -36,7 +36,7 @@ class ForkHarness(Harness):
 
     def add_n(self, rid: str, spec: Spec, n: int) -> bool:
         params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos, n=n)
-        if not self.valid(spec):
+        if not self.valid(spec) or n > self.limits.max_num_seqs:
             with pytest.raises(InvalidRequestError):
                 self.engine.add_request(rid, spec.prompt, params)
             return False
@@ -253,3 +253,10 @@ def test_fake_runner_checks_the_copy() -> None:
     h.state._forks._copies.clear()
     with pytest.raises(AssertionError, match="other tokens"):
         h.step()
+
+
+def test_more_sequences_than_can_run_is_refused() -> None:
+    h = _fork_harness(limits=SchedulerLimits(2, 64, 64))
+    with pytest.raises(InvalidRequestError, match="max_num_seqs is 2") as e:
+        h.engine.add_request("a", [1, 2], SamplingParams(n=1, best_of=3))
+    assert e.value.param == "best_of" and not h.state.requests
