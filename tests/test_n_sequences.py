@@ -9,11 +9,12 @@ from __future__ import annotations
 import collections
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from policy_harness import Harness, Spec, aborts_strategy, configs, next_token, specs_for
 from property_examples import examples
 
+from jserve.cache.prefix import PrefixCacheConfig
 from jserve.engine.fork import child_params, child_request_id
 from jserve.engine.request import FinishReason, Request, RequestOutput
 from jserve.engine.sampling_params import SamplingParams
@@ -30,9 +31,10 @@ class ForkHarness(Harness):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.runner.context_of = self._context
-        self.runner.kept = lambda blocks: self.state.blocks.ref_counts[blocks] > 0
+        self.runner.kept = self._kept if self.prefix_cache else lambda b: self.state.blocks.ref_counts[b] > 0
         self.seqs: dict[str, Request] = {}  # every sequence seen, by engine request id
         self.n_of: dict[str, int] = {}
+        self.forked_waiting = self.shared = False  # what the trace exercised
 
     def add_n(self, rid: str, spec: Spec, n: int) -> bool:
         params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos, n=n)
@@ -46,12 +48,15 @@ class ForkHarness(Harness):
 
     def check(self) -> None:
         self.state.check_invariants()
+        self.shared |= bool((self.state.blocks.ref_counts > 1).any())
 
     def step(self) -> None:
         for req in self.engine.step():
             self.seqs[req.request_id] = req
         for req in self.state.requests.values():
-            self.seqs.setdefault(req.request_id, req)
+            if req.request_id not in self.seqs:
+                self.seqs[req.request_id] = req
+                self.forked_waiting |= req.parent_seq_id is not None and not self.state.blocks.num_held(req.seq_id)
         self.num_steps += 1
         self.check()
 
@@ -70,7 +75,7 @@ class ForkHarness(Harness):
 
     def check_done(self) -> None:
         assert not self.engine.has_unfinished and len(self.state.table) == 0
-        assert (self.state.blocks.ref_counts == 0).all() and self.state.blocks.num_free == self.num_blocks
+        assert (self.state.blocks.ref_counts == 0).all() and self._num_unheld() == self.num_blocks
         by_group = collections.defaultdict(list)
         for req in self.seqs.values():
             by_group[req.group_request_id].append(req)
@@ -111,8 +116,10 @@ def test_children_share_full_blocks_and_copy_the_last() -> None:
         assert table[:2] == ptable[:2] and table[2] != ptable[2]
         assert c.parent_seq_id == parent.seq_id and not c.output_token_ids
     assert (bm.ref_counts[ptable[:2]] == 3).all() and bm.ref_counts[ptable[2]] == 1
-    # Three sequences hold 3 + 3 + 3 table entries but only 2 shared + 3 last blocks.
+    # Three sequences hold 3 + 3 + 3 table entries but only 2 shared + 3 last blocks; the
+    # policies' view counts a shared block per holder.
     assert bm.num_blocks - bm.num_free == 5 < 3 * 3
+    assert h.state.snapshot(0.0).num_free_blocks == bm.num_blocks - 9
     copies = h.state._forks._copies  # made by the next batch, before its compute
     assert copies == [(ptable[2], bm.table(c.seq_id)[2]) for c in children]
     _drain(h)
@@ -214,15 +221,18 @@ def test_best_of_returns_the_n_highest_cumulative_logprobs() -> None:
 SHARED = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(POLICIES) + ["vllm+prefix-cache"])
 @SHARED
 @given(data=st.data())
 def test_random_traces_with_several_sequences_keep_invariants(name: str, data: st.DataObject) -> None:
-    """Random traces (tight caches, swaps, aborts) where requests ask for 1 to 3
-    sequences: the invariants after every step, and each sequence's output its own."""
-    policy = POLICIES[name]()
-    cfg = data.draw(configs(chunked=policy.chunked_prefill, block_sizes=st.integers(1, 8), hidden=True),
-                    label="config")
+    """Random traces (tight caches, swaps, aborts; vLLM also with a prefix cache) where
+    requests ask for 1 to 3 sequences: the invariants after every step, and each
+    sequence's output its own."""
+    policy = POLICIES[name.removesuffix("+prefix-cache")]()
+    cfg = data.draw(configs(chunked=policy.chunked_prefill, block_sizes=st.integers(1, 8),
+                            hidden="prefix" not in name), label="config")
+    if "prefix" in name:
+        cfg |= {"prefix_cache": PrefixCacheConfig(), "num_host_blocks": 0}
     specs = data.draw(specs_for(cfg, max_requests=6), label="requests")
     ns = data.draw(st.lists(st.integers(1, 3), min_size=len(specs), max_size=len(specs)), label="n")
     aborts = data.draw(aborts_strategy(), label="aborts")
@@ -242,6 +252,8 @@ def test_random_traces_with_several_sequences_keep_invariants(name: str, data: s
         k += 1
         assert k < 2000, "livelock"
     h.check_done()
+    event(f"shared blocks: {h.shared}")
+    event(f"a forked sequence waited: {h.forked_waiting}")
 
 
 def test_fake_runner_checks_the_copy() -> None:
