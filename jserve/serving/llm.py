@@ -154,8 +154,7 @@ class LLM:
         `n` > 1 each sequence on its own, told apart by `index` (under its prompt's
         `request_id`). With `best_of` > n every sequence generated is yielded."""
         self._add_all(prompts, sampling_params, prompt_token_ids)
-        for req in self._steps():
-            yield RequestOutput.of(req)
+        yield from self._run()
 
     def chat(
         self,
@@ -167,6 +166,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [render_chat(self._tokenizer(), list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self) -> Iterator[RequestOutput]:
+        for req in self._steps():
+            yield RequestOutput.of(req)
 
     def _steps(self) -> Iterator[Request]:
         """Each sequence that advanced, step after step, until everything has ended."""
