@@ -7,7 +7,9 @@ swaps and aborts mixed in, for every registered policy."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -15,12 +17,16 @@ from policy_harness import Harness, Spec, aborts_strategy, configs, next_token, 
 from property_examples import examples
 
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.engine.batch import Batch
 from jserve.engine.fork import child_params, child_request_id
 from jserve.engine.request import FinishReason, Request, RequestOutput
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import InvalidRequestError
+from jserve.models.registry import get_config
 from jserve.policies import POLICIES
+from jserve.runners.cost_model import RooflineCostModel, StepShape
+from jserve.runners.hardware import get_hardware
 
 
 class ForkHarness(Harness):
@@ -272,3 +278,14 @@ def test_more_sequences_than_can_run_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="max_num_seqs is 2") as e:
         h.engine.add_request("a", [1, 2], SamplingParams(n=1, best_of=3))
     assert e.value.param == "best_of" and not h.state.requests
+
+
+def test_the_simulator_prices_a_block_copy_as_device_memory_read_and_written() -> None:
+    model = RooflineCostModel(get_config("opt-13b"), get_hardware("a100-80g"))
+    batch = Batch(seq_ids=np.arange(1), start=np.array([99], np.int32), query_lens=np.ones(1, np.int32),
+                  sample=np.ones(1, bool))
+    copied = dataclasses.replace(batch, block_copies=((3, 7), (3, 8)))
+    shape = StepShape.of(copied, bytes_per_block=1 << 20)
+    assert shape.copy_bytes == 2 << 20 and copied.moves_blocks and not batch.moves_blocks
+    extra = model.step_time(shape) - model.step_time(StepShape.of(batch, bytes_per_block=1 << 20))
+    assert extra == pytest.approx(2 * (2 << 20) / model.byte_rate)
