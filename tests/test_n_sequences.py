@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from policy_harness import Harness, Spec, aborts_strategy, configs, next_token, specs_for
 from property_examples import examples
 
+from jserve.builder import build_engine
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.config import EngineConfig
 from jserve.engine.batch import Batch
 from jserve.engine.fork import child_params, child_request_id
 from jserve.engine.request import FinishReason, Request, RequestOutput
@@ -289,3 +291,27 @@ def test_the_simulator_prices_a_block_copy_as_device_memory_read_and_written() -
     assert shape.copy_bytes == 2 << 20 and copied.moves_blocks and not batch.moves_blocks
     extra = model.step_time(shape) - model.step_time(StepShape.of(batch, bytes_per_block=1 << 20))
     assert extra == pytest.approx(2 * (2 << 20) / model.byte_rate)
+
+
+def test_a_fork_ends_the_simulators_repeated_steps() -> None:
+    """A plan that repeats (`Plan.repeat`, the simulator's fast path) and forks a request
+    (a one-token prompt's prefill is decode-shaped, so it may repeat) stops after the fork:
+    the new sequences and their copies come first. Every sequence runs to its length."""
+    engine = build_engine(EngineConfig(runner="sim", model="opt-13b", hardware="a100-80g", num_blocks=64)).engine
+    vllm = engine.policy
+
+    class RepeatEverything:
+        name, chunked_prefill, capabilities = vllm.name, vllm.chunked_prefill, vllm.capabilities
+
+        def schedule(self, view):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(vllm.schedule(view), repeat=5)
+
+    engine.policy = RepeatEverything()
+    engine.add_request("a", [7], SamplingParams(max_tokens=30, ignore_eos=True, n=3))
+    engine.step(until=1e9)
+    assert [len(r.output_token_ids) for r in engine.state.requests.values()] == [1, 0, 0]
+    ended = []
+    while engine.has_unfinished:
+        ended += [r.request_id for r in engine.step(until=1e9) if r.finished]
+        engine.state.check_invariants()
+    assert sorted(ended) == ["a", "a#1", "a#2"]

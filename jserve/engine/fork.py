@@ -67,6 +67,9 @@ class Forks:
     _pending: dict[int, tuple[str, ...]] = field(default_factory=dict, init=False)
     _reserved: set[str] = field(default_factory=set, init=False)
     _copies: list[tuple[int, int]] = field(default_factory=list, init=False)
+    # Whether a request forked since the last batch was built: new sequences the caller of
+    # a repeated step (`Plan.repeat`) does not know of, which end the repeat.
+    forked: bool = field(default=False, init=False)
 
     def check_ids(self, request_id: str, params: SamplingParams) -> None:
         """Refuse a request whose id, or one of its children's, is in use or promised."""
@@ -94,13 +97,14 @@ class Forks:
         for parent in sampled:
             ids = self._pending.pop(parent.seq_id, None)
             if ids is not None:
+                self.forked = True
                 self._reserved.difference_update(ids)
                 for index, rid in enumerate(ids, 1):
                     self._fork(parent, rid, index)
 
     def take_copies(self) -> tuple[tuple[int, int], ...]:
         """The block copies the forks since the last call need, for the next batch."""
-        copies, self._copies = tuple(self._copies), []
+        copies, self._copies, self.forked = tuple(self._copies), [], False
         return copies
 
     def _fork(self, parent: Request, request_id: str, index: int) -> None:

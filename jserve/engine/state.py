@@ -275,10 +275,10 @@ class EngineState:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
-        strings, streamed text), when the step moved blocks or a cache feature forbids it,
-        or with a prefix cache (whose evictions a rule chooses step by step). `PlanError` if the free blocks do not
-        cover the growth the policy promised."""
-        if (wanted < 1 or self._reuse is not None or batch.moves_blocks
+        strings, streamed text), when the step moved blocks, forked a request or a cache
+        feature forbids it, or with a prefix cache (whose evictions a rule chooses step by
+        step). `PlanError` if the free blocks do not cover the growth the policy promised."""
+        if (wanted < 1 or self._reuse is not None or batch.moves_blocks or self._forks.forked
                 or not all(f.allows_repeat(batch) for f in self.features)):
             return 0
         seq_ids = batch.seq_ids.tolist()
