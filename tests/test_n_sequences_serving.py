@@ -152,6 +152,8 @@ def test_completions_best_of(tiny_url: str) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
     bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 3, "best_of": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+    bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 2, "echo": True, "logprobs": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
     bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 9})
     assert bad.status_code == 400 and "max_num_seqs is 8" in bad.json()["error"]["message"]
 

@@ -157,6 +157,10 @@ class GenerationRequest(StrictModel):
         if self.stream and self.best_of is not None and self.best_of != (self.n or 1):
             raise OpenAIError(400, "best_of sequences other than the n returned cannot be streamed; "
                                    "set stream to false or best_of to n", param="best_of")
+        if self.requested_logprobs()[1] is not None and (self.best_of or self.n or 1) > 1:
+            # the prompt's log-probabilities are computed once, by the first sequence
+            raise OpenAIError(400, "echo with logprobs is supported with one sequence only (n and "
+                                   "best_of 1)", param="echo")
         max_tokens = 1 if self.score_only else self.requested_max_tokens()
         if (max_tokens is not None and num_prompt_tokens < max_model_len
                 and num_prompt_tokens + max_tokens > max_model_len):
