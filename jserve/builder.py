@@ -112,6 +112,7 @@ def assemble_engine(
         num_host_blocks=num_host_blocks, num_layers=num_layers,
         hidden_block_tokens=hidden_block_tokens, hidden_block_cost=hidden_block_cost,
         prefix_cache=prefix_cache.in_blocks(block_size) if prefix_cache else None, predictions=predictions,
+        share_forks=not policy.capabilities.offloads_layers,
     )
     eviction = eviction_rule_for(prefix_cache) if prefix_cache else None
     return Engine(state, policy, runner, clock, eviction=eviction, pipelined=pipelined)

@@ -109,6 +109,8 @@ class FakeRunner:
         slots are poisoned, so a sequence reading them after a swap-in that did not restore
         them fails the owner/position checks."""
         kv = self.kv
+        for src, dst in batch.block_copies:  # before anything else (a forked sequence's copy)
+            kv[:, :, dst] = kv[:, :, src]
         layer_reads = self._read_layers(batch)
         for move in batch.swap_out:
             assert move.seq_id not in self.host, f"seq {move.seq_id} swapped out twice"

@@ -113,6 +113,19 @@ class BlockManager:
             self._tables[seq_id] = list(blocks)
             self.num_table_blocks += len(blocks)
 
+    def share(self, seq_id: int, child_id: int, n: int) -> None:
+        """Start `child_id`'s empty table with `seq_id`'s first `n` blocks, shared by
+        reference count (a forked sequence: `jserve.engine.fork`). Only full blocks may be
+        shared: neither sequence writes into them again."""
+        if self.num_held(child_id) or not 0 <= n <= self.num_held(seq_id):
+            raise PlanError(f"seq {child_id}: cannot share {n} of seq {seq_id}'s blocks")
+        if n:
+            self._touch(child_id, 0)
+            shared = self._tables[seq_id][:n]
+            self.ref_counts[shared] += 1
+            self._tables[child_id] = list(shared)
+            self.num_table_blocks += n
+
     def free(self, seq_id: int) -> int:
         """Release every block the sequence holds; returns how many were held. Cached
         blocks nobody references any more stay cached, evictable."""

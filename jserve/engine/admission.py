@@ -110,13 +110,10 @@ class Admission:
                 raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}", name)
         cap = min(len(ids) + params.max_tokens, self.limits.max_model_len, self.capacity_tokens)
         predicted_len, predicted_dir, known = known_prediction(params, len(ids), cap, predicted_len, predicted_dir)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         req = Request(
             request_id=request_id, seq_id=self.live.new_seq_id(), prompt=prompt,
             prompt_token_ids=ids, params=params, max_len=cap, metrics=RequestMetrics(arrival_time),
-            detokenizer=detok, conversation_id=conversation_id,
+            detokenizer=self.detokenizer(params), conversation_id=conversation_id,
         )
         self.live.add(
             req, watches_tokens(req, self.eos_token_id), status=WAITING, arrival_time=arrival_time,
@@ -132,6 +129,12 @@ class Admission:
         if self.predictions is not None and not known and predicted_len <= 0:
             self._unpredicted.append(req)
         return req
+
+    def detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        """A new request's text maker (None: no tokenizer, no text)."""
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
     def predict_arrivals(self) -> None:
         """Ask the prediction source about the requests admitted since the last call, in
@@ -156,6 +159,10 @@ class Admission:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params)}")
         if self.live.by_request_id(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.num_sequences > self.limits.max_num_seqs:
+            name = "n" if params.best_of is None else "best_of"
+            raise InvalidRequestError(f"{name}={params.num_sequences} sequences cannot run at once: "
+                                      f"max_num_seqs is {self.limits.max_num_seqs}", name)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:

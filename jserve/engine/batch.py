@@ -140,6 +140,9 @@ class Batch:
     query_lens: np.ndarray  # [S] int32
     sample: np.ndarray  # [S] bool
     inputs: BatchInputs | None = None  # None unless the runner asked for them
+    # Device block copies (src, dst), done before anything else of the step: a forked
+    # sequence's copy of the block it writes next (`jserve.engine.fork`).
+    block_copies: tuple[tuple[int, int], ...] = ()
     # Done before the step's compute, outs first (an in may reuse blocks an out freed).
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
@@ -160,7 +163,8 @@ class Batch:
 
     @property
     def moves_blocks(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.host_dropped or self.layer_traffic is not None)
+        return bool(self.swap_out or self.swap_in or self.host_dropped or self.block_copies
+                    or self.layer_traffic is not None)
 
     @property
     def updates_runner(self) -> bool:

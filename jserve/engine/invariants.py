@@ -10,6 +10,7 @@ from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import PrefixIndex
 from jserve.cache_features.protocol import CacheFeature
 from jserve.cache_features.registry import block_tokens
+from jserve.engine.fork import Forks
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.request import SWAPPED, WAITING
 
@@ -19,8 +20,11 @@ _ROW_COLUMNS = ("seq_id", "status", "num_blocks", "num_host_blocks",
 
 
 def check_invariants(live: LiveRequests, blocks: BlockManager, host_blocks: BlockManager | None,
-                     prefix: PrefixIndex | None, features: tuple[CacheFeature, ...] = ()) -> None:
+                     prefix: PrefixIndex | None, features: tuple[CacheFeature, ...] = (),
+                     forks: Forks | None = None) -> None:
     blocks.check_invariants()
+    if forks is not None:
+        forks.check_invariants(prefix is not None)
     live_seqs = set(live.requests)
     for feature in features:
         feature.check_invariants(prefix is not None)

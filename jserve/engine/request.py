@@ -7,10 +7,15 @@ The numbers the scheduler reads every step (lengths, progress, blocks held) live
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from jserve.engine.sampling_params import SamplingParams
 from jserve.models.tokenizer import IncrementalDetokenizer
+
+
+T = TypeVar("T")
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,6 +99,22 @@ class Request:
     # The chat this request is a turn of (None: its own): what the prefix cache tags its
     # blocks with, and the key it isolates caches by when asked to.
     conversation_id: str | None = None
+    # With `params.n` / `best_of` > 1, the request's sequences (`jserve.engine.fork`): the
+    # admitted one is index 0; the others are forked from it (`parent_seq_id`) once its
+    # prompt is prefilled, and carry the admitted request's id as `parent_request_id`.
+    index: int = 0
+    parent_seq_id: int | None = None
+    parent_request_id: str | None = None
+
+    @property
+    def group_request_id(self) -> str:
+        """The id the caller gave: the request's own, or that of the request it was forked from."""
+        return self.request_id if self.parent_request_id is None else self.parent_request_id
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its read output tokens' log-probabilities (what `best_of` ranks by)."""
+        return float(sum(self.output_logprobs))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -109,8 +130,44 @@ class Request:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One sequence of a request (vLLM's name): `index` is its place among the request's
+    `best_of` sequences."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    @classmethod
+    def of(cls, req: Request) -> CompletionOutput:
+        return cls(req.index, req.text, list(req.output_token_ids), req.cumulative_logprob,
+                   list(req.output_logprobs),
+                   None if req.finish_reason is None else req.finish_reason.value, req.stop_reason,
+                   None if req.top_logprobs is None else list(req.top_logprobs))
+
+
+def pick_best(seqs: Sequence[T], n: int, score: Callable[[T], float]) -> list[T]:
+    """The `n` sequences a request returns of those it generated (given in index order):
+    all of them, in that order, when it generated `n`; else the `n` with the highest
+    cumulative log-probability (`score`, vLLM's `best_of` rule), best first."""
+    if len(seqs) <= n:
+        return list(seqs)
+    return sorted(seqs, key=score, reverse=True)[:n]
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """A request's state after a step: streamed while running, final once `finished`."""
+    """A request's state after a step: streamed while running, final once `finished`.
+
+    The flat fields are of one sequence (`index`); `outputs` holds every sequence returned,
+    as vLLM's `RequestOutput.outputs` does: with n = 1 the one sequence, whose fields are
+    the flat ones. `LLM.generate` returns, per prompt, an output whose flat fields are its
+    first returned sequence's (`of_group`)."""
 
     request_id: str
     prompt: str | None
@@ -124,14 +181,26 @@ class RequestOutput:
     metrics: RequestMetrics
     top_logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with .prompt_logprobs
+    index: int = 0
+    outputs: tuple[CompletionOutput, ...] = ()
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
+        """One sequence's state, under the id the caller gave (`group_request_id`)."""
+        return cls.of_group([req], 1)
+
+    @classmethod
+    def of_group(cls, seqs: list[Request], n: int) -> RequestOutput:
+        """A request's `n` returned sequences (`pick_best`) of its finished `seqs`;
+        the flat fields are the first's."""
+        best = pick_best(sorted(seqs, key=lambda r: r.index), n, lambda r: r.cumulative_logprob)
+        req, first = best[0], min(seqs, key=lambda r: r.index)  # the prompt's are the first's
         return cls(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=req.text, finished=req.finished,
+            request_id=req.group_request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=req.text, finished=all(r.finished for r in seqs),
             finish_reason=None if req.finish_reason is None else req.finish_reason.value,
-            stop_reason=req.stop_reason, logprobs=list(req.output_logprobs), metrics=req.metrics,
+            stop_reason=req.stop_reason, logprobs=list(req.output_logprobs), metrics=first.metrics,
             top_logprobs=None if req.top_logprobs is None else list(req.top_logprobs),
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+            index=req.index, outputs=tuple(map(CompletionOutput.of, best)),
         )

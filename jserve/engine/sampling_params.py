@@ -22,6 +22,9 @@ class SamplingParams:
     token after the first. None (the default) computes neither, and the step stays the
     plain one. Log-probabilities are of the model's distribution, before temperature,
     top-p and top-k.
+    `n`: sequences returned for the prompt; `best_of` (vLLM's, at least `n`): sequences
+    generated, of which the `n` with the highest cumulative log-probability are returned.
+    The prompt is prefilled once and its KV blocks shared (`jserve.engine.fork`).
     """
 
     temperature: float = 1.0
@@ -36,6 +39,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for the prompt: `best_of`, or `n`."""
+        return self.n if self.best_of is None else self.best_of
 
     # Lists are accepted for convenience and frozen into tuples.
     def __post_init__(self) -> None:
@@ -71,5 +81,8 @@ class SamplingParams:
                 if getattr(self, name) > MAX_LOGPROBS:
                     raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got "
                                               f"{getattr(self, name)}", name)
+        integer("n", 1)
+        if self.best_of is not None:
+            integer("best_of", self.n, " (n)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")

@@ -13,6 +13,7 @@ together and calls in the loop's order:
     plan_apply.PlanApplier     preempt, evict, swap in, allocate, book runs and reservations
     batch_builder.BatchBuilder the runner's work list for the applied plan
     token_commit.TokenCommit   record new tokens and end the requests they finish
+    fork.Forks                 fork a request of several sequences at its first token
     release.Finisher           end a request and give back everything it holds
 """
 
@@ -30,6 +31,7 @@ from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
 from jserve.engine.batch_delta import DeltaTracker
+from jserve.engine.fork import Forks
 from jserve.engine.invariants import check_invariants
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.load_meter import LoadMeter
@@ -61,13 +63,16 @@ class EngineState:
         num_host_blocks: int = 0,
         prefix_cache: PrefixCacheSize | None = None,
         predictions: PredictionSource | None = None,
+        share_forks: bool = True,
         **feature_options: object,
     ) -> None:
         """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
         plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
         (None: none; its trim is `capacity_request` / `trim`). `predictions`: where
         admitted requests' output-length predictions come from (None: only from the
-        caller). `feature_options`: the cache features' options
+        caller). `share_forks`: whether the sequences of a request of several (`n`) share
+        its prompt's blocks (`jserve.engine.fork`; off for a policy that splits blocks into
+        layer slots, which cannot split shared ones). `feature_options`: the cache features' options
         (`jserve.cache_features.registry`; each feature reads its own: the model's
         `num_layers`, `hidden_block_tokens`, ...)."""
         if limits.max_num_batched_tokens < limits.max_num_seqs:
@@ -107,7 +112,9 @@ class EngineState:
         self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency,
                                      DeltaTracker(self.live, self.blocks))
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
-        self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
+        self._forks = Forks(self.live, self.blocks, eos_token_id, self._admission.detokenizer,
+                            limits.max_num_seqs, int(feature_options.get("num_layers", 1)), share_forks)
+        self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse, self._forks)
         self._applied: CheckedPlan | None = None
         self._moves: Moves = NO_MOVES
         self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
@@ -130,8 +137,14 @@ class EngineState:
     # ----------------------------------------------------------------------- requests
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             arrival_time: float, **options: Unpack[RequestOptions]) -> Request:
-        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why."""
-        return self._admission.admit(request_id, prompt_token_ids, params, arrival_time, **options)
+        """Admit a request to the waiting set, or raise `InvalidRequestError` saying why.
+        A request of several sequences (`params.n`, `best_of`) is admitted as one and forks
+        the others at its first token; they carry its id as `parent_request_id`."""
+        if isinstance(params, SamplingParams):
+            self._forks.check_ids(request_id, params)
+        req = self._admission.admit(request_id, prompt_token_ids, params, arrival_time, **options)
+        self._forks.expect(req)
+        return req
 
     @property
     def predictions(self) -> PredictionSource | None:
@@ -143,11 +156,15 @@ class EngineState:
         self._admission.predictions = source
 
     def abort(self, request_id: str, now: float) -> Request | None:
-        """End a request early (client gone); frees its blocks. Unknown/finished ids: None."""
+        """End a request early (client gone), with every sequence forked from it; frees
+        their blocks. Returns the request (or, once it has ended, a sequence forked from
+        it); None when none of them is live."""
         req = self.live.by_request_id(request_id)
-        if req is not None:
-            self._finisher.finish(req, FinishReason.ABORT, now)
-        return req
+        forked = [r for r in self.live.requests.values() if r.parent_request_id == request_id]
+        for r in ([] if req is None else [req]) + forked:
+            self._forks.forget(r)
+            self._finisher.finish(r, FinishReason.ABORT, now)
+        return req if req is not None or not forked else forked[0]
 
     @property
     def has_unfinished(self) -> bool:
@@ -224,7 +241,9 @@ class EngineState:
         dropped = self._finisher.take_host_dropped()
         if self._reuse is not None:
             dropped += self._reuse.take_dropped_moves()
-        return self._batches.build(self._applied, self._moves, tuple(dropped), with_inputs)
+        batch = self._batches.build(self._applied, self._moves, tuple(dropped), with_inputs)
+        copies = self._forks.take_copies()
+        return dataclasses.replace(batch, block_copies=copies) if copies else batch
 
     def commit(self, batch: Batch, out: StepOutput, now: float) -> list[Request]:
         """Record the step's progress and new tokens; finished requests release everything.
@@ -258,10 +277,10 @@ class EngineState:
         """How many of `wanted` more steps of the just-committed `batch`'s decodes
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
-        strings, streamed text), when the step moved blocks or a cache feature forbids it,
-        or with a prefix cache (whose evictions a rule chooses step by step). `PlanError` if the free blocks do not
-        cover the growth the policy promised."""
-        if (wanted < 1 or self._reuse is not None or batch.moves_blocks
+        strings, streamed text), when the step moved blocks, forked a request or a cache
+        feature forbids it, or with a prefix cache (whose evictions a rule chooses step by
+        step). `PlanError` if the free blocks do not cover the growth the policy promised."""
+        if (wanted < 1 or self._reuse is not None or batch.moves_blocks or self._forks.forked
                 or not all(f.allows_repeat(batch) for f in self.features)):
             return 0
         seq_ids = batch.seq_ids.tolist()
@@ -289,4 +308,4 @@ class EngineState:
 
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
-        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.features)
+        check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.features, self._forks)

@@ -19,6 +19,7 @@ from operator import attrgetter
 import numpy as np
 
 from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
+from jserve.engine.fork import Forks
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.logprobs import record_logprobs
 from jserve.engine.prefix_reuse import PrefixReuse
@@ -59,6 +60,7 @@ class TokenCommit:
     finisher: Finisher
     eos_token_id: int | None
     reuse: PrefixReuse | None
+    forks: Forks  # forks requests of several sequences at their first token, before any release
 
     def commit(self, batch: Batch, rows: np.ndarray, out: StepOutput, now: float) -> list[Request]:
         """`rows`: the batch's table rows. Returns the requests that gained a token, in
@@ -78,7 +80,9 @@ class TokenCommit:
         stopped = self._stops(reqs, seq_ids, tokens)
         if out.ended is not None:
             stopped |= out.ended[sampled]
-        for i in np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist():
+        done = np.flatnonzero(stopped | (cols.num_tokens[rows] >= cols.max_len[rows])).tolist()
+        self.forks.fork(reqs)
+        for i in done:
             self.finisher.finish(reqs[i], FinishReason.STOP if stopped[i] else FinishReason.LENGTH, now)
         return reqs
 
@@ -102,6 +106,7 @@ class TokenCommit:
         cols.num_tokens[rows] += 1
         watched = self.live.token_checked_mask(batch.seq_ids[sampled].tolist())
         ended = cols.num_tokens[rows] >= cols.max_len[rows]
+        self.forks.fork(reqs)
         for i in np.flatnonzero(ended).tolist():
             self.finisher.release(reqs[i], now)
         return Booked(batch, all_reqs, sampled, watched, ended)

@@ -96,6 +96,8 @@ class StepShape:
     - `padded_prefill_tokens`: the prefill chunks' tokens were each padded to the longest
       (chunks x longest), what a stack that pads prompts into a 2-D batch computes (vLLM
       0.2.x, `EngineOverhead.pads_prompts`).
+    - `copy_bytes`: bytes of device blocks copied to other device blocks before the step
+      (a forked sequence's copy-on-write, `Batch.block_copies`), read and written once.
     """
 
     num_seqs: int
@@ -114,6 +116,7 @@ class StepShape:
     prefill_prefix: int = 0
     decode_context: int = 0
     padded_prefill_tokens: int = 0
+    copy_bytes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +126,7 @@ class StepShape:
     def moves_cache(self) -> bool:
         """Whether the step swaps, moves layers or recomputes hidden-cache K/V: work a
         profile of the plain runner does not measure."""
-        return bool(self.swap_bytes or self.layer_bytes is not None or self.hidden_tokens)
+        return bool(self.swap_bytes or self.copy_bytes or self.layer_bytes is not None or self.hidden_tokens)
 
     @classmethod
     def from_lens(cls, start: np.ndarray | Sequence[int], query_lens: np.ndarray | Sequence[int]) -> StepShape:
@@ -159,6 +162,8 @@ class StepShape:
             blocks = batch.num_swapped_blocks
             shape = dataclasses.replace(shape, swap_bytes=blocks * bytes_per_block, swap_blocks=blocks,
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
+        if batch.block_copies:
+            shape = dataclasses.replace(shape, copy_bytes=len(batch.block_copies) * bytes_per_block)
         if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every past row
             shape = dataclasses.replace(shape, hidden_tokens=int(batch.start[batch.hidden].sum()))
         if batch.layer_traffic is not None:
@@ -424,8 +429,9 @@ class RooflineCostModel:
         return ALLREDUCES_PER_LAYER * self.cfg.num_layers * self.allreduce_time(shape)
 
     def transfer_time(self, shape: StepShape) -> float:
-        """Swaps, which the step waits for."""
-        return shape.swap_bytes / self.pcie_rate + self.swap_fixed_time(shape)
+        """Swaps and device block copies, which the step waits for."""
+        return (shape.swap_bytes / self.pcie_rate + self.swap_fixed_time(shape)
+                + 2 * shape.copy_bytes / self.byte_rate)
 
     def layer_transfer_time(self, shape: StepShape) -> float:
         """LayerKV's host<->device layer moves on their own: the busier direction of the link."""

@@ -68,6 +68,11 @@ class HostKVStore:
         buf = jax.device_put(held, self._device) if self._device is not None else jnp.asarray(held)
         return self._scatter(cache, jnp.asarray(move.device_blocks), buf)
 
+    def copy(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
+        """Device blocks `src` copied onto `dst`, every layer (a forked sequence's copy of
+        the block it writes next), with the swaps' gather and scatter."""
+        return self._scatter(cache, jnp.asarray(dst), self._gather(cache, jnp.asarray(src)))
+
     def drop(self, seq_id: int) -> None:
         """Forget a request that ended while swapped out."""
         self._held.pop(seq_id, None)

@@ -666,7 +666,11 @@ class JaxRunner:
                 self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
-        """Swaps before the step's compute, outs first: an in may reuse blocks an out freed."""
+        """Block copies, then swaps, before the step's compute, outs first: an in may reuse
+        blocks an out freed."""
+        if batch.block_copies:
+            src, dst = np.asarray(batch.block_copies, np.int32).T
+            self.cache = self.host_kv.copy(self.cache, src, dst)
         for move in batch.swap_out:
             self.host_kv.swap_out(self.cache, move)
         for move in batch.swap_in:

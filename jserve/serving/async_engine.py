@@ -14,8 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from jserve.engine.fork import child_request_id
 from jserve.engine.loop import Engine
-from jserve.engine.request import Request, RequestMetrics
+from jserve.engine.request import FinishReason, Request, RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
 from jserve.serving.server_metrics import ServerMetrics
 
@@ -35,6 +37,7 @@ class Delta:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    cumulative_logprob: float | None = None  # the sequence's, on the last delta (`best_of`)
 
     @property
     def finished(self) -> bool:
@@ -47,7 +50,7 @@ class Delta:
         return Delta(self.token_ids + later.token_ids, self.text + later.text,
                      later.finish_reason, later.metrics, join(self.logprobs, later.logprobs),
                      join(self.top_logprobs, later.top_logprobs),
-                     self.prompt_logprobs or later.prompt_logprobs)
+                     self.prompt_logprobs or later.prompt_logprobs, later.cumulative_logprob)
 
 
 class RequestStream:
@@ -96,6 +99,7 @@ class _Live:
     holdback: int  # trailing characters withheld while a stop string may still be forming
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
+    forked: tuple[str, ...] = ()  # the ids of the sequences the engine forks from it
 
 
 class EngineStopped(RuntimeError):
@@ -162,15 +166,19 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
         prompt: str | None = None, ttft_slo: float | None = None, tbt_slo: float | None = None,
         conversation_id: str | None = None,
-    ) -> RequestStream:
+    ) -> list[RequestStream]:
         """Queue a request and wait until the engine has admitted it; raises the engine's
-        `InvalidRequestError` if it refuses. The caller must `close()` the stream."""
+        `InvalidRequestError` if it refuses. Returns a stream per sequence the request
+        generates (`params.num_sequences`, in index order: the engine forks the others at
+        the first one's first token). The caller must `close()` every stream; closing the
+        first aborts them all."""
         if not self.running or self._stopping or self._draining:
             raise EngineStopped("the server is shutting down" if self._draining
                                 else "the engine loop is not running")
         if self.max_waiting is not None and self.metrics.num_waiting + self._num_adding >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
-        stream = RequestStream(self, request_id)
+        forked = tuple(child_request_id(request_id, i) for i in range(1, params.num_sequences))
+        streams = [RequestStream(self, rid) for rid in (request_id, *forked)]
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         arrival = self.engine.clock()
 
@@ -186,7 +194,8 @@ class AsyncEngine:
                 admitted.set_exception(e)
                 return
             holdback = max((len(s) for s in params.stop), default=1) - 1
-            self._live[request_id] = _Live(stream, holdback)
+            self._live[request_id] = _Live(streams[0], holdback, forked=forked)
+            self._live.update((rid, _Live(stream, holdback)) for rid, stream in zip(forked, streams[1:]))
             admitted.set_result(None)
 
         self._num_adding += 1
@@ -196,13 +205,18 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # admitted just as the handler was cancelled
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
-        """Drop a request (its client left); frees its blocks before the next step."""
+        """Drop a request (its client left), with the sequences forked from it; frees their
+        blocks before the next step. A forked sequence's stream still open ends aborted."""
 
         def abort() -> None:
-            self._live.pop(request_id, None)
+            live = self._live.pop(request_id, None)
+            for rid in () if live is None else live.forked:
+                child = self._live.pop(rid, None)
+                if child is not None:
+                    child.stream.put(Delta([], "", FinishReason.ABORT.value))
             if self.engine.abort(request_id) is not None:
                 self.metrics.finished.labels("abort").inc()
 
@@ -249,7 +263,8 @@ class AsyncEngine:
                                   req.metrics if req.finished else None,
                                   req.output_logprobs[sent:] if asked else None,
                                   req.top_logprobs[sent:] if asked else None,
-                                  req.prompt_logprobs if sent == 0 else None))
+                                  req.prompt_logprobs if sent == 0 else None,
+                                  req.cumulative_logprob if req.finished else None))
             live.num_tokens_sent = len(req.output_token_ids)
             live.num_chars_sent = end
             if req.finished:

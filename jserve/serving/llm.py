@@ -10,7 +10,7 @@ import jinja2
 
 from jserve.builder import build_engine
 from jserve.config import EngineConfig
-from jserve.engine.request import RequestOutput
+from jserve.engine.request import Request, RequestOutput
 from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
 from jserve.models.loading import CausalLM, LoadedModel
@@ -83,7 +83,8 @@ class LLM:
         prompts: str | Sequence[str] | None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         prompt_token_ids: Sequence[Sequence[int]] | None,
-    ) -> list[str]:
+    ) -> dict[str, SamplingParams]:
+        """Admit every prompt (all or nothing); their ids and settings, in order."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts and prompt_token_ids")
         if isinstance(prompts, str):
@@ -102,12 +103,12 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(sampling_params)} sampling params for {len(texts)} prompts"
             )
-        ids: list[str] = []
+        ids: dict[str, SamplingParams] = {}
         try:
             for text, tokens, params in zip(texts, prompt_token_ids, sampling_params):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, tokens, params, prompt=text)
-                ids.append(request_id)
+                ids[request_id] = params
         except InvalidRequestError:
             for request_id in ids:  # all or nothing: the engine keeps serving what it had
                 self.engine.abort(request_id)
@@ -122,22 +123,25 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run the prompts to completion; outputs come back in the prompts' order."""
+        """Run the prompts to completion; outputs come back in the prompts' order, one per
+        prompt: with `n` > 1 (or `best_of`) its `outputs` hold the `n` sequences returned,
+        and its flat fields are the first's (`RequestOutput.of_group`)."""
         ids = self._add_all(prompts, sampling_params, prompt_token_ids)
-        done: dict[str, RequestOutput] = {}
+        done: dict[str, list[Request]] = {i: [] for i in ids}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generating", unit="req")
-        for out in self._run():
-            if out.finished:
-                done[out.request_id] = out
-                if bar is not None:
+        for req in self._steps():
+            if req.finished:
+                seqs = done[req.group_request_id]
+                seqs.append(req)
+                if bar is not None and len(seqs) == ids[req.group_request_id].num_sequences:
                     bar.update(1)
         if bar is not None:
             bar.close()
-        return [done[i] for i in ids]
+        return [RequestOutput.of_group(done[i], params.n) for i, params in ids.items()]
 
     def generate_stream(
         self,
@@ -146,7 +150,9 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield each request's cumulative output after every step it advances in."""
+        """Yield each sequence's cumulative output after every step it advances in: with
+        `n` > 1 each sequence on its own, told apart by `index` (under its prompt's
+        `request_id`). With `best_of` > n every sequence generated is yielded."""
         self._add_all(prompts, sampling_params, prompt_token_ids)
         yield from self._run()
 
@@ -162,9 +168,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self) -> Iterator[RequestOutput]:
+        for req in self._steps():
+            yield RequestOutput.of(req)
+
+    def _steps(self) -> Iterator[Request]:
+        """Each sequence that advanced, step after step, until everything has ended."""
         while self.engine.has_unfinished:
-            for req in self.engine.step():
-                yield RequestOutput.of(req)
+            yield from self.engine.step()
 
     @property
     def num_preemptions(self) -> int:

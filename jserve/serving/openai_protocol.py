@@ -115,6 +115,7 @@ class GenerationRequest(StrictModel):
     seed: int | None = None
     stop: Stop = None
     n: int | None = None
+    best_of: int | None = None  # vLLM's: generate this many, return the n likeliest
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -153,8 +154,13 @@ class GenerationRequest(StrictModel):
         `max_tokens` must fit the context beside the prompt (vLLM's check and message); the
         default is capped by the context instead. Scoring a prompt (`max_tokens: 0` with
         `echo`) runs one step, as vLLM does; its token is not returned."""
-        if self.n not in (None, 1):
-            raise OpenAIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        if self.stream and self.best_of is not None and self.best_of != (self.n or 1):
+            raise OpenAIError(400, "best_of sequences other than the n returned cannot be streamed; "
+                                   "set stream to false or best_of to n", param="best_of")
+        if self.requested_logprobs()[1] is not None and (self.best_of or self.n or 1) > 1:
+            # the prompt's log-probabilities are computed once, by the first sequence
+            raise OpenAIError(400, "echo with logprobs is supported with one sequence only (n and "
+                                   "best_of 1)", param="echo")
         max_tokens = 1 if self.score_only else self.requested_max_tokens()
         if (max_tokens is not None and num_prompt_tokens < max_model_len
                 and num_prompt_tokens + max_tokens > max_model_len):
@@ -171,6 +177,7 @@ class GenerationRequest(StrictModel):
                 max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                 stop=self.stop or (), ignore_eos=self.ignore_eos, seed=self.seed,
                 logprobs=self.requested_logprobs()[0], prompt_logprobs=self.requested_logprobs()[1],
+                n=1 if self.n is None else self.n, best_of=self.best_of,
             )
         except InvalidRequestError as e:
             if e.param == "max_tokens":

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from jserve.config import ServerConfig
+from jserve.engine.request import pick_best
 from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
 from jserve.models.tokenizer import Tokenizer
@@ -225,30 +226,36 @@ class OpenAIServer:
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, body: GenerationRequest, fmt: ResponseFormat,
                         inputs: list[PromptInput], default_max_tokens: int) -> Response:
-        """Run every prompt of `inputs` as its own engine request and answer with one
-        choice per prompt, in order."""
+        """Run every prompt of `inputs` as its own engine request and answer with `n`
+        choices per prompt, in order: prompt `i`'s `j`-th is choice `i * n + j` (OpenAI's
+        and vLLM's numbering). The prompt is prefilled once for its `n` (or `best_of`)
+        sequences, and counted once in the usage."""
         params = [body.sampling_params(default_max_tokens, len(p.ids), self.max_model_len)
                   for p in inputs]
         header = ResponseHeader.new(fmt, body.model)
         ids = [header.id] if len(inputs) == 1 else [f"{header.id}-{i}" for i in range(len(inputs))]
         streams = await self._add_all(body, ids, inputs, params)
-        choices = [Choice(i, p, body, fmt, self.llm.tokenizer) for i, p in enumerate(inputs)]
-        if body.stream:
-            return EventStreamResponse(streams, self._events(body, fmt, header, streams, choices))
+        flat = [s for per_prompt in streams for s in per_prompt]
+        n = params[0].n
+        if body.stream:  # the protocol refuses best_of > n here: each sequence is a choice
+            choices = [Choice(i * n + j, p, body, fmt, self.llm.tokenizer)
+                       for i, p in enumerate(inputs) for j in range(n)]
+            return EventStreamResponse(flat, self._events(body, fmt, header, flat, choices, inputs))
         try:
-            collected = self._collect(fmt, header, streams, choices)
+            collected = self._collect(body, fmt, header, streams, inputs, n)
             return JSONResponse(await _unless_disconnected(request, collected))
         except ClientGone:  # nobody reads the answer; close() below aborts the request
             log.info("client of %s disconnected; request aborted", header.id)
             return Response(status_code=499)  # nginx's "client closed request", for the log
         finally:
-            for stream in streams:
+            for stream in flat:
                 stream.close()
 
     async def _add_all(self, body: GenerationRequest, ids: list[str], inputs: list[PromptInput],
-                       params: list[SamplingParams]) -> list[RequestStream]:
-        """Hand every prompt to the engine at once (admitted in one pass of its loop); if
-        any is refused, the others are aborted and the refusal raised."""
+                       params: list[SamplingParams]) -> list[list[RequestStream]]:
+        """Hand every prompt to the engine at once (admitted in one pass of its loop): per
+        prompt, a stream per sequence. If any is refused, the others are aborted and the
+        refusal raised."""
         added = await asyncio.gather(*(
             self.engine.add_request(request_id, p.ids, sp, prompt=p.text, ttft_slo=body.ttft_slo,
                                     tbt_slo=body.tbt_slo, conversation_id=body.conversation_id)
@@ -256,9 +263,10 @@ class OpenAIServer:
         errors = [(i, e) for i, e in enumerate(added) if isinstance(e, BaseException)]
         if not errors:
             return list(added)
-        for stream in added:
-            if isinstance(stream, RequestStream):
-                stream.close()
+        for streams in added:
+            if not isinstance(streams, BaseException):
+                for stream in streams:
+                    stream.close()
         i, error = errors[0]
         if isinstance(error, InvalidRequestError):
             if len(inputs) > 1 and error.param == "prompt":
@@ -266,19 +274,26 @@ class OpenAIServer:
             raise OpenAIError.invalid(error, body.prompt_param) from None
         raise error
 
-    async def _collect(self, fmt: ResponseFormat, header: ResponseHeader, streams: list[RequestStream],
-                       choices: list[Choice]) -> dict[str, Any]:
-        tasks = [asyncio.ensure_future(_whole(s)) for s in streams]
+    async def _collect(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
+                       streams: list[list[RequestStream]], inputs: list[PromptInput],
+                       n: int) -> dict[str, Any]:
+        """Every sequence whole, then per prompt the `n` it returns (`pick_best`)."""
+        tasks = [[asyncio.ensure_future(_whole(s)) for s in per_prompt] for per_prompt in streams]
         try:
-            wholes = await asyncio.gather(*tasks)
+            wholes = [await asyncio.gather(*per_prompt) for per_prompt in tasks]
         finally:
-            for task in tasks:
+            for task in (t for per_prompt in tasks for t in per_prompt):
                 task.cancel()
-        rendered = [c.render(whole, stream=False) for c, whole in zip(choices, wholes)]
-        return header.body(fmt.object, rendered, usage=_usage(choices))
+        choices, rendered = [], []
+        for i, (prompt, seqs) in enumerate(zip(inputs, wholes)):
+            for j, whole in enumerate(pick_best(seqs, n, lambda d: d.cumulative_logprob or 0.0)):
+                choices.append(Choice(i * n + j, prompt, body, fmt, self.llm.tokenizer))
+                rendered.append(choices[-1].render(whole, stream=False))
+        return header.body(fmt.object, rendered, usage=_usage(inputs, choices))
 
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
-                      streams: list[RequestStream], choices: list[Choice]) -> AsyncIterator[str]:
+                      streams: list[RequestStream], choices: list[Choice],
+                      inputs: list[PromptInput]) -> AsyncIterator[str]:
         """One event per batch of one choice's tokens, the usage chunk if asked for, then
         `[DONE]`."""
         try:
@@ -292,7 +307,7 @@ class OpenAIServer:
             yield _sse(OpenAIError(500, str(e), type="server_error").to_json())
         else:
             if body.include_usage:
-                yield _sse(header.body(fmt.chunk_object, [], usage=_usage(choices)))
+                yield _sse(header.body(fmt.chunk_object, [], usage=_usage(inputs, choices)))
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------------ helpers
@@ -307,8 +322,10 @@ class OpenAIServer:
         return self.llm.tokenizer
 
 
-def _usage(choices: list[Choice]) -> dict[str, Any]:
-    return usage(sum(len(c.prompt.ids) for c in choices), sum(c.num_output_tokens for c in choices),
+def _usage(inputs: list[PromptInput], choices: list[Choice]) -> dict[str, Any]:
+    """Each prompt counted once, whatever its `n` (as OpenAI counts); the choices'
+    completions summed."""
+    return usage(sum(len(p.ids) for p in inputs), sum(c.num_output_tokens for c in choices),
                  sum(c.num_cached_tokens for c in choices))
 
 
