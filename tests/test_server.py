@@ -171,7 +171,7 @@ def test_disconnect_before_a_non_streamed_answer_aborts_and_frees_blocks(
         (b'{"model": "tiny-llama"}', 400, "prompt", "prompt: Field required"),
         (b'{"model": "gpt-4", "prompt": [1]}', 404, "model", "The model `gpt-4` does not exist"),
         (b'{"model": "tiny-llama", "prompt": [1], "max_tokens": 0}', 400, "max_tokens", "max_tokens must be"),
-        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "n", "only n=1 is supported"),
+        (b'{"model": "tiny-llama", "prompt": [1], "n": 2}', 400, "n", "n: not supported by this server"),
         (b'{"model": "tiny-llama", "prompt": [1], "tbt_slo": -1}', 400, "tbt_slo",
          "tbt_slo must be a positive number"),
         (b'{"model": "tiny-llama", "prompt": [1, 2, 99999]}', 400, "prompt", "prompt token ids must lie in"),
