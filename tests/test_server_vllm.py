@@ -5,6 +5,7 @@ model loads, and `vllm serve`'s positional model and flags."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 
@@ -87,6 +88,19 @@ def test_a_not_implemented_field_at_its_neutral_value_changes_nothing(tiny: str)
     with_neutral = httpx.post(f"{tiny}/v1/completions", json=base | neutral).json()
     assert with_neutral["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
     assert httpx.post(f"{tiny}/v1/completions", json=base | {"n": True}).status_code == 400  # not 1
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tiny: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`, which guidellm sends on every stream."""
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{tiny}/v1/completions", json=body) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
 
 
 # ------------------------------------------------------------------ unencodable text

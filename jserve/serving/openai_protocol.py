@@ -234,6 +234,7 @@ Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (guidellm asks)
 
 
 class GenerationRequest(RequestBody):
@@ -262,6 +263,10 @@ class GenerationRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     prompt_param: ClassVar[str] = "prompt"  # what the endpoint calls its prompt, in errors
 

@@ -292,12 +292,15 @@ class OpenAIServer:
 
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
                       streams: list[RequestStream], choices: list[Choice]) -> AsyncIterator[str]:
-        """One event per batch of one choice's tokens, the usage chunk if asked for, then
-        `[DONE]`."""
+        """One event per batch of one choice's tokens (with the usage so far if asked for:
+        vLLM's `continuous_usage_stats`), the usage chunk if asked for, then `[DONE]`."""
         try:
             async for i, delta in _merged(streams):
+                chunk = [choices[i].render(delta, stream=True)]
                 extra = {} if delta.metrics is None else {"jserve": preemption_info(delta.metrics)}
-                yield _sse(header.body(fmt.chunk_object, [choices[i].render(delta, stream=True)], **extra))
+                if body.continuous_usage:
+                    extra["usage"] = _usage(choices)
+                yield _sse(header.body(fmt.chunk_object, chunk, **extra))
         except EngineStopped as e:  # shutting down: the drain window is over
             yield _sse(OpenAIError(503, str(e), type="server_error").to_json())
         except Exception as e:  # the status line is sent: report the failure in the stream
