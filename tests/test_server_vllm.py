@@ -103,6 +103,27 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tiny: str) -
     assert all(c["usage"]["prompt_tokens"] == len(PROMPT) for c in chunks)
 
 
+def test_the_bodies_guidellm_and_lm_eval_send_are_accepted(smol: str) -> None:
+    """The strict bodies take what the clients the docs name send (their request builders:
+    guidellm 0.8.1's openai backend, lm-eval 0.4's local-completions and remote tokenizer)."""
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+              "stop": None, "ignore_eos": True}
+    bodies = [
+        ("/v1/completions", {"model": HF_ID, "prompt": "a b c", "max_tokens": 2} | stream),
+        ("/v1/chat/completions", {"model": HF_ID, "messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": 2} | stream),
+        ("/v1/completions", {"model": HF_ID, "prompt": ["a b", "c d"], "temperature": 0, "max_tokens": 1,
+                             "logprobs": 1, "seed": 1234, "echo": True}),
+        ("/v1/completions", {"prompt": ["a b"], "model": HF_ID, "max_tokens": 2, "temperature": 0,
+                             "stop": ["\n"], "seed": 1234}),
+        ("/tokenize", {"prompt": "test", "add_special_tokens": False}),
+        ("/detokenize", {"tokens": [1, 2]}),
+    ]
+    for path, body in bodies:
+        r = httpx.post(f"{smol}{path}", json=body)
+        assert r.status_code == 200, (path, r.text)
+
+
 # ------------------------------------------------------------------ unencodable text
 
 
