@@ -7,12 +7,11 @@ Routes: `/v1/completions` and `/v1/chat/completions` (server-sent events with
 remote tokenizer). `jserve serve` listens before the model loads and compiles (in a
 thread, `ModelLoading`), so a probe gets its 503 at once rather than a refused connection
 or a request that hangs until ready; every route but `/version` answers 503 until then.
-Handlers only tokenize
-(in a worker thread, so a large prompt never stalls the other routes), validate and hand
-requests to the `AsyncEngine`, whose single loop steps the engine; every error a client can
-cause comes back as OpenAI's error JSON with a 4xx status. `RequestGuard` checks the API key
-and the body size before FastAPI reads anything; `JServeServer` drains the engine on
-SIGINT/SIGTERM before uvicorn closes the connections.
+Handlers only tokenize (in a worker thread, so a large prompt never stalls the other
+routes), validate and hand requests to the `AsyncEngine`, whose single loop steps the
+engine; every error a client can cause comes back as OpenAI's error JSON with a 4xx status.
+`RequestGuard` checks the API key and the body size before FastAPI reads anything;
+`JServeServer` drains the engine on SIGINT/SIGTERM before uvicorn closes the connections.
 """
 
 from __future__ import annotations
@@ -341,8 +340,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
     param = ".".join(str(x) for x in err["loc"] if x != "body") or None
     if err["type"] == "extra_forbidden":
-        return OpenAIError(400, f"{param}: unknown field (this server does not know it; it is "
-                                "not ignored)", param=param)
+        return OpenAIError(400, f"{param}: unknown field, refused rather than ignored", param=param)
     return OpenAIError(400, f"{param or 'request body'}: {err['msg']}", param=param)
 
 
