@@ -32,10 +32,22 @@ def _tiny_llm(loaded: LoadedModel) -> LLM:
                warmup=False)
 
 
+COMPILE_TIMEOUT_S = 300
+
+
+def _warmed(url: str, model: str, prompt: object) -> str:
+    """`url` once a first completion has compiled the step (no warm-up: seconds on a busy
+    machine, longer than httpx's 5 s default that the tests' requests keep)."""
+    r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2},
+                   timeout=COMPILE_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return url
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_loaded: LoadedModel) -> Iterator[str]:
     with serve_in_background(build_app(_tiny_llm(tiny_loaded))) as url:
-        yield url
+        yield _warmed(url, "tiny-llama", PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +55,7 @@ def smol(tiny_smollm2_vocab: LoadedModel) -> Iterator[str]:
     """SmolLM2's tokenizer over a two-layer random model, served under two names."""
     llm = LLM(tiny_smollm2_vocab, warmup=False, **SMOL_ENGINE)
     with serve_in_background(build_app(llm, ServerConfig(served_model_names=("smollm2-135m", HF_ID)))) as url:
-        yield url
+        yield _warmed(url, "smollm2-135m", "a b")
 
 
 def _error(r: httpx.Response, status: int, param: str | None) -> str:
@@ -196,7 +208,8 @@ def test_health_answers_503_at_once_while_the_model_loads(tiny_loaded: LoadedMod
                 threading.Event().wait(0.05)
             assert client.get("/health").json()["status"] == "ok"
             done = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT,
-                                                        "max_tokens": 2, "ignore_eos": True})
+                                                        "max_tokens": 2, "ignore_eos": True},
+                               timeout=COMPILE_TIMEOUT_S)
             assert done.json()["usage"]["completion_tokens"] == 2
 
 
