@@ -5,7 +5,8 @@
 # all hidden, and tiny-opt's mixed hidden-cache run on the interpreted kernels; tensor
 # parallelism on tiny-llama-mha and tiny-opt; the golden decisions of the
 # second seed's open traces; reproduce_tlru.py's stages), for a nightly job or before a
-# release. Each has a faster test in CI over the same property. Run from anywhere in the
+# release. Each has a faster test in CI over the same property. Then guidellm and
+# lm-evaluation-harness against `jserve serve` (bench/clients.sh). Run from anywhere in the
 # checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +20,6 @@ JSERVE_PROPERTY_EXAMPLES=full python -m pytest -q -m "not slow" "$@" \
 # jserve against Hugging Face transformers, live (needs torch and transformers, which CI does
 # not install; CI compares with the golden file this script records).
 python bench/hf_reference.py
+# guidellm (synthetic prompts) and lm-eval (local-completions, batch size 8) against `jserve
+# serve`, offline; a client that is not installed is skipped with a line saying so.
+bash bench/clients.sh

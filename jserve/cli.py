@@ -46,6 +46,7 @@ from jserve.config import (
 )
 from jserve.errors import ConfigError
 from jserve.models.hf_checkpoint import CheckpointError
+from jserve.serving.vllm_flags import add_vllm_serve_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -233,16 +234,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jserve import LLM
     from jserve.serving.server import bind, serve
+    from jserve.serving.vllm_flags import apply_vllm_serve_args
 
     logging.basicConfig(format="%(levelname)s:     %(message)s")  # uvicorn's look
     logging.getLogger("jserve").setLevel(logging.INFO)
+    vllm = _checked(lambda: apply_vllm_serve_args(args))
     server = _checked(lambda: server_config_from_args(args, dict(os.environ)))
-    engine = _checked(lambda: engine_config_from_args(args))
+    engine = _checked(lambda: vllm.engine_config(engine_config_from_args(args)))
     try:
         sock = bind(server)  # before the model loads: a busy port fails in a second, not a minute
     except OSError as e:
         raise BadArguments(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
-    serve(LLM(engine), server, sock)
+    # The model loads once the server listens: /health answers 503 until it is ready.
+    serve(lambda: LLM(engine), server, sock, log_level=vllm.log_level)
     # The process ends next: spare Python's teardown its garbage collections over JAX's
     # object graph, which took seconds after the server had shut down (measured in
     # bench/serve_shutdown.py); the memory goes back to the OS either way.
@@ -369,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "/v1/chat/completions, /v1/models, /health, /metrics)")
     add_server_args(s)
     add_engine_args(s)
+    add_vllm_serve_args(s)
     s.set_defaults(func=_serve, background_compile=True)  # answer early (README, "Start-up")
 
     b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "

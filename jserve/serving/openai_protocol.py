@@ -10,13 +10,18 @@ policies), on the finishing chunk of a stream a `jserve` object with the request
 preemptions, which a client cannot observe otherwise, and vLLM's tokenizer routes'
 bodies (`/tokenize`, `/detokenize`).
 
-Bodies are strict (`StrictModel`): a value of the wrong JSON type is refused, not coerced.
+Bodies are strict (`StrictModel`): a value of the wrong JSON type is refused, not coerced, a
+field the server does not know is refused by name, a field it knows of but does not implement
+(`UNSUPPORTED_FIELDS`) is refused as "not supported" unless it holds its neutral value, and
+text UTF-8 cannot carry (a lone surrogate such as `"\\ud800"`) is refused where it stands. Each
+is a 400 naming the field, never a silent 200 that ignores what the client asked for.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -29,7 +34,7 @@ from pydantic import (
     WrapValidator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from jserve.engine.request import RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
@@ -74,10 +79,136 @@ def model_not_found(model: str, served: tuple[str, ...]) -> OpenAIError:
 
 
 class StrictModel(BaseModel):
-    """A request body whose values keep their JSON types, as OpenAI's schema has them: no
-    `"yes"` or `1` taken for true, no `"0.5"` for a number (an int is still a number)."""
+    """A request body (or a part of one) whose values keep their JSON types, as OpenAI's
+    schema has them: no `"yes"` or `1` taken for true, no `"0.5"` for a number (an int is
+    still a number); and whose fields are all known: any other is refused by name."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field OpenAI's or vLLM's API defines that this server does not implement (yet).
+    Sent with one of its `neutral` values (the value that changes nothing, as some clients
+    send every default) it is accepted; any other value is a 400 naming the field."""
+
+    what: str  # what the field asks for, in the refusal
+    neutral: tuple[Any, ...] = (None,)
+
+
+# ------------------------------------------------------------------------------------------
+# THE UNSUPPORTED-FIELD TABLE of /v1/completions and /v1/chat/completions. To implement one:
+# delete its line here and declare the field on `GenerationRequest` (or on one endpoint's
+# request) with the engine option it sets.
+# ------------------------------------------------------------------------------------------
+UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
+    # beam search
+    "use_beam_search": Unsupported("beam search", (None, False)),
+    "length_penalty": Unsupported("beam search's length penalty", (None, 1, 1.0)),
+    # penalties and token constraints in the sampler
+    "presence_penalty": Unsupported("presence penalties", (None, 0, 0.0)),
+    "frequency_penalty": Unsupported("frequency penalties", (None, 0, 0.0)),
+    "repetition_penalty": Unsupported("repetition penalties", (None, 1, 1.0)),
+    "min_tokens": Unsupported("a minimum output length", (None, 0)),
+    "min_p": Unsupported("min-p sampling", (None, 0, 0.0)),
+    "logit_bias": Unsupported("logit biases", (None, {})),
+    "bad_words": Unsupported("banned words", (None, [])),
+    "allowed_token_ids": Unsupported("a restricted vocabulary"),
+    "stop_token_ids": Unsupported("stop token ids over HTTP", (None, [])),
+    "include_stop_str_in_output": Unsupported("stop strings kept in the output", (None, False)),
+    "skip_special_tokens": Unsupported("special tokens written into the text", (None, True)),
+    "spaces_between_special_tokens": Unsupported("the spacing of special tokens", (None, True)),
+    "truncate_prompt_tokens": Unsupported("prompt truncation"),
+    "prompt_logprobs": Unsupported("prompt log-probabilities without `echo`"),
+    # structured outputs and tools
+    "response_format": Unsupported("structured outputs (response_format)", (None, {"type": "text"})),
+    "structured_outputs": Unsupported("structured outputs"),
+    "guided_json": Unsupported("guided decoding"),
+    "guided_regex": Unsupported("guided decoding"),
+    "guided_choice": Unsupported("guided decoding"),
+    "guided_grammar": Unsupported("guided decoding"),
+    "guided_decoding_backend": Unsupported("guided decoding"),
+    "tools": Unsupported("tool calls", (None, [])),
+    "tool_choice": Unsupported("tool calls", (None, "none")),
+    "parallel_tool_calls": Unsupported("tool calls"),
+    "functions": Unsupported("function calls (the legacy form of tools)", (None, [])),
+    "function_call": Unsupported("function calls (the legacy form of tools)", (None, "none")),
+    # prompts and templates
+    "suffix": Unsupported("text after the completion (insertion)", (None, "")),
+    "add_generation_prompt": Unsupported("a chat prompt without the assistant's turn", (None, True)),
+    "continue_final_message": Unsupported("continuing the last message", (None, False)),
+    "chat_template": Unsupported("a chat template per request"),
+    "chat_template_kwargs": Unsupported("chat template arguments", (None, {})),
+    "add_special_tokens": Unsupported("special tokens added to the prompt (the template writes its own)",
+                                      (None, False)),
+    # OpenAI features outside a text model's sampling
+    "user": Unsupported("end-user ids"),
+    "metadata": Unsupported("stored metadata"),
+    "store": Unsupported("stored completions", (None, False)),
+    "service_tier": Unsupported("service tiers"),
+    "reasoning_effort": Unsupported("reasoning effort"),
+    "modalities": Unsupported("output modalities", (None, ["text"])),
+    "audio": Unsupported("audio output"),
+    "prediction": Unsupported("predicted outputs"),
+    "priority": Unsupported("request priorities", (None, 0)),
+}
+
+
+def _refuse_unsupported(data: Any, table: dict[str, Unsupported]) -> Any:
+    """`data` without the table's fields that hold a neutral value; a `ValidationError`
+    located at the first that holds any other."""
+    if not isinstance(data, dict):
+        return data
+    for name, value in data.items():
+        field = table.get(name)
+        if field is not None and not any(type(value) is type(v) and value == v for v in field.neutral):
+            raise _located_error("unsupported", "not supported by this server: {what}", (name,), value,
+                                 what=field.what)
+    return {k: v for k, v in data.items() if k not in table}
+
+
+def _escaped(text: str) -> str:
+    """`text` with what UTF-8 cannot encode written as Python escapes (`\\ud800`)."""
+    return text.encode(errors="backslashreplace").decode()
+
+
+def _unencodable(value: Any, loc: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    """Where a JSON value holds text UTF-8 cannot encode (lone surrogates, which JSON's
+    `\\ud800` escapes can write), with the offending text escaped."""
+    if isinstance(value, str):
+        if not value.isascii() and _escaped(value) != value:
+            yield loc, _escaped(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _unencodable(k, loc + (_escaped(k),))
+            yield from _unencodable(v, loc + (_escaped(k),))
+    elif isinstance(value, list) and not all(type(x) is int for x in value):  # token ids: no text
+        for i, v in enumerate(value):
+            yield from _unencodable(v, loc + (i,))
+
+
+def _located_error(kind: str, template: str, loc: tuple[str | int, ...], value: Any,
+                   **context: Any) -> ValidationError:
+    """A validation error at `loc` (which the server's 400 names as the field), raised from
+    a model's validator about one of its fields."""
+    error = PydanticCustomError(kind, template, context)
+    return ValidationError.from_exception_data("request", [InitErrorDetails(type=error, loc=loc, input=value)])
+
+
+class RequestBody(StrictModel):
+    """A whole request body: before its fields are read, text UTF-8 cannot encode is refused
+    at its field (it would fail in the tokenizer or in the JSON answer that echoes it), and
+    so is a field of `unsupported` that holds more than its neutral value."""
+
+    unsupported: ClassVar[dict[str, Unsupported]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_and_encodable(cls, data: Any) -> Any:
+        for loc, text in _unencodable(data):
+            raise _located_error("unencodable_text", "holds text UTF-8 cannot encode (a lone "
+                                 "surrogate): {text}", loc, None, text=text[:80])
+        return _refuse_unsupported(data, cls.unsupported)
 
 
 def one_of(description: str) -> WrapValidator:
@@ -101,11 +232,14 @@ Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (guidellm asks)
 
 
-class GenerationRequest(StrictModel):
+class GenerationRequest(RequestBody):
     """Fields both endpoints share. Nullable as in OpenAI's spec: null means the default.
-    Fields this server does not implement (penalties, ...) are ignored."""
+    Fields this server does not implement are refused (`UNSUPPORTED_FIELDS`)."""
+
+    unsupported: ClassVar[dict[str, Unsupported]] = UNSUPPORTED_FIELDS
 
     model: str
     max_tokens: int | None = None
@@ -129,6 +263,10 @@ class GenerationRequest(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     prompt_param: ClassVar[str] = "prompt"  # what the endpoint calls its prompt, in errors
 
@@ -337,20 +475,22 @@ def preemption_info(metrics: RequestMetrics) -> dict[str, float]:
     return {"num_preemptions": metrics.num_preemptions, "preempted_time": metrics.preempted_time}
 
 
+def model_card(name: str, root: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """One served name's entry of /v1/models (and vLLM's /v1/models/{id})."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "jserve", "root": root,
+            "max_model_len": max_model_len}
+
+
 def model_list(names: tuple[str, ...], root: str, created: int, max_model_len: int) -> dict[str, Any]:
     """/v1/models: every served name (vLLM's `--served-model-name`), each of the one model
     `root` (its registry name)."""
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "jserve", "root": root,
-         "max_model_len": max_model_len}
-        for name in names
-    ]}
+    return {"object": "list", "data": [model_card(name, root, created, max_model_len) for name in names]}
 
 
 # --------------------------------------------------------------------------- tokenizer routes
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template.
     `add_special_tokens` is accepted as vLLM's clients send it; this server's tokenizers
     add no BOS or EOS either way (the chat template writes its own markers)."""
@@ -369,7 +509,7 @@ class TokenizeRequest(StrictModel):
         return self
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestBody):
     """vLLM's /detokenize: token ids back to text (special tokens included)."""
 
     model: str | None = None

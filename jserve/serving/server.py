@@ -1,14 +1,17 @@
 """OpenAI-compatible HTTP server around one engine (`jserve serve`).
 
 Routes: `/v1/completions` and `/v1/chat/completions` (server-sent events with
-`stream: true`), `/v1/models`, `/health`, `/metrics` (Prometheus), and vLLM's tokenizer
-routes `/tokenize`, `/detokenize`, `/tokenizer_info` (for clients that count tokens
-without a local tokenizer, e.g. lm-eval's remote tokenizer). Handlers only tokenize
-(in a worker thread, so a large prompt never stalls the other routes), validate and hand
-requests to the `AsyncEngine`, whose single loop steps the engine; every error a client can
-cause comes back as OpenAI's error JSON with a 4xx status. `RequestGuard` checks the API key
-and the body size before FastAPI reads anything; `JServeServer` drains the engine on
-SIGINT/SIGTERM before uvicorn closes the connections.
+`stream: true`), `/v1/models` and `/v1/models/{id}`, `/health`, `/ping`, `/version`,
+`/metrics` (Prometheus), and vLLM's tokenizer routes `/tokenize`, `/detokenize`,
+`/tokenizer_info` (for clients that count tokens without a local tokenizer, e.g. lm-eval's
+remote tokenizer). `jserve serve` listens before the model loads and compiles (in a
+thread, `ModelLoading`), so a probe gets its 503 at once rather than a refused connection
+or a request that hangs until ready; every route but `/version` answers 503 until then.
+Handlers only tokenize (in a worker thread, so a large prompt never stalls the other
+routes), validate and hand requests to the `AsyncEngine`, whose single loop steps the
+engine; every error a client can cause comes back as OpenAI's error JSON with a 4xx status.
+`RequestGuard` checks the API key and the body size before FastAPI reads anything;
+`JServeServer` drains the engine on SIGINT/SIGTERM before uvicorn closes the connections.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
+from importlib.metadata import version
 from typing import Any
 
 import uvicorn
@@ -52,12 +56,14 @@ from jserve.serving.openai_protocol import (
     ResponseFormat,
     ResponseHeader,
     TokenizeRequest,
+    model_card,
     model_list,
     model_not_found,
     preemption_info,
     tokenize_response,
     usage,
 )
+from jserve.serving.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +158,12 @@ class OpenAIServer:
         self.config = config
         self.model = llm.config.name
         # the names clients may ask for (vLLM's --served-model-name); the first is the
-        # one /health names
+        # one /health names and vLLM's metrics label
         self.names = config.served_model_names or (self.model,)
         self.policy = llm.policy.name
         self.max_model_len = llm.engine.state.limits.max_model_len
-        self.engine = AsyncEngine(llm.engine, max_waiting=config.max_waiting_requests)
+        self.engine = AsyncEngine(llm.engine, ServerMetrics(self.names[0]),
+                                  max_waiting=config.max_waiting_requests)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ endpoints
@@ -188,6 +195,11 @@ class OpenAIServer:
         ok = self.engine.running
         return JSONResponse({"status": "ok" if ok else "engine stopped", "model": self.names[0],
                              "policy": self.policy}, status_code=200 if ok else 503)
+
+    def model_card(self, model_id: str) -> dict[str, Any]:
+        """vLLM's /v1/models/{id}: one served name's entry, 404 for any other."""
+        self._check_model(model_id)
+        return model_card(model_id, self.model, self.created, self.max_model_len)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids the completion or chat endpoint would run."""
@@ -294,12 +306,15 @@ class OpenAIServer:
     async def _events(self, body: GenerationRequest, fmt: ResponseFormat, header: ResponseHeader,
                       streams: list[RequestStream], choices: list[Choice],
                       inputs: list[PromptInput]) -> AsyncIterator[str]:
-        """One event per batch of one choice's tokens, the usage chunk if asked for, then
-        `[DONE]`."""
+        """One event per batch of one choice's tokens (with the usage so far if asked for:
+        vLLM's `continuous_usage_stats`), the usage chunk if asked for, then `[DONE]`."""
         try:
             async for i, delta in _merged(streams):
+                chunk = [choices[i].render(delta, stream=True)]
                 extra = {} if delta.metrics is None else {"jserve": preemption_info(delta.metrics)}
-                yield _sse(header.body(fmt.chunk_object, [choices[i].render(delta, stream=True)], **extra))
+                if body.continuous_usage:
+                    extra["usage"] = _usage(choices)
+                yield _sse(header.body(fmt.chunk_object, chunk, **extra))
         except EngineStopped as e:  # shutting down: the drain window is over
             yield _sse(OpenAIError(503, str(e), type="server_error").to_json())
         except Exception as e:  # the status line is sent: report the failure in the stream
@@ -341,6 +356,8 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if err["type"] == "json_invalid":
         return OpenAIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
     param = ".".join(str(x) for x in err["loc"] if x != "body") or None
+    if err["type"] == "extra_forbidden":
+        return OpenAIError(400, f"{param}: unknown field, refused rather than ignored", param=param)
     return OpenAIError(400, f"{param or 'request body'}: {err['msg']}", param=param)
 
 
@@ -395,25 +412,97 @@ async def _reply(send: Send, err: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `llm`; its lifespan starts and stops the engine loop."""
+class ErrorResponse(JSONResponse):
+    """An error's JSON, written in ASCII: a message that quotes what the client sent stays
+    encodable whatever it holds, so the answer is sent and the connection kept."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+class ModelLoading:
+    """The served model's state while the HTTP server already listens: loading (and
+    compiling), ready with its `OpenAIServer`, or failed. `jserve serve` loads in a daemon
+    thread, so a Ctrl-C during the load ends the process without waiting for it."""
+
+    def __init__(self, load: LLM | Callable[[], LLM], config: ServerConfig) -> None:
+        self.config = config
+        self.server = OpenAIServer(load, config) if isinstance(load, LLM) else None
+        self._load = None if isinstance(load, LLM) else load
+        self.error: BaseException | None = None  # why loading failed: `serve` raises it
+
+    def ready(self) -> OpenAIServer:
+        """The server, or a 503 while the model loads."""
+        if self.server is None:
+            raise OpenAIError(503, "the model is loading" if self.error is None else
+                              f"the model failed to load: {self.error}", type="server_error",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.server
+
+    async def run(self) -> None:
+        """Load (if not loaded yet) and start the engine loop."""
+        if self.server is None:
+            try:
+                self.server = OpenAIServer(await _in_daemon_thread(self._load), self.config)
+            except Exception as e:  # the CLI prints it once uvicorn has stopped
+                self.error = e
+                return
+            s = self.server
+            log.info("serving %s with policy %s (%d KV blocks)", s.model, s.policy,
+                     s.llm.engine.state.blocks.num_blocks)
+        self.server.engine.start()
+
+
+async def _in_daemon_thread(work: Callable[[], Any]) -> Any:
+    """`work()`'s result, computed in a daemon thread (`asyncio.to_thread`'s pool threads
+    are joined at exit, which would hold a Ctrl-C until a model load ends)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # the awaiting task was cancelled (the server stopped first)
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as e:
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="jserve-load", daemon=True).start()
+    return await done
+
+
+def build_app(llm: LLM | Callable[[], LLM], config: ServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving `llm`, or the model `llm()` loads once the app has started
+    (answering 503 until then); its lifespan starts and stops the engine loop."""
     config = config or ServerConfig()
-    server = OpenAIServer(llm, config)
+    loading = ModelLoading(llm, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        server.engine.start()
+        task = asyncio.get_running_loop().create_task(loading.run(), name="jserve-load")
+        if loading.server is not None:
+            await task  # loaded already: serve from the first request
         yield
-        await server.engine.stop()
+        task.cancel()
+        if loading.server is not None:
+            await loading.server.engine.stop()
 
     app = FastAPI(title="jserve", lifespan=lifespan)
-    app.state.server = server
+    app.state.loading = loading
     app.add_middleware(RequestGuard, api_key=config.api_key,
                        max_request_bytes=config.max_request_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
+        return ErrorResponse(exc.to_json(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> JSONResponse:
@@ -438,35 +527,51 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await server.completions(request, body)
+        return await loading.ready().completions(request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await server.chat(request, body)
+        return await loading.ready().chat(request, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        server = loading.ready()
         return model_list(server.names, server.model, server.created, server.max_model_len)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return loading.ready().model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return await server.tokenize(body)
+        return await loading.ready().tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        return server.detokenize(body)
+        return loading.ready().detokenize(body)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
-        return server.tokenizer_info()
+        return loading.ready().tokenizer_info()
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return server.health()
+        return loading.ready().health()
+
+    async def ping() -> JSONResponse:
+        """vLLM's (SageMaker's) liveness route, GET or POST: /health's answer."""
+        return loading.ready().health()
+
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": version("jserve")}
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(loading.ready().engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -474,12 +579,13 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 class JServeServer(uvicorn.Server):
     """uvicorn, with jserve's shutdown: on SIGINT/SIGTERM it stops accepting, drains the
     engine (running requests finish for the drain window, the rest end with an error) and
-    only then lets uvicorn close the connections, so no handler is cancelled mid-way."""
+    only then lets uvicorn close the connections, so no handler is cancelled mid-way. A
+    model that fails to load stops it too (`serve` then raises the error)."""
 
     def __init__(self, app: FastAPI, log_level: str = "info", port: int | None = None) -> None:
         """`port`: instead of the config's (0 takes a free one)."""
-        self.openai: OpenAIServer = app.state.server
-        cfg = self.openai.config
+        self.loading: ModelLoading = app.state.loading
+        cfg = self.loading.config
         super().__init__(uvicorn.Config(app, host=cfg.host, port=cfg.port if port is None else port,
                                         log_level=log_level,
                                         timeout_graceful_shutdown=CONNECTION_CLOSE_S))
@@ -487,10 +593,12 @@ class JServeServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            s = self.openai
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            log.info("serving %s with policy %s (%d KV blocks) at http://%s:%d/v1", s.model,
-                     s.policy, s.llm.engine.state.blocks.num_blocks, host, port)
+            log.info("listening at http://%s:%d/v1%s", host, port,
+                     "" if self.loading.server is not None else " (503 until the model has loaded)")
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.loading.error is not None or await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Stop accepting, drain, then let uvicorn close the connections. uvicorn's own
@@ -499,7 +607,8 @@ class JServeServer(uvicorn.Server):
         by side, its timer and the drain's ended together, and uvicorn logged an error)."""
         for server in self.servers:
             server.close()
-        await self.openai.engine.drain(self.openai.config.drain_s)
+        if self.loading.server is not None:
+            await self.loading.server.engine.drain(self.loading.config.drain_s)
         await super().shutdown(sockets)
 
 
@@ -510,12 +619,18 @@ def bind(config: ServerConfig) -> socket.socket:
     return socket.create_server((config.host, config.port), family=family, backlog=2048)
 
 
-def serve(llm: LLM, config: ServerConfig, sock: socket.socket | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (blocking), on `sock` if given (see `bind`). After its
-    graceful shutdown uvicorn raises the signal again, as its default handler would: SIGTERM
-    then ends the process (status 143), SIGINT arrives here as KeyboardInterrupt."""
+def serve(llm: LLM | Callable[[], LLM], config: ServerConfig, sock: socket.socket | None = None,
+          log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (blocking), on `sock` if given (see `bind`); `llm` may be
+    a function that loads the model, called once the server listens. After its graceful
+    shutdown uvicorn raises the signal again, as its default handler would: SIGTERM then
+    ends the process (status 143), SIGINT arrives here as KeyboardInterrupt. A model that
+    failed to load raises its error here once the server has stopped."""
+    server = JServeServer(build_app(llm, config), log_level=log_level)
     with suppress(KeyboardInterrupt):
-        JServeServer(build_app(llm, config)).run(sockets=None if sock is None else [sock])
+        server.run(sockets=None if sock is None else [sock])
+    if server.loading.error is not None:
+        raise server.loading.error
 
 
 @contextmanager
