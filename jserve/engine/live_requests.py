@@ -30,6 +30,8 @@ class LiveRequests:
         # Requests whose every token must be looked at (text to detokenize, stop strings,
         # stop ids, an EOS they do not ignore); the others end by length alone.
         self.token_checked: set[int] = set()
+        # Requests decoding under a grammar: each step's mask needs their last token read.
+        self.constrained: set[int] = set()
 
     @property
     def cols(self) -> RequestArrays:
@@ -51,6 +53,8 @@ class LiveRequests:
         self.awaiting_run.add(req.seq_id)
         if token_checked:
             self.token_checked.add(req.seq_id)
+        if req.matcher is not None:
+            self.constrained.add(req.seq_id)
 
     def remove(self, req: Request) -> None:
         self.table.remove(self._row.pop(req.seq_id))
@@ -58,6 +62,7 @@ class LiveRequests:
         del self._by_request_id[req.request_id]
         self.awaiting_run.discard(req.seq_id)
         self.token_checked.discard(req.seq_id)
+        self.constrained.discard(req.seq_id)
 
     def by_request_id(self, request_id: str) -> Request | None:
         seq_id = self._by_request_id.get(request_id)

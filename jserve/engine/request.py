@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from jserve.engine.sampling_params import SamplingParams
 from jserve.models.tokenizer import IncrementalDetokenizer
+from jserve.structured import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,6 +95,9 @@ class Request:
     # The chat this request is a turn of (None: its own): what the prefix cache tags its
     # blocks with, and the key it isolates caches by when asked to.
     conversation_id: str | None = None
+    # With `params.grammar`: where the output is in it, advanced by every token read
+    # (`stopping.stops_at`); the runner masks the logits by it.
+    matcher: GrammarMatcher | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 
 from jserve.errors import InvalidRequestError
+from jserve.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (OpenAI's cap)
 
@@ -21,7 +22,8 @@ class SamplingParams:
     log-probabilities beside the sampled one's; `prompt_logprobs=N` the same for every prompt
     token after the first. None (the default) computes neither, and the step stays the
     plain one. Log-probabilities are of the model's distribution, before temperature,
-    top-p and top-k.
+    top-p and top-k. `grammar`: the output follows it (a JSON schema, a tool call; see
+    `jserve.structured`): tokens outside it are masked before sampling.
     """
 
     temperature: float = 1.0
@@ -36,6 +38,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     # Lists are accepted for convenience and frozen into tuples.
     def __post_init__(self) -> None:
@@ -71,5 +74,10 @@ class SamplingParams:
                 if getattr(self, name) > MAX_LOGPROBS:
                     raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got "
                                               f"{getattr(self, name)}", name)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar)}", "grammar")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be used with a grammar, whose output ends "
+                                      "with EOS", "ignore_eos")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")

@@ -5,9 +5,9 @@ the runner applies to the logits and which advances by each token the engine com
 This layer sits below the engine: it knows tokenizers and grammars, nothing of requests,
 batches or the server."""
 
-from jserve.structured.compiler import GrammarCompiler, check_grammar
+from jserve.structured.compiler import GrammarCompiler, check_grammar, compiler_for
 from jserve.structured.matcher import GrammarMatcher, bitmask_words
 from jserve.structured.spec import GrammarKind, GrammarSpec, ToolCall, ToolDef
 
 __all__ = ["GrammarCompiler", "GrammarKind", "GrammarMatcher", "GrammarSpec", "ToolCall", "ToolDef",
-           "bitmask_words", "check_grammar"]
+           "bitmask_words", "check_grammar", "compiler_for"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 
 import llguidance
@@ -72,3 +73,17 @@ class GrammarCompiler:
             self._table = llguidance.LLTokenizer(self._tokenizer.hf_json(), n_vocab=self.vocab_size,
                                                  eos_token=self._tokenizer.eos_token_id)
         return self._table
+
+
+_COMPILERS: weakref.WeakKeyDictionary[Tokenizer, dict[int, GrammarCompiler]] = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compiler_for(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
+    """The one compiler of a tokenizer and vocabulary: engines over the same model (the
+    tests build many) share its token table and compiled grammars."""
+    with _COMPILERS_LOCK:
+        by_vocab = _COMPILERS.setdefault(tokenizer, {})
+        if vocab_size not in by_vocab:
+            by_vocab[vocab_size] = GrammarCompiler(tokenizer, vocab_size)
+        return by_vocab[vocab_size]
