@@ -16,6 +16,7 @@ from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.request import Request
+from jserve.structured import bitmask_words, fill_bitmasks
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,19 @@ class BatchBuilder:
             output_index=np.array([len(r.output_token_ids) + r.pending_tokens for r in reqs], np.int32),
             logprobs=any(p.logprobs is not None for p in params) or next_ids is not None,
             next_token_ids=next_ids,
+            token_mask=_token_mask(reqs) if self.live.constrained else None,
         )
+
+
+def _token_mask(reqs: list[Request]) -> np.ndarray | None:
+    """The batch's grammar bitmask: each constrained request's row from its matcher (at its
+    last read token: the loop runs in step while one is live), the others' all ones."""
+    rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+    if not rows:
+        return None
+    mask = np.full((len(reqs), bitmask_words(rows[0][0].vocab_size)), -1, np.int32)
+    fill_bitmasks(mask, rows)
+    return mask
 
 
 def _slice(req: Request, start: int, n: int) -> list[int]:

@@ -6,8 +6,8 @@ This layer sits below the engine: it knows tokenizers and grammars, nothing of r
 batches or the server."""
 
 from jserve.structured.compiler import GrammarCompiler, check_grammar, compiler_for
-from jserve.structured.matcher import GrammarMatcher, bitmask_words
+from jserve.structured.matcher import GrammarMatcher, bitmask_words, fill_bitmasks
 from jserve.structured.spec import GrammarKind, GrammarSpec, ToolCall, ToolDef
 
 __all__ = ["GrammarCompiler", "GrammarKind", "GrammarMatcher", "GrammarSpec", "ToolCall", "ToolDef",
-           "bitmask_words", "check_grammar", "compiler_for"]
+           "bitmask_words", "check_grammar", "compiler_for", "fill_bitmasks"]
