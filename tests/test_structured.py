@@ -69,7 +69,10 @@ def sampled(logits: np.ndarray, rng: np.random.Generator) -> int:
 @pytest.mark.parametrize("pick", [greedy, sampled])
 def test_masked_decoding_follows_the_schema(compiler, smollm2_tokenizer, pick) -> None:
     text = decode(compiler, smollm2_tokenizer, GrammarSpec.json_schema(BOUNDED), pick)
-    jsonschema.validate(json.loads(text), BOUNDED)
+    value = json.loads(text)
+    jsonschema.validate(value, BOUNDED)
+    assert list(value) == [k for k in BOUNDED["properties"] if k in value]  # the schema's order
+    assert ", " in text and '": ' in text and "\n" not in text
 
 
 @pytest.mark.parametrize("pick", [greedy, sampled])

@@ -75,6 +75,16 @@ def test_named_tool_choice_answers_one_tool_call(server) -> None:
     jsonschema.validate(json.loads(call.function.arguments), json.loads(WEATHER.parameters))
 
 
+def test_a_tool_call_cut_short_comes_back_as_content(server) -> None:
+    _, client = server
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [choice] = out.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith("{")
+
+
 def test_required_tool_choice_calls_any_of_the_tools(server) -> None:
     _, client = server
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=128, temperature=1,
