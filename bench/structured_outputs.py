@@ -36,6 +36,8 @@ from jserve.structured import GrammarSpec
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 GOAL = 1.3
+CONTEXT = 256  # prompt + output tokens of a request, at most
+BLOCK = 16
 MIN_ITEMS = 100  # more people than `--tokens` can hold: every request ends by length
 SCHEMA = {"type": "array", "minItems": MIN_ITEMS, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
@@ -51,6 +53,8 @@ def decode_gaps(llm: jserve.LLM, prompts: list[str], tokens: int, grammar: Gramm
     outs = llm.generate(prompts, params, use_tqdm=False)
     if any(len(o.token_ids) != tokens for o in outs):
         raise RuntimeError("a request ended before --tokens: the settings' steps would differ")
+    if grammar is not None and not all(o.text.startswith('[{"name": "') for o in outs):
+        raise RuntimeError("a constrained output does not follow the schema")
     decoding = max(o.metrics.first_token_time for o in outs)
     return [b - a for o in outs for a, b in itertools.pairwise(o.metrics.token_times) if a >= decoding]
 
@@ -76,10 +80,11 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model)
     prompts = [text for _, _, text in sample_lengths("sharegpt", max(args.batches), seed=0,
-                                                     max_total_len=256, output_len=args.tokens)]
+                                                     max_total_len=CONTEXT, output_len=args.tokens)]
     rows = []
     for batch in args.batches:
-        llm = jserve.LLM(loaded, max_num_seqs=batch, warmup=False)
+        llm = jserve.LLM(loaded, max_num_seqs=batch, warmup=False, max_model_len=CONTEXT,
+                         num_blocks=batch * CONTEXT // BLOCK + 1, block_size=BLOCK)
         seconds = step_medians(llm, prompts[:batch], args.tokens, args.repeats)
         ratio = seconds["json_schema"] / seconds["unconstrained"]
         print(f"batch {batch:3d} ({args.model}, {device_name()}): unconstrained "
