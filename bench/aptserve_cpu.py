@@ -67,8 +67,8 @@ def main() -> None:
         kv, hid = _batch(starts, q, BLOCK), _batch(starts, q, BLOCK, per_hidden_block)
         t_kv = median_seconds(lambda: runner.execute(kv), repeats=repeats)
         t_hid = median_seconds(lambda: runner.execute(hid), repeats=repeats)
-        kv_blocks = sum(len(t) for t in kv.inputs.block_tables)
-        hid_blocks = sum(len(t) for t in hid.inputs.block_tables)
+        kv_blocks = sum(len(t) for _, t in kv.inputs.delta.tables.values())
+        hid_blocks = sum(len(t) for _, t in hid.inputs.delta.tables.values())
         predicted = rho * hid_blocks
         row = {"context": c, "seqs": SEQS, "kv_blocks": kv_blocks, "hidden_blocks": hid_blocks,
                "kv_mib": kv_blocks * bytes_per_block / 2**20, "hidden_mib": hid_blocks * bytes_per_block / 2**20,

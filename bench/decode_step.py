@@ -51,7 +51,7 @@ from device_timing import (
     today,
 )
 
-from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.batch import Batch, BatchDelta, BatchInputs
 from jserve.runners.jax_runner import JaxRunner, build_step_inputs
 from jserve.models.loading import load_model
 from jserve.pallas_kernels.backends import ATTENTION_BACKENDS, select_attention
@@ -65,12 +65,9 @@ def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, voc
     """`batch` sequences each decoding the token at position `context - 1`."""
     per_seq = -(-context // block_size)
     ids = rng.permutation(num_blocks)[: batch * per_seq].astype(np.int32)
-    z = lambda dt: np.zeros(batch, dt)  # noqa: E731
     inputs = BatchInputs(
-        token_ids=rng.integers(0, vocab, batch).astype(np.int32),
-        block_tables=tuple(np.split(ids, batch)), temperature=z(np.float32),
-        top_p=np.ones(batch, np.float32), top_k=z(np.int32), seeds=z(np.uint32),
-        output_index=z(np.int32))
+        token_ids=rng.integers(0, vocab, batch).astype(np.int32), output_index=np.zeros(batch, np.int32),
+        delta=BatchDelta.of_sequences(range(batch), np.split(ids, batch)))
     return Batch(seq_ids=np.arange(batch), start=np.full(batch, context - 1, np.int32),
                  query_lens=np.ones(batch, np.int32), sample=np.ones(batch, bool), inputs=inputs)
 
@@ -148,8 +145,9 @@ def main() -> None:
         runner.cache.v[i] = random_like(shape, dtype, 2 * i + 1)
     step_batch = decode_batch(batch, args.context, args.block_size, num_blocks, cfg.vocab_size, rng)
 
-    x = jax.device_put(build_step_inputs(step_batch, runner.buckets, args.block_size,
-                                         runner.scratch_block, runner.mark_decode))
+    runner.held.apply(step_batch.inputs.delta)
+    x = jax.device_put(build_step_inputs(step_batch, runner.buckets, args.block_size, runner.held,
+                                         runner.mark_decode))
 
     allowed = runner._allowed(step_batch, x.temperature.shape[0])
 

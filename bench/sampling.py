@@ -28,6 +28,7 @@ Run it with another checkout's jserve first on PYTHONPATH for a before/after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -42,7 +43,7 @@ from device_timing import device_name, results_tag, today, turn_about_medians
 
 import jserve
 from jserve.benchmarking.workload import sample_lengths
-from jserve.engine.batch import Batch
+from jserve.engine.batch import Batch, BatchDelta
 from jserve.models.loading import load_model
 from jserve.runners.jax_runner import JaxRunner
 
@@ -60,13 +61,11 @@ SETTINGS = {
 
 def with_sampling(batch: Batch, temperature: float, top_k: int, top_p: float) -> Batch:
     """`batch` with every sequence sampling under these settings, seeded apart."""
-    n = batch.num_seqs
     x = batch.inputs
-    inputs = x.__class__(**{**vars(x), "temperature": np.full(n, temperature, np.float32),
-                            "top_k": np.full(n, top_k, np.int32),
-                            "top_p": np.full(n, top_p, np.float32),
-                            "seeds": np.arange(n, dtype=np.uint32)})
-    return Batch(**{**vars(batch), "inputs": inputs})
+    delta = BatchDelta.of_sequences(batch.seq_ids, [t for _, t in x.delta.tables.values()],
+                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=np.arange(batch.num_seqs))
+    return dataclasses.replace(batch, inputs=dataclasses.replace(x, delta=delta))
 
 
 def time_settings(runner: JaxRunner, batch: Batch, repeats: int) -> dict[str, float]:

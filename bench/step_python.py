@@ -28,25 +28,25 @@ def measure() -> float:
     import jax
     import numpy as np
 
-    from jserve.engine.batch import Batch, BatchInputs
+    from jserve.engine.batch import Batch, BatchDelta, BatchInputs
     from jserve.engine.view import SchedulerLimits
+    from jserve.runners.input_batch import PersistentBatch
     from jserve.runners.jax_runner import Buckets, build_step_inputs
 
     n = SEQS
     buckets = Buckets.for_limits(SchedulerLimits(256, 2048, 2048), BLOCK)
     rng = np.random.default_rng(0)
-    inputs = BatchInputs(
-        token_ids=np.ones(n, np.int32), block_tables=tuple(rng.permutation(2000)[:64].astype(np.int32)
-                                                           for _ in range(n)),
-        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
-        seeds=np.zeros(n, np.uint32), output_index=np.zeros(n, np.int32))
+    tables = [rng.permutation(2000)[:64].astype(np.int32) for _ in range(n)]
+    inputs = BatchInputs(token_ids=np.ones(n, np.int32), output_index=np.zeros(n, np.int32),
+                         delta=BatchDelta.of_sequences(range(n), tables))
+    held = PersistentBatch.holding(inputs.delta, buckets.max_blocks_per_seq, 5000)
     batch = Batch(seq_ids=np.arange(n), start=np.full(n, 500, np.int32), query_lens=np.ones(n, np.int32),
                   sample=np.ones(n, bool), inputs=inputs)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(CALLS):
-            jax.tree.flatten(build_step_inputs(batch, buckets, BLOCK, 5000, True))
+            jax.tree.flatten(build_step_inputs(batch, buckets, BLOCK, held, True))
         best = min(best, (time.perf_counter() - t0) / CALLS * 1e6)
     return best
 

@@ -57,7 +57,7 @@ def pow2_at_least(n: int, floor: int) -> int:
 
 
 def paged_batch(token_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray,
-                block_tables: Sequence[Sequence[int]], *, num_tokens: int, num_seqs: int,
+                block_tables: Sequence[Sequence[int]] | np.ndarray, *, num_tokens: int, num_seqs: int,
                 max_blocks: int, block_size: int, scratch_block: int,
                 decode_only: bool = False) -> PagedBatch:
     """A batch padded to `num_tokens` tokens and `num_seqs` sequences: sequence `i` computes

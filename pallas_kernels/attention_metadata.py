@@ -61,7 +61,7 @@ class AttentionMetadata:
 def ragged_metadata(
     starts: np.ndarray,
     query_lens: np.ndarray,
-    tables: Sequence[np.ndarray],
+    tables: Sequence[np.ndarray] | np.ndarray,
     *,
     num_tokens: int,
     num_seqs: int,
@@ -73,14 +73,19 @@ def ragged_metadata(
     """Host-side (numpy) metadata of a step padded to `num_tokens` x `num_seqs`.
 
     Sequence `i` computes `query_lens[i]` tokens from position `starts[i]` through the
-    physical blocks `tables[i]`. Padding tokens write to the scratch block; padded sequences
-    are empty and their tables point at the scratch block.
+    physical blocks `tables[i]`: one array per sequence, or rows of a `[n, >= max_blocks]`
+    array already padded with the scratch block (a runner's persistent tables). Padding
+    tokens write to the scratch block; padded sequences are empty and their tables point at
+    the scratch block.
     """
     n = len(query_lens)
     t_real = int(np.sum(query_lens))
     block_tables = np.full((num_seqs, max_blocks), scratch_block, np.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
+    if isinstance(tables, np.ndarray) and tables.ndim == 2:
+        block_tables[:n] = tables[:, :max_blocks]
+    else:
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = table
     seq_of_token = np.repeat(np.arange(n), query_lens)
     query_start = np.zeros(num_seqs + 1, np.int32)
     query_start[1 : n + 1] = np.cumsum(query_lens)

@@ -50,6 +50,9 @@ def next_token(seq_id: int, context: list[int] | np.ndarray, vocab_size: int) ->
     return zlib.crc32(data) % vocab_size
 
 
+NO_BLOCKS = np.zeros(0, np.int32)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -87,6 +90,9 @@ class FakeRunner:
         self.kv = np.full((3, num_layers, num_blocks, width), -1, np.int64)
         self.host_kv = np.full((3, num_layers, max(1, num_host_blocks), width), -1, np.int64)
         self.host: dict[int, np.ndarray] = {}  # swapped seq -> its blocks' (tok, owner, pos) x layer
+        # Each sequence's block table, kept from the batches' deltas alone (the persistent
+        # batch's contract, checked here against what the sequences read and write).
+        self.tables: dict[int, np.ndarray] = {}
         self.num_calls = 0
         self.num_swaps = 0  # requests swapped out
         self.num_promotions = 0  # prefix-cache blocks copied back from the host tier
@@ -140,26 +146,38 @@ class FakeRunner:
         """(pool, layer, block table) of every layer of batch sequence `i`."""
         tables = batch.inputs.layer_tables.get(i)
         if tables is None:
-            return [(self.kv, layer, batch.inputs.block_tables[i]) for layer in range(self.kv.shape[1])]
+            return [(self.kv, layer, self.tables.get(int(batch.seq_ids[i]), NO_BLOCKS))
+                    for layer in range(self.kv.shape[1])]
         return [(self.kv, layer, d) if len(d) or not len(h) else (self.host_kv, layer, h)
                 for layer, (d, h) in enumerate(zip(tables.device, tables.host))]
 
+    def _apply_delta(self, batch: Batch) -> None:
+        delta = batch.inputs.delta
+        for seq in delta.ended:
+            self.tables.pop(seq, None)
+        for seq, (at, blocks) in delta.tables.items():
+            old = self.tables.get(seq, NO_BLOCKS)
+            assert at <= len(old), f"seq {seq}: a table changed from {at}, past its end {len(old)}"
+            self.tables[seq] = np.concatenate([old[:at], blocks])
+
     def execute(self, batch: Batch) -> StepOutput:
         self.num_calls += 1
+        self._apply_delta(batch)
         self._move_blocks(batch)
         s = batch.num_seqs
         if s == 0:
-            assert batch.moves_blocks, "an empty batch that moves nothing"
+            assert batch.updates_runner, "an empty batch that changes nothing"
             return StepOutput.empty()
         assert 1 <= s <= self.limits.max_num_seqs
         assert batch.num_tokens == int(batch.query_lens.sum()) <= self.limits.max_num_batched_tokens
-        assert len(batch.inputs.block_tables) == s and len(set(batch.seq_ids.tolist())) == s
+        assert len(set(batch.seq_ids.tolist())) == s
+        tables = [self.tables.get(int(seq), NO_BLOCKS) for seq in batch.seq_ids.tolist()]
         for layer in range(self.kv.shape[1]):
             held = [b for i in range(s) for pool, l, t in self._places(batch, i)
                     if l == layer and pool is self.kv for b in t.tolist()]
             if self.context_of is None:
                 assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
-        held = [b for t in batch.inputs.block_tables for b in t.tolist()]
+        held = [b for t in tables for b in t.tolist()]
         per_block = np.full(s, self.block_size)
         if batch.hidden is not None:
             assert self.hidden_block_tokens > 0 and len(batch.hidden) == s
@@ -167,7 +185,7 @@ class FakeRunner:
             per_block[batch.hidden] = self.hidden_block_tokens
             self.num_hidden_runs += int(batch.hidden.sum())
         written = [set(t[int(s0) // int(bs):].tolist())
-                   for t, s0, bs in zip(batch.inputs.block_tables, batch.start, per_block)]
+                   for t, s0, bs in zip(tables, batch.start, per_block)]
         shared = [b for b, n in zip(*np.unique(held, return_counts=True)) if n > 1]
         assert not set(shared) & set().union(*written), "a step writes into a shared KV block"
         next_tokens = np.zeros(s, np.int32)

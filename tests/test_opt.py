@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from jserve import LLM, SamplingParams
-from jserve.engine.batch import Batch, BatchInputs
+from jserve.engine.batch import Batch, BatchDelta, BatchInputs
 from jserve.engine.view import SchedulerLimits
+from jserve.runners.input_batch import PersistentBatch
 from jserve.runners.jax_runner import Buckets, build_step_inputs
 from jserve.models.dense_reference import dense_greedy_generate, dense_logits
 from jserve.models.loading import LoadedModel, abstract_model, load_model
@@ -44,17 +45,15 @@ def _paged_logits(
     """Run one ragged step the way `JaxRunner` builds it; the logits of every new token."""
     query_lens = np.array([len(t) for t in new_tokens], np.int32)
     n = len(new_tokens)
-    inputs = BatchInputs(
-        token_ids=np.concatenate(new_tokens).astype(np.int32), block_tables=tuple(tables),
-        temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32),
-        top_k=np.zeros(n, np.int32), seeds=np.zeros(n, np.uint32),
-        output_index=np.zeros(n, np.int32),
-    )
+    inputs = BatchInputs(token_ids=np.concatenate(new_tokens).astype(np.int32),
+                         output_index=np.zeros(n, np.int32),
+                         delta=BatchDelta.of_sequences(range(n), tables))
     batch = Batch(seq_ids=np.arange(n), start=np.array(start, np.int32), query_lens=query_lens,
                   sample=np.ones(n, bool), inputs=inputs)
     buckets = Buckets.for_limits(SchedulerLimits(8, 128, MAX_MODEL_LEN), BLOCK_SIZE)
     # The runner's jit turns the numpy inputs into device arrays; do so here without a jit.
-    x = build_step_inputs(batch, buckets, BLOCK_SIZE, cache.scratch_block)
+    held = PersistentBatch.holding(inputs.delta, buckets.max_blocks_per_seq, cache.scratch_block)
+    x = build_step_inputs(batch, buckets, BLOCK_SIZE, held)
     x = jax.tree.map(jnp.asarray, x)
     hidden, cache = model(x.batch.token_ids, cache, x.batch.meta, select_attention("reference"))
     logits = np.asarray(model.logits(hidden))

@@ -181,7 +181,8 @@ def test_hypothesis_small_cases(backend, data, geometry):
 
 def test_metadata_builder_matches_jax_runner_inputs():
     """The layout these tests build is the one `JaxRunner._inputs` builds."""
-    from jserve.engine.batch import Batch, BatchInputs
+    from jserve.engine.batch import Batch, BatchDelta, BatchInputs
+    from jserve.runners.input_batch import PersistentBatch
     from jserve.runners.jax_runner import Buckets, build_step_inputs
 
     bs = 4
@@ -192,15 +193,12 @@ def test_metadata_builder_matches_jax_runner_inputs():
     n = len(seqs)
     scratch = case.k_pages.shape[0] - 1
     buckets = Buckets(max_tokens=64, max_seqs=16, max_blocks_per_seq=case.max_blocks_per_seq)
-    z = lambda dt: np.zeros(n, dt)  # noqa: E731
-    inputs = BatchInputs(
-        token_ids=np.zeros(case.t_real, np.int32), block_tables=tuple(case.tables),
-        temperature=z(np.float32), top_p=np.ones(n, np.float32), top_k=z(np.int32),
-        seeds=z(np.uint32), output_index=z(np.int32),
-    )
+    inputs = BatchInputs(token_ids=np.zeros(case.t_real, np.int32), output_index=np.zeros(n, np.int32),
+                         delta=BatchDelta.of_sequences(range(n), case.tables))
     batch = Batch(seq_ids=np.arange(n), start=np.array(case.starts, np.int32),
                   query_lens=np.array(case.qlens, np.int32), sample=np.ones(n, bool), inputs=inputs)
-    meta = build_step_inputs(batch, buckets, bs, scratch).batch.meta
+    held = PersistentBatch.holding(inputs.delta, buckets.max_blocks_per_seq, scratch)
+    meta = build_step_inputs(batch, buckets, bs, held).batch.meta
     t, s = meta.positions.shape[0], meta.context_lens.shape[0]
     assert t >= case.t_real and s >= n
     ours = case.meta

@@ -33,6 +33,9 @@ class BlockManager:
         # any table while lent.
         self.lent = np.zeros(num_blocks, dtype=bool)
         self.num_lent = 0
+        # Tables changed since the last `take_changes`: seq id -> first changed index. A
+        # runner that keeps tables between steps is sent these changes, not whole tables.
+        self._changed: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -60,6 +63,7 @@ class BlockManager:
         if n == 0:
             return
         table = self._tables.setdefault(seq_id, [])
+        self._touch(seq_id, len(table))
         for _ in range(n):
             block = self._free.pop()
             self.ref_counts[block] += 1
@@ -85,6 +89,7 @@ class BlockManager:
         """Hand a sequence's whole table to a `LayerSlab` (its blocks keep their contents and
         become split blocks it holds every slot of); the sequence holds no table after."""
         table = self._tables.pop(seq_id, [])
+        self._touch(seq_id, 0)
         if (self.ref_counts[table] != 1).any():
             raise PlanError(f"seq {seq_id}: a shared block cannot be split into layer slots")
         self.ref_counts[table] = 0
@@ -104,6 +109,7 @@ class BlockManager:
                 self.num_evictable -= 1
             self.ref_counts[block] += 1
         if blocks:
+            self._touch(seq_id, 0)
             self._tables[seq_id] = list(blocks)
             self.num_table_blocks += len(blocks)
 
@@ -111,6 +117,8 @@ class BlockManager:
         """Release every block the sequence holds; returns how many were held. Cached
         blocks nobody references any more stay cached, evictable."""
         table = self._tables.pop(seq_id, [])
+        if table:
+            self._touch(seq_id, 0)
         cached = self.prefix.cached if self.prefix is not None else None
         for block in reversed(table):
             self.ref_counts[block] -= 1
@@ -121,6 +129,19 @@ class BlockManager:
                     self._free.append(block)
         self.num_table_blocks -= len(table)
         return len(table)
+
+    def _touch(self, seq_id: int, at: int) -> None:
+        self._changed[seq_id] = min(at, self._changed.get(seq_id, at))
+
+    def take_changes(self) -> dict[int, tuple[int, np.ndarray]]:
+        """Each table changed since the last call: seq id -> (first changed index, the
+        table from that index on; empty for a freed table)."""
+        changed, self._changed = self._changed, {}
+        return {s: (at, np.asarray(self._tables.get(s, ())[at:], np.int32)) for s, at in changed.items()}
+
+    def discard_changes(self) -> None:
+        """Forget the changes (no runner keeps tables: the simulator)."""
+        self._changed.clear()
 
     def released_by(self, seq_ids: list[int]) -> np.ndarray:
         """Blocks no one would reference once these sequences free their tables."""

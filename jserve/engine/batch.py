@@ -2,25 +2,67 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
 @dataclass(frozen=True)
+class SequenceSettings:
+    """Sampling settings of sequences a runner meets for the first time, by seq id: a
+    sequence keeps them for its life, so they are sent once, not every step."""
+
+    seq_ids: np.ndarray  # [N] int64
+    temperature: np.ndarray  # [N] float32
+    top_p: np.ndarray  # [N] float32
+    top_k: np.ndarray  # [N] int32, 0 = off
+    seeds: np.ndarray  # [N] uint32
+
+
+@dataclass(frozen=True)
+class BatchDelta:
+    """What changed in the sequences a real runner keeps between steps (its persistent
+    batch, `jserve.runners.input_batch`) since the previous batch with inputs: sequences
+    new to it with their settings, block tables changed from some index on (appended
+    blocks, or a table freed by a preemption: empty from 0), and sequences that ended.
+    A decode step of sequences the runner already holds sends one block at most."""
+
+    added: SequenceSettings
+    tables: dict[int, tuple[int, np.ndarray]]  # seq id -> (first changed index, table from it)
+    ended: tuple[int, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (len(self.added.seq_ids) or self.tables or self.ended)
+
+    @classmethod
+    def of_sequences(cls, seq_ids: Sequence[int], tables: Sequence[np.ndarray], *,
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     seed: int | np.ndarray = 0) -> BatchDelta:
+        """Sequences and their whole tables from scratch, with the same settings (or one
+        seed each): a batch made by hand (profiling, benchmarks), not by an engine."""
+        n = len(seq_ids)
+
+        def each(value: float | np.ndarray, dtype: type) -> np.ndarray:
+            return np.broadcast_to(np.asarray(value, dtype), (n,)).copy()
+
+        return cls(SequenceSettings(np.asarray(seq_ids, np.int64), each(temperature, np.float32),
+                                    each(top_p, np.float32), each(top_k, np.int32), each(seed, np.uint32)),
+                   {int(s): (0, np.asarray(t, np.int32)) for s, t in zip(seq_ids, tables)})
+
+
+@dataclass(frozen=True)
 class BatchInputs:
-    """What a real runner needs beyond the shape of the work: token ids, block tables and
-    sampling settings. The simulator never asks for them, which keeps its steps cheap."""
+    """What a real runner needs beyond the shape of the work: this step's token ids and
+    what changed in the sequences it holds (`delta`). The simulator never asks for them,
+    which keeps its steps cheap."""
 
     token_ids: np.ndarray  # [T] int32, flat
-    block_tables: tuple[np.ndarray, ...]  # S arrays of physical block ids
-    temperature: np.ndarray  # [S] float32
-    top_p: np.ndarray  # [S] float32
-    top_k: np.ndarray  # [S] int32, 0 = off
-    seeds: np.ndarray  # [S] uint32
     output_index: np.ndarray  # [S] int32: index of the token being sampled (for the RNG)
+    delta: BatchDelta
     # Sequences that keep only some layers on the device (LayerKV), by batch index: their
-    # blocks per layer. Their `block_tables` entry is empty.
+    # blocks per layer. Their block table is empty.
     layer_tables: dict[int, LayerTables] = field(default_factory=dict)
     # Only when a request asks (`SamplingParams.logprobs` / `prompt_logprobs`): the
     # runner then also returns the top log-probabilities of sampled tokens, and with
@@ -123,6 +165,12 @@ class Batch:
     @property
     def moves_blocks(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.host_dropped or self.layer_traffic is not None)
+
+    @property
+    def updates_runner(self) -> bool:
+        """Block moves, or changes to the sequences a runner keeps, that it must see even
+        when nothing runs."""
+        return self.moves_blocks or (self.inputs is not None and not self.inputs.delta.is_empty)
 
     @property
     def num_swapped_blocks(self) -> int:

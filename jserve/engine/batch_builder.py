@@ -1,6 +1,6 @@
 """The runner's work list for an applied plan: which sequences compute which tokens, which
 of them yield a token, the block copies to make first, and (for a runner that runs a
-model) the token ids, block tables and sampling settings."""
+model) the token ids and what changed in the sequences it keeps (`batch_delta`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import numpy as np
 from jserve.cache.blocks import BlockManager
 from jserve.cache_features.hidden_cache.section import CacheType
 from jserve.engine.batch import Batch, BatchInputs, LayerMove, LayerTraffic
+from jserve.engine.batch_delta import DeltaTracker
 from jserve.cache_features.layer_offload.residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
-from jserve.engine.request import Request
+from jserve.engine.request import PLACEHOLDER, Request
 from jserve.structured import bitmask_words, fill_bitmasks
 
 
@@ -24,6 +25,7 @@ class BatchBuilder:
     live: LiveRequests
     blocks: BlockManager
     residency: LayerResidency
+    deltas: DeltaTracker
 
     def build(self, checked: CheckedPlan, moves: Moves, host_dropped: tuple[int, ...],
               with_inputs: bool) -> Batch:
@@ -35,7 +37,11 @@ class BatchBuilder:
         sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
         hidden = cols.cache_type[checked.run_rows] == CacheType.HIDDEN
         partial = self._partial_runs(seq_ids) if self.residency.partial else {}
-        inputs = self._inputs(seq_ids, start, query_lens, partial) if with_inputs else None
+        if with_inputs:
+            inputs = self._inputs(seq_ids, start, query_lens, partial)
+        else:
+            inputs = None
+            self.deltas.discard()
         layers = moves.layers
         layer_moves = {} if layers is None else dict(
             layers_to_host=tuple(layers.to_host), layers_to_device=tuple(layers.to_device),
@@ -78,24 +84,21 @@ class BatchBuilder:
 
     def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray,
                 partial: dict[int, int]) -> BatchInputs:
-        reqs = [self.live.requests[int(s)] for s in seq_ids]
-        tokens = [_slice(r, b, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist())]
-        params = [r.params for r in reqs]
+        reqs = [self.live.requests[s] for s in seq_ids.tolist()]
+        starts, lens = start.tolist(), query_lens.tolist()
+        tokens = [_slice(r, b, q) for r, b, q in zip(reqs, starts, lens)]
         next_ids = None
-        if any(p.prompt_logprobs is not None for p in params):
-            following = (_slice(r, b + 1, q) for r, b, q in zip(reqs, start.tolist(), query_lens.tolist()))
+        if any(r.params.prompt_logprobs is not None for r in reqs):
+            following = (_slice(r, b + 1, q) for r, b, q in zip(reqs, starts, lens))
             next_ids = np.concatenate([np.pad(np.asarray(f, np.int32), (0, q - len(f)))
-                                       for f, q in zip(following, query_lens.tolist())])
+                                       for f, q in zip(following, lens)])
         return BatchInputs(
             token_ids=np.fromiter((t for chunk in tokens for t in chunk), np.int32, int(query_lens.sum())),
+            output_index=np.fromiter((len(r.output_token_ids) + r.pending_tokens for r in reqs),
+                                     np.int32, len(reqs)),
+            delta=self.deltas.take(seq_ids),
             layer_tables={i: self.residency.tables(s) for i, s in partial.items()},
-            block_tables=tuple(np.asarray(self.blocks.table(int(s)), np.int32) for s in seq_ids),
-            temperature=np.array([p.temperature for p in params], np.float32),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int32),
-            seeds=np.array([_seed(r) for r in reqs], np.uint32),
-            output_index=np.array([len(r.output_token_ids) + r.pending_tokens for r in reqs], np.int32),
-            logprobs=any(p.logprobs is not None for p in params) or next_ids is not None,
+            logprobs=any(r.params.logprobs is not None for r in reqs) or next_ids is not None,
             next_token_ids=next_ids,
             token_mask=_token_mask(reqs) if self.live.constrained else None,
         )
@@ -113,13 +116,14 @@ def _token_mask(reqs: list[Request]) -> np.ndarray | None:
 
 
 def _slice(req: Request, start: int, n: int) -> list[int]:
+    """Tokens `start` to `start + n` of the request (a not yet read one is `PLACEHOLDER`),
+    without joining its prompt and output: a decode reads one token of a long history."""
     prompt = req.prompt_token_ids
     if start + n <= len(prompt):
         return prompt[start : start + n]
+    if start >= len(prompt):
+        out = req.output_token_ids
+        at = start - len(prompt)
+        got = out[at : at + n]
+        return got + [PLACEHOLDER] * min(n - len(got), req.pending_tokens)
     return req.all_token_ids[start : start + n]
-
-
-def _seed(req: Request) -> int:
-    """Per-request RNG seed: the user's, or one derived from the engine's seq id."""
-    seed = req.params.seed if req.params.seed is not None else req.seq_id * 2654435761
-    return seed & 0xFFFFFFFF

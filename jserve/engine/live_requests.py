@@ -32,6 +32,9 @@ class LiveRequests:
         self.token_checked: set[int] = set()
         # Requests decoding under a grammar: each step's mask needs their last token read.
         self.constrained: set[int] = set()
+        # Seq ids removed since the last `take_ended`: a runner holding per-sequence state
+        # frees theirs.
+        self._ended: list[int] = []
 
     @property
     def cols(self) -> RequestArrays:
@@ -63,6 +66,12 @@ class LiveRequests:
         self.awaiting_run.discard(req.seq_id)
         self.token_checked.discard(req.seq_id)
         self.constrained.discard(req.seq_id)
+        self._ended.append(req.seq_id)
+
+    def take_ended(self) -> list[int]:
+        """Seq ids removed since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def by_request_id(self, request_id: str) -> Request | None:
         seq_id = self._by_request_id.get(request_id)

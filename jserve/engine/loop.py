@@ -156,7 +156,7 @@ class Engine:
         self.stats.num_swaps += sum(m is PreemptMode.SWAP for m in plan.preempt.values())
         batch = self.state.batch(with_inputs=self.runner.needs_inputs)
         if batch.num_seqs == 0:
-            if batch.moves_blocks:
+            if batch.updates_runner:
                 self.runner.execute(batch)
             if (not plan.preempt and not plan.swap_in and not plan.features and len(view.requests)
                     and self._in_flight is None):

@@ -29,6 +29,7 @@ from jserve.cache_features.registry import build_features
 from jserve.engine.admission import Admission, PredictionSource, RequestOptions
 from jserve.engine.batch import Batch, BlockMove, RepeatedSteps, StepOutput
 from jserve.engine.batch_builder import BatchBuilder
+from jserve.engine.batch_delta import DeltaTracker
 from jserve.engine.invariants import check_invariants
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.load_meter import LoadMeter
@@ -103,7 +104,8 @@ class EngineState:
         self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
         # The batch builder (runner side, being reworked) still reads partly offloaded
         # requests' slots itself, from the layer feature's residency.
-        self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency)
+        self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency,
+                                     DeltaTracker(self.live, self.blocks))
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse)
         self._applied: CheckedPlan | None = None

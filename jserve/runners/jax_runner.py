@@ -28,6 +28,7 @@ from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
+from jserve.runners.input_batch import PersistentBatch
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.structured import bitmask_words
@@ -171,15 +172,16 @@ class HiddenLayout:
                    -(-max_model_len // (2 * rows)))
 
 
-def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
+def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
                       mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None,
                       hidden: HiddenLayout | None = None, feed: np.ndarray | None = None) -> StepInputs:
-    """Pad a batch to its bucket; padding tokens write to the scratch block, padded
-    sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode steps, for
-    backends with a decode kernel. `staging`: the staging blocks each partly offloaded
-    sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the model's
-    hidden-cache layout, for the batch's `hidden` sequences. `feed` ([num_tokens]): the
-    previous step's row each token is read from (-1: the batch's own id)."""
+    """Pad a batch to its bucket, its tables and sampling settings gathered from the
+    sequences' slots of `held` (its delta applied); padding tokens write to the scratch
+    block, padded sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode
+    steps, for backends with a decode kernel. `staging`: the staging blocks each partly
+    offloaded sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the
+    model's hidden-cache layout, for the batch's `hidden` sequences. `feed`
+    ([num_tokens]): the previous step's row each token is read from (-1: the batch's own id)."""
     n = batch.num_seqs
     t = b.tokens(batch.num_tokens)
     s = b.seqs(t)
@@ -188,21 +190,23 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
     if x is None:
         raise ValueError("the JAX runner needs a batch built with inputs")
 
-    tables = x.block_tables
+    slots = held.slots(batch.seq_ids.tolist())
+    tables = held.tables[slots]
     if batch.hidden is not None:
         if hidden is None:
             raise ValueError("a hidden-cache sequence, but this model's blocks hold no hidden row")
-        tables = [t[:0] if h else t for t, h in zip(tables, batch.hidden.tolist())]
+        tables[batch.hidden] = held.scratch_block
     step = paged_batch(
         x.token_ids, batch.start, q, tables, num_tokens=t, num_seqs=s,
-        max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=scratch_block,
+        max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=held.scratch_block,
         decode_only=mark_decode and bool(np.all(q == 1)),
     )
     meta = step.meta
     if batch.hidden is not None:
-        meta = with_hidden(meta, batch.hidden, x.block_tables, rows_per_page=hidden.rows_per_page,
-                           row_size=hidden.row_size, page_size=hidden.page_size,
-                           max_blocks=hidden.max_blocks, scratch_block=scratch_block, block_size=bs)
+        meta = with_hidden(meta, batch.hidden, [held.table(i) for i in slots.tolist()],
+                           rows_per_page=hidden.rows_per_page, row_size=hidden.row_size,
+                           page_size=hidden.page_size, max_blocks=hidden.max_blocks,
+                           scratch_block=held.scratch_block, block_size=bs)
     if x.layer_tables:
         per_layer = {i: [d if len(d) else staging[i] for d in tables.device]
                      for i, tables in x.layer_tables.items()}
@@ -221,7 +225,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, scratch_block: int,
         fed[:batch.num_tokens] = feed
     if meta is not step.meta:
         step = dataclasses.replace(step, meta=meta)
-    return StepInputs(step, pad(x.temperature), pad(x.top_p, 1.0), pad(x.top_k), pad(x.seeds),
+    return StepInputs(step, pad(held.temperature[slots]), pad(held.top_p[slots], 1.0),
+                      pad(held.top_k[slots]), pad(held.seeds[slots]),
                       pad(x.output_index), fed, next_ids, np.bool_(x.logprobs),
                       np.bool_(x.next_token_ids is not None))
 
@@ -236,15 +241,13 @@ def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndar
 
 
 def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
-    """The sequences `rows` (consecutive) of a batch whose copies are done: their tokens,
-    tables and sampling settings."""
+    """The sequences `rows` (consecutive) of a batch whose copies are done and whose delta
+    is applied: their tokens."""
     x, lo, hi = batch.inputs, int(rows[0]), int(rows[-1]) + 1
     offsets = np.concatenate([[0], np.cumsum(batch.query_lens)])
     t0, t1 = int(offsets[lo]), int(offsets[hi])
     inputs = dataclasses.replace(
-        x, token_ids=x.token_ids[t0:t1], block_tables=x.block_tables[lo:hi],
-        temperature=x.temperature[lo:hi], top_p=x.top_p[lo:hi], top_k=x.top_k[lo:hi],
-        seeds=x.seeds[lo:hi], output_index=x.output_index[lo:hi],
+        x, token_ids=x.token_ids[t0:t1], output_index=x.output_index[lo:hi],
         layer_tables={i - lo: t for i, t in x.layer_tables.items() if lo <= i < hi},
         next_token_ids=None if x.next_token_ids is None else x.next_token_ids[t0:t1],
         token_mask=None if x.token_mask is None else x.token_mask[lo:hi])
@@ -386,6 +389,8 @@ class JaxRunner:
         self.scratch_block = self.cache.scratch_block
         self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
         self.hidden_steps = hidden_steps and self.hidden_layout is not None
+        width = max(self.buckets.max_blocks_per_seq, self.hidden_layout.max_blocks if self.hidden_steps else 0)
+        self.held = PersistentBatch(width, self.scratch_block)
         attention_fn = select_attention(attention)
         if tp is not None:
             attention_fn = tp.attention(attention_fn)
@@ -555,6 +560,8 @@ class JaxRunner:
         """Start the step; its outputs are read when the caller asks (`PendingStep.result`).
         Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
         token its sequence sampled in the previous dispatched step, read on the device."""
+        if batch.inputs is not None:  # (a batch that only moves blocks may have none)
+            self.held.apply(batch.inputs.delta)
         layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
         self._write_layers(layer_reads)
@@ -585,8 +592,8 @@ class JaxRunner:
         staging = self._staging(batch)
         if staging:
             self._stream_in(batch, staging)
-        x = build_step_inputs(batch, self.buckets, self.block_size, self.scratch_block,
-                              self.mark_decode, staging, self.hidden_layout, self._feed(batch))
+        x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
+                              staging, self.hidden_layout, self._feed(batch))
         result, self.cache, self._fed = self._executable(x)(
             self._weights, self.cache, self._fed, x, self._allowed(batch, x.temperature.shape[0]))
         sampled = np.flatnonzero(batch.sample)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jserve.engine.batch import Batch, BatchInputs, BlockMove
+from jserve.engine.batch import Batch, BatchDelta, BatchInputs, BlockMove
 from jserve.runners.cost_model import CalibratedCostModel, StepShape
 from jserve.runners.jax_runner import JaxRunner
 from jserve.runners.preemption_cost import PreemptionProfile
@@ -58,8 +58,7 @@ def _batch(starts: list[int], query_lens: list[int], block_size: int, hidden_blo
     offsets = np.cumsum([0, *sizes])
     tables = tuple(np.arange(offsets[i], offsets[i + 1], dtype=np.int32) for i in range(n))
     z = np.zeros
-    inputs = BatchInputs(z(int(q.sum()), np.int32), tables, z(n, np.float32), np.ones(n, np.float32),
-                         z(n, np.int32), z(n, np.uint32), z(n, np.int32))
+    inputs = BatchInputs(z(int(q.sum()), np.int32), z(n, np.int32), BatchDelta.of_sequences(range(n), tables))
     hidden = np.ones(n, bool) if hidden_block_tokens else None
     return Batch(np.arange(n), start, q, np.ones(n, bool), inputs, hidden=hidden)
 
@@ -124,7 +123,7 @@ def measure_preemption(runner: JaxRunner, sizes: list[int], repeats: int = 3) ->
     for n in sizes:
         prefill = _batch([0], [n], runner.block_size)
         recompute.append(_timed(lambda b=prefill: runner.execute(b), repeats))
-        blocks = prefill.inputs.block_tables[0]
+        blocks = prefill.inputs.delta.tables[0][1]
         moves = (BlockMove(0, blocks),)
         out = Batch(empty, empty.astype(np.int32), empty.astype(np.int32), empty.astype(bool), swap_out=moves)
         back = Batch(empty, empty.astype(np.int32), empty.astype(np.int32), empty.astype(bool), swap_in=moves)

@@ -1,0 +1,48 @@
+"""Each batch's `BatchDelta`: what a runner that keeps its sequences between steps (the JAX
+runner's persistent batch) must change, rather than every table and setting again, as
+vLLM v1's scheduler sends new and cached requests' data to its persistent input batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jserve.cache.blocks import BlockManager
+from jserve.engine.batch import BatchDelta, SequenceSettings
+from jserve.engine.live_requests import LiveRequests
+from jserve.engine.request import Request
+
+
+class DeltaTracker:
+    """Remembers which sequences the runner has been sent the settings of."""
+
+    def __init__(self, live: LiveRequests, blocks: BlockManager) -> None:
+        self.live = live
+        self.blocks = blocks
+        self._sent: set[int] = set()
+
+    def take(self, seq_ids: np.ndarray) -> BatchDelta:
+        """The delta of a batch running `seq_ids`: those not sent yet, tables changed and
+        sequences ended since the previous batch."""
+        ended = tuple(self.live.take_ended())
+        self._sent.difference_update(ended)
+        new = [s for s in seq_ids.tolist() if s not in self._sent]
+        self._sent.update(new)
+        reqs = [self.live.requests[s] for s in new]
+        settings = SequenceSettings(
+            np.asarray(new, np.int64),
+            np.array([r.params.temperature for r in reqs], np.float32),
+            np.array([r.params.top_p for r in reqs], np.float32),
+            np.array([r.params.top_k for r in reqs], np.int32),
+            np.array([_seed(r) for r in reqs], np.uint32))
+        return BatchDelta(settings, self.blocks.take_changes(), ended)
+
+    def discard(self) -> None:
+        """A batch without inputs (the simulator's): nothing to send, nothing to keep."""
+        self.live.take_ended()
+        self.blocks.discard_changes()
+
+
+def _seed(req: Request) -> int:
+    """Per-request RNG seed: the user's, or one derived from the engine's seq id."""
+    seed = req.params.seed if req.params.seed is not None else req.seq_id * 2654435761
+    return seed & 0xFFFFFFFF
