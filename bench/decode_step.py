@@ -149,8 +149,11 @@ def main() -> None:
     x = jax.device_put(build_step_inputs(step_batch, runner.buckets, args.block_size, runner.held,
                                          runner.mark_decode))
 
+    allowed = runner._allowed(step_batch, x.temperature.shape[0])
+
     def device_step():
-        result, runner.cache, runner._fed = runner._executable(x)(runner._weights, runner.cache, runner._fed, x)
+        result, runner.cache, runner._fed = runner._executable(x)(runner._weights, runner.cache, runner._fed, x,
+                                                                  allowed)
         return result.tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)

@@ -175,6 +175,11 @@ class Tokenizer:
         return [self._backend.id_to_token(i) for i in ids]
 
     # ------------------------------------------------------------ export (Hugging Face)
+    def hf_json(self) -> str:
+        """The tokenizer as Hugging Face `tokenizers` serialises it (`tokenizer.json`): what
+        `export_hf` writes and what a grammar library builds its token table from."""
+        return self._backend.to_str()
+
     def hf_tokenizer_config(self, model_max_length: int) -> dict[str, Any]:
         """What a Hugging Face `tokenizer_config.json` says of this tokenizer: its special
         tokens, chat template and context, for clients that load a tokenizer by folder

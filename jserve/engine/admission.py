@@ -18,6 +18,7 @@ from jserve.engine.stopping import watches_tokens
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import InvalidRequestError
 from jserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from jserve.structured import GrammarMatcher, compiler_for
 
 
 class RequestOptions(TypedDict, total=False):
@@ -105,6 +106,7 @@ class Admission:
         """The request, waiting (its options: `RequestOptions`)."""
         ids = [int(t) for t in prompt_token_ids]
         self._validate(request_id, ids, params)
+        matcher = self._matcher(params)
         for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
             if slo is not None and not (math.isfinite(slo) and slo > 0):
                 raise InvalidRequestError(f"{name} must be a positive number of seconds, got {slo}", name)
@@ -113,7 +115,7 @@ class Admission:
         req = Request(
             request_id=request_id, seq_id=self.live.new_seq_id(), prompt=prompt,
             prompt_token_ids=ids, params=params, max_len=cap, metrics=RequestMetrics(arrival_time),
-            detokenizer=self.detokenizer(params), conversation_id=conversation_id,
+            detokenizer=self.detokenizer(params), conversation_id=conversation_id, matcher=matcher,
         )
         self.live.add(
             req, watches_tokens(req, self.eos_token_id), status=WAITING, arrival_time=arrival_time,
@@ -153,6 +155,18 @@ class Admission:
             row = self.live.row(req.seq_id)
             cols.predicted_len[row], cols.predicted_dir[row], _ = known_prediction(
                 req.params, len(req.prompt_token_ids), req.max_len, length, direction)
+
+    def _matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The request's place in its grammar, at its start (None: no grammar)."""
+        if params.grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("a grammar needs the model's tokenizer; this model has none",
+                                      "grammar")
+        try:
+            return compiler_for(self.tokenizer, self.vocab_size).matcher(params.grammar)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "grammar") from None
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

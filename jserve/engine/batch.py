@@ -70,6 +70,10 @@ class BatchInputs:
     # ones) those of every position.
     logprobs: bool = False
     next_token_ids: np.ndarray | None = None
+    # Only while a request decodes under a grammar (`SamplingParams.grammar`): per sequence,
+    # the tokens it may sample, as llguidance's bitmask ([S, words] int32, bit t % 32 of
+    # word t // 32 allows token t; a row of -1 allows all).
+    token_mask: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

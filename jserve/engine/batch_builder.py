@@ -17,6 +17,7 @@ from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.request import PLACEHOLDER, Request
+from jserve.structured import bitmask_words, fill_bitmasks
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,19 @@ class BatchBuilder:
             layer_tables={i: self.residency.tables(s) for i, s in partial.items()},
             logprobs=any(r.params.logprobs is not None for r in reqs) or next_ids is not None,
             next_token_ids=next_ids,
+            token_mask=_token_mask(reqs) if self.live.constrained else None,
         )
+
+
+def _token_mask(reqs: list[Request]) -> np.ndarray | None:
+    """The batch's grammar bitmask: each constrained request's row from its matcher (at its
+    last read token: the loop runs in step while one is live), the others' all ones."""
+    rows = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+    if not rows:
+        return None
+    mask = np.full((len(reqs), bitmask_words(rows[0][0].vocab_size)), -1, np.int32)
+    fill_bitmasks(mask, rows)
+    return mask
 
 
 def _slice(req: Request, start: int, n: int) -> list[int]:

@@ -30,6 +30,8 @@ class LiveRequests:
         # Requests whose every token must be looked at (text to detokenize, stop strings,
         # stop ids, an EOS they do not ignore); the others end by length alone.
         self.token_checked: set[int] = set()
+        # Requests decoding under a grammar: each step's mask needs their last token read.
+        self.constrained: set[int] = set()
         # Seq ids removed since the last `take_ended`: a runner holding per-sequence state
         # frees theirs.
         self._ended: list[int] = []
@@ -54,6 +56,8 @@ class LiveRequests:
         self.awaiting_run.add(req.seq_id)
         if token_checked:
             self.token_checked.add(req.seq_id)
+        if req.matcher is not None:
+            self.constrained.add(req.seq_id)
 
     def remove(self, req: Request) -> None:
         self.table.remove(self._row.pop(req.seq_id))
@@ -61,6 +65,7 @@ class LiveRequests:
         del self._by_request_id[req.request_id]
         self.awaiting_run.discard(req.seq_id)
         self.token_checked.discard(req.seq_id)
+        self.constrained.discard(req.seq_id)
         self._ended.append(req.seq_id)
 
     def take_ended(self) -> list[int]:

@@ -117,9 +117,12 @@ class Engine:
 
     @property
     def pipelined(self) -> bool:
-        """Whether steps are pipelined now: asked for, and the runner in place dispatches (a
-        wrapper that reads every step's output, such as a trace replay's, runs in step)."""
-        return self._pipelined and isinstance(self.runner, DispatchingRunner)
+        """Whether steps are pipelined now: asked for, the runner in place dispatches (a
+        wrapper that reads every step's output, such as a trace replay's, runs in step),
+        and no live request decodes under a grammar (its next step's token mask follows
+        from the token the step in flight has not returned yet)."""
+        return (self._pipelined and isinstance(self.runner, DispatchingRunner)
+                and not self.state.live.constrained)
 
     @property
     def has_unfinished(self) -> bool:
@@ -135,7 +138,12 @@ class Engine:
         that start before `until`, up to the one that ends the first request by length.
         They are the steps, tokens and times that as many `step()`s would give; only the
         Python per step is saved. The serving loops never pass it (their arrivals are not
-        known in advance) and so run one step per call."""
+        known in advance) and so run one step per call.
+
+        A step left in flight when the loop stops pipelining (a request with a grammar
+        arrived) is read by a call of its own, which plans nothing."""
+        if self._in_flight is not None and not self.pipelined:
+            return self._read_in_flight()
         now = self.clock()
         if self.eviction is not None:
             self._trim_to_capacity(now)

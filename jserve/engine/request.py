@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from jserve.engine.sampling_params import SamplingParams
 from jserve.models.tokenizer import IncrementalDetokenizer
+from jserve.structured import GrammarMatcher
 
 
 T = TypeVar("T")
@@ -99,6 +100,9 @@ class Request:
     # The chat this request is a turn of (None: its own): what the prefix cache tags its
     # blocks with, and the key it isolates caches by when asked to.
     conversation_id: str | None = None
+    # With `params.grammar`: where the output is in it, advanced by every token read
+    # (`stopping.stops_at`); the runner masks the logits by it.
+    matcher: GrammarMatcher | None = None
     # With `params.n` / `best_of` > 1, the request's sequences (`jserve.engine.fork`): the
     # admitted one is index 0; the others are forked from it (`parent_seq_id`) once its
     # prompt is prefilled, and carry the admitted request's id as `parent_request_id`.

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 
 from jserve.errors import InvalidRequestError
+from jserve.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (OpenAI's cap)
 
@@ -25,6 +26,8 @@ class SamplingParams:
     `n`: sequences returned for the prompt; `best_of` (vLLM's, at least `n`): sequences
     generated, of which the `n` with the highest cumulative log-probability are returned.
     The prompt is prefilled once and its KV blocks shared (`jserve.engine.fork`).
+    `grammar`: the output follows it (a JSON schema, a tool call; see
+    `jserve.structured`): tokens outside it are masked before sampling.
     """
 
     temperature: float = 1.0
@@ -41,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    grammar: GrammarSpec | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -84,5 +88,10 @@ class SamplingParams:
         integer("n", 1)
         if self.best_of is not None:
             integer("best_of", self.n, " (n)")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {type(self.grammar)}", "grammar")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be used with a grammar, whose output ends "
+                                      "with EOS", "ignore_eos")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")

@@ -13,14 +13,17 @@ def watches_tokens(req: Request, eos_token_id: int | None) -> bool:
     can end the request."""
     params = req.params
     return (req.detokenizer is not None or bool(params.stop) or bool(params.stop_token_ids)
-            or (eos_token_id is not None and not params.ignore_eos))
+            or (eos_token_id is not None and not params.ignore_eos) or req.matcher is not None)
 
 
 def stops_at(req: Request, token: int, eos_token_id: int | None) -> bool:
     """Add the new token's text; whether the token ends the request. A stop id or string
     is kept as its `stop_reason`, and a stop string is cut from the text (kept with
-    `include_stop_str_in_output`)."""
+    `include_stop_str_in_output`). A grammar's matcher advances by the token (its mask
+    allows EOS alone once the grammar is complete, so the EOS rule ends the request)."""
     params = req.params
+    if req.matcher is not None:
+        req.matcher.accept(token)
     if req.detokenizer is not None:
         req.text += req.detokenizer.push(token)
     if token == eos_token_id and not params.ignore_eos:

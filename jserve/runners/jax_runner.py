@@ -31,6 +31,7 @@ from jserve.runners.host_kv import HostKVStore, LayerHostPool
 from jserve.runners.input_batch import PersistentBatch
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
+from jserve.structured import bitmask_words
 from jserve.models.config import ModelConfig
 from jserve.models.functional import PagedBatch, PagedModel, paged_batch, pow2_at_least
 from jserve.models.loading import CausalLM
@@ -248,7 +249,8 @@ def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
     inputs = dataclasses.replace(
         x, token_ids=x.token_ids[t0:t1], output_index=x.output_index[lo:hi],
         layer_tables={i - lo: t for i, t in x.layer_tables.items() if lo <= i < hi},
-        next_token_ids=None if x.next_token_ids is None else x.next_token_ids[t0:t1])
+        next_token_ids=None if x.next_token_ids is None else x.next_token_ids[t0:t1],
+        token_mask=None if x.token_mask is None else x.token_mask[lo:hi])
     return Batch(seq_ids=batch.seq_ids[lo:hi], start=batch.start[lo:hi], query_lens=batch.query_lens[lo:hi],
                  sample=batch.sample[lo:hi], inputs=inputs,
                  hidden=None if batch.hidden is None else batch.hidden[lo:hi])
@@ -273,18 +275,20 @@ def _concat_outputs(outs: list[StepOutput]) -> StepOutput:
 def _jit_step(model: PagedModel, treedef: Any, platform: str,
               shardings: tuple[Any, Any] | None = None) -> Callable[..., Any]:
     """The step of a model structure: model, sampling and log-probabilities in one program.
-    `shardings`: its (in, out) over a mesh."""
+    `shardings`: its (in, out) over a mesh. `allowed`: the grammar bitmask of the step's
+    rows and whether to apply it (`JaxRunner._allowed`)."""
     jnp = jax.numpy
 
-    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, x: StepInputs
-             ) -> tuple[StepResult, KVCache, jax.Array]:
+    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, x: StepInputs,
+             allowed: tuple[jax.Array, jax.Array]) -> tuple[StepResult, KVCache, jax.Array]:
         params = jax.tree.unflatten(treedef, weights)
         ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
         batch = dataclasses.replace(x.batch, token_ids=ids)
         hidden, cache = model.hidden_states(params, cache, batch)
         logits = model.logits(params, hidden[batch.sample_index])
         tokens, logprobs = sample_tokens(logits, x.temperature, x.top_p, x.top_k, x.seeds,
-                                         x.output_index, rows_per_pass=rows_per_pass(platform))
+                                         x.output_index, rows_per_pass=rows_per_pass(platform),
+                                         token_mask=allowed[0], masked=allowed[1])
         s, t = logits.shape[0], ids.shape[0]
         top = jax.lax.cond(x.want_top, lambda: _top(logits)[1], lambda: _no_top(s))
 
@@ -415,7 +419,8 @@ class JaxRunner:
             cache_at = tp.cache_shardings(self.cache)
             self._step = _jit_step(
                 model, treedef, platform,
-                (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated),
+                (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated,
+                  tp.replicated),
                  (tp.replicated, cache_at, tp.replicated)))
         self._executables = Executables()
         # What the step is lowered for: the cache's shapes, not its arrays, which the engine
@@ -423,6 +428,11 @@ class JaxRunner:
         self._cache_spec = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache)
         self._fed_spec = jax.ShapeDtypeStruct(self._fed.shape, self._fed.dtype, sharding=self._fed.sharding)
+        # A step no grammar constrains passes an all-ones bitmask already on the device, one
+        # per row bucket, so it sends nothing more than it did without grammars.
+        self._mask_words = bitmask_words(cfg.vocab_size)
+        self._unmasked = functools.cache(lambda s: jax.device_put(
+            np.full((s, self._mask_words), -1, np.int32), self._fed.sharding))
         self._warmup_started = False
 
     # ------------------------------------------------------------------ compile
@@ -494,7 +504,22 @@ class JaxRunner:
                 for h in (hidden if not lay else (False,))]
 
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
-        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, x).compile()
+        s = x.temperature.shape[0]
+        allowed = (jax.ShapeDtypeStruct((s, self._mask_words), np.int32, sharding=self._fed.sharding),
+                   np.bool_(False))
+        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, x, allowed).compile()
+
+    def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_]:
+        """The step's grammar bitmask padded to its `s` rows, and whether to apply it."""
+        mask = batch.inputs.token_mask
+        if mask is None:
+            return self._unmasked(s), np.bool_(False)
+        if mask.shape[1] != self._mask_words:
+            raise ValueError(f"a grammar bitmask of {mask.shape[1]} words a row; this model's "
+                             f"vocabulary takes {self._mask_words}")
+        padded = np.full((s, self._mask_words), -1, np.int32)
+        padded[:len(mask)] = mask
+        return padded, np.bool_(True)
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
@@ -569,7 +594,8 @@ class JaxRunner:
             self._stream_in(batch, staging)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
                               staging, self.hidden_layout, self._feed(batch))
-        result, self.cache, self._fed = self._executable(x)(self._weights, self.cache, self._fed, x)
+        result, self.cache, self._fed = self._executable(x)(
+            self._weights, self.cache, self._fed, x, self._allowed(batch, x.temperature.shape[0]))
         sampled = np.flatnonzero(batch.sample)
         order = np.argsort(batch.seq_ids[sampled], kind="stable")
         self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])

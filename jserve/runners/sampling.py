@@ -27,19 +27,26 @@ def sample_tokens(
     seeds: jax.Array,  # [S] uint32
     output_index: jax.Array,  # [S] int32
     rows_per_pass: int | None = None,
+    token_mask: jax.Array | None = None,  # [S, ceil(V / 32)] int32 bitmask
+    masked: jax.Array | bool = False,  # bool scalar: apply `token_mask`
 ) -> tuple[jax.Array, jax.Array]:
     """Next token and its log-probability (under the unmodified distribution) per row.
 
     Each row's randomness is `fold_in(key(seed), output_index)`, so a seeded request samples
     the same tokens whatever else shares its batches. `rows_per_pass` (static): how many
     rows a bisection takes its passes over at once, all where None (`_bisected_cutoffs`).
+    With `masked`, a row draws only among the tokens its `token_mask` row allows (a
+    grammar's, `apply_token_bitmask`); a step without it takes the other branch of a
+    `lax.cond` and pays nothing for the mask.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    chosen = logits if token_mask is None else jax.lax.cond(
+        masked, lambda: apply_token_bitmask(logits, token_mask), lambda: logits)
+    greedy = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
 
     def stochastic() -> jax.Array:
         vocab = logits.shape[-1]
-        x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+        x = chosen / jnp.where(sampled, temperature, 1.0)[:, None]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
         cut = sampled & ((k < vocab) | (top_p < 1))
         cutoff = jax.lax.cond(jnp.any(cut), lambda: _cutoffs(x, k, top_p, cut, rows_per_pass),
@@ -51,6 +58,16 @@ def sample_tokens(
     tokens = jax.lax.cond(jnp.any(sampled), stochastic, lambda: greedy)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]
+
+
+def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """`logits` with the tokens `mask` does not allow at -inf: bit `t % 32` of word
+    `t // 32` of a row allows token t (llguidance's layout, sent packed: a 32nd of a bool
+    mask's bytes from the host each step)."""
+    rows, vocab = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)) & 1
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array,

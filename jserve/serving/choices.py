@@ -1,6 +1,6 @@
 """One choice of a completion response, rendered chunk by chunk: its text (the echoed
 prompt first, if asked), its token ids, and its log-probabilities with each token's text
-and character offset.
+and character offset; a chat answer decoded under a tool grammar as its tool calls.
 
 A stream renders a choice over many chunks, so what a later chunk needs is kept here: how
 far into the choice's text the rendered tokens reach, and the state that splits the text
@@ -39,6 +39,8 @@ class Choice:
         self._echo = bool(getattr(body, "echo", False))
         self._score_only = body.score_only  # the prompt's log-probabilities, no output
         self._num_top = body.requested_logprobs()[0] or 0
+        grammar = body.grammar()
+        self._tools = grammar if grammar is not None and grammar.calls_tools else None
         self._first = True
         self._offset = 0  # characters of the choice's text the rendered tokens cover
         self._output_texts = None if tokenizer is None else TokenTexts(tokenizer)
@@ -67,9 +69,10 @@ class Choice:
             logprobs = logprobs.chat() if self._fmt.chat else logprobs.completion()
         if first and self._echo:
             text = self._echo_text() + text
+        calls = None if self._tools is None or not delta.finished else self._tools.tool_calls(text)
         return self._fmt.choice(self.index, text, delta.finish_reason,
                                 ids if self._body.return_token_ids else None,
-                                stream=stream, first=first, logprobs=logprobs)
+                                stream=stream, first=first, logprobs=logprobs, tool_calls=calls)
 
     # ------------------------------------------------------------------ helpers
     def _echo_text(self) -> str:

@@ -4,7 +4,8 @@ Kept apart from the routes so the HTTP layer only wires requests to the engine, 
 benchmark client and the tests read the same field names the server writes.
 
 Extensions beyond OpenAI's API (vLLM's names where vLLM has one): `top_k`, `ignore_eos`,
-`return_token_ids` (each choice carries the generated token ids: a model without a
+`response_format` (json_object, json_schema) and `tools` with `tool_choice` "required" or a
+named function, decoded under a grammar (`jserve.structured`), `return_token_ids` (each choice carries the generated token ids: a model without a
 tokenizer has no text to stream), `ttft_slo` / `tbt_slo` (seconds, handed to SLO-aware
 policies), on the finishing chunk of a stream a `jserve` object with the request's
 preemptions, which a client cannot observe otherwise, and vLLM's tokenizer routes'
@@ -39,6 +40,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from jserve.engine.request import RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
 from jserve.errors import InvalidRequestError
+from jserve.structured import GrammarSpec, ToolCall, ToolDef, check_grammar
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -121,15 +123,12 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "truncate_prompt_tokens": Unsupported("prompt truncation"),
     "prompt_logprobs": Unsupported("prompt log-probabilities without `echo`"),
     # structured outputs and tools
-    "response_format": Unsupported("structured outputs (response_format)", (None, {"type": "text"})),
     "structured_outputs": Unsupported("structured outputs"),
     "guided_json": Unsupported("guided decoding"),
     "guided_regex": Unsupported("guided decoding"),
     "guided_choice": Unsupported("guided decoding"),
     "guided_grammar": Unsupported("guided decoding"),
     "guided_decoding_backend": Unsupported("guided decoding"),
-    "tools": Unsupported("tool calls", (None, [])),
-    "tool_choice": Unsupported("tool calls", (None, "none")),
     "parallel_tool_calls": Unsupported("tool calls"),
     "functions": Unsupported("function calls (the legacy form of tools)", (None, [])),
     "function_call": Unsupported("function calls (the legacy form of tools)", (None, "none")),
@@ -235,6 +234,63 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (guidellm asks)
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormatParam(StrictModel):
+    """`response_format`: plain text (the default), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec.json_object()
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise OpenAIError(400, 'response_format of type "json_schema" needs json_schema.schema',
+                              param="response_format")
+        return GrammarSpec.json_schema(self.json_schema.schema_)
+
+
+class FunctionDef(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the parameters' schema is always enforced
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                       one_of('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')]
+
+
+def checked(spec: GrammarSpec, param: str) -> GrammarSpec:
+    """`spec`, or a 400 naming `param` where llguidance cannot compile it."""
+    error = check_grammar(spec)
+    if error:
+        raise OpenAIError(400, f"{param}: the schema cannot be enforced: {error}", param=param)
+    return spec
+
+
 class GenerationRequest(RequestBody):
     """Fields both endpoints share. Nullable as in OpenAI's spec: null means the default.
     Fields this server does not implement are refused (`UNSUPPORTED_FIELDS`)."""
@@ -259,6 +315,7 @@ class GenerationRequest(RequestBody):
     # extension: the chat this request is a turn of, for the prefix cache (its tag for
     # T-LRU, and its isolation key under --cache-isolation)
     conversation_id: str | None = None
+    response_format: ResponseFormatParam | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -285,6 +342,16 @@ class GenerationRequest(RequestBody):
     def score_only(self) -> bool:
         """Only the prompt's log-probabilities are wanted, nothing generated."""
         return False
+
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output follows (None: free text), or a 400 naming the field."""
+        spec = None if self.response_format is None else self.response_format.grammar()
+        return None if spec is None else checked(spec, "response_format")
+
+    @property
+    def grammar_param(self) -> str:
+        """The field a grammar came from, for errors about it."""
+        return "response_format"
 
     def sampling_params(self, default_max_tokens: int, num_prompt_tokens: int,
                         max_model_len: int) -> SamplingParams:
@@ -316,6 +383,7 @@ class GenerationRequest(RequestBody):
                 stop=self.stop or (), ignore_eos=self.ignore_eos, seed=self.seed,
                 logprobs=self.requested_logprobs()[0], prompt_logprobs=self.requested_logprobs()[1],
                 n=1 if self.n is None else self.n, best_of=self.best_of,
+                grammar=self.grammar(),
             )
         except InvalidRequestError as e:
             if e.param == "max_tokens":
@@ -367,6 +435,8 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
     def requested_logprobs(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -380,6 +450,41 @@ class ChatCompletionRequest(GenerationRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def grammar(self) -> GrammarSpec | None:
+        """`response_format`'s grammar, or the tool calls `tool_choice` asks for: "required"
+        (any of the tools, one call or more) or a named function; "none" generates text.
+        "auto" (OpenAI's default with tools) lets the model choose between text and calls,
+        which takes a parser of the model's own tool-call format: refused, as is streaming
+        calls."""
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            if choice is None and self.tools:
+                raise OpenAIError(400, 'tools need tool_choice "required" or a named function: the '
+                                       'default "auto" is not supported', param="tool_choice")
+            return super().grammar()
+        if choice == "auto":
+            raise OpenAIError(400, 'tool_choice "auto" is not supported: send "required" or a named '
+                                   "function", param="tool_choice")
+        if not self.tools:
+            raise OpenAIError(400, "tool_choice needs tools", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError(400, "response_format and tool calls cannot be asked together",
+                              param="response_format")
+        if self.stream:
+            raise OpenAIError(400, "streaming tool calls is not supported", param="stream")
+        tools = [ToolDef.of(t.function.name, t.function.parameters) for t in self.tools]
+        if choice == "required":
+            return checked(GrammarSpec.any_tools(tools), "tools")
+        named = [t for t in tools if t.name == choice.function.name]
+        if not named:
+            raise OpenAIError(400, f"tool_choice names {choice.function.name!r}, which is not among "
+                                   "the tools", param="tool_choice")
+        return checked(GrammarSpec.tool(named[0]), "tools")
+
+    @property
+    def grammar_param(self) -> str:
+        return "tools" if self.tool_choice not in (None, "none") else "response_format"
 
 
 # --------------------------------------------------------------------------- responses
@@ -397,12 +502,19 @@ class ResponseFormat:
 
     def choice(self, index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
                *, stream: bool, first: bool = False,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None,
+               tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        """`tool_calls` (chat, not streamed): the message holds them instead of content."""
         c: dict[str, Any] = {"index": index}
         if not self.chat:
             c["text"] = text
         elif stream:
             c["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        elif tool_calls:
+            c["message"] = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}} for call in tool_calls]}
+            finish_reason = "tool_calls"
         else:
             c["message"] = {"role": "assistant", "content": text}
         c["logprobs"] = logprobs

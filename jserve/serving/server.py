@@ -244,6 +244,8 @@ class OpenAIServer:
         sequences, and counted once in the usage."""
         params = [body.sampling_params(default_max_tokens, len(p.ids), self.max_model_len)
                   for p in inputs]
+        if params[0].grammar is not None:
+            self._tokenizer(body.grammar_param)  # a grammar's token table is the tokenizer's
         header = ResponseHeader.new(fmt, body.model)
         ids = [header.id] if len(inputs) == 1 else [f"{header.id}-{i}" for i in range(len(inputs))]
         streams = await self._add_all(body, ids, inputs, params)
