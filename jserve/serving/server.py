@@ -315,7 +315,7 @@ class OpenAIServer:
                 chunk = [choices[i].render(delta, stream=True)]
                 extra = {} if delta.metrics is None else {"jserve": preemption_info(delta.metrics)}
                 if body.continuous_usage:
-                    extra["usage"] = _usage(choices)
+                    extra["usage"] = _usage(inputs, choices)
                 yield _sse(header.body(fmt.chunk_object, chunk, **extra))
         except EngineStopped as e:  # shutting down: the drain window is over
             yield _sse(OpenAIError(503, str(e), type="server_error").to_json())
