@@ -150,7 +150,8 @@ def main() -> None:
                                          runner.mark_decode))
 
     def device_step():
-        result, runner.cache, runner._fed = runner._executable(x)(runner._weights, runner.cache, runner._fed, x)
+        result, runner.cache, runner._fed, runner._counts = runner._executable(x)(
+            runner._weights, runner.cache, runner._fed, runner._counts, x)
         return result.tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)

@@ -22,6 +22,10 @@ class SamplingParams:
     token after the first. None (the default) computes neither, and the step stays the
     plain one. Log-probabilities are of the model's distribution, before temperature,
     top-p and top-k.
+    `presence_penalty` / `frequency_penalty` (in [-2, 2]) subtract from the logit of each
+    token already output, once / per time it was; `repetition_penalty` (> 0) divides the
+    positive logits and multiplies the negative ones of tokens in the prompt or the output
+    (vLLM's and the OpenAI API's definitions; 0, 0 and 1 turn them off).
     """
 
     temperature: float = 1.0
@@ -36,6 +40,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     # Lists are accepted for convenience and frozen into tuples.
     def __post_init__(self) -> None:
@@ -62,6 +69,12 @@ class SamplingParams:
         if not 0 < number("top_p") <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         integer("top_k", 0, " (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not number("repetition_penalty") > 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      "repetition_penalty")
         integer("max_tokens", 1)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")

@@ -22,13 +22,14 @@ import numpy as np
 from flax import nnx
 
 from jserve.cache.sizing import hidden_rows_per_page
-from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
+from jserve.engine.batch import Batch, BatchDelta, LayerMove, StepOutput, TopLogprobs
 from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
-from jserve.runners.input_batch import PersistentBatch
+from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
+from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.models.config import ModelConfig
@@ -53,9 +54,9 @@ FIRST_TOKENS = 64
 MIN_TOKENS = 16
 
 # A compiled step's key: tokens T, whether it is an all-decode step (a backend with a decode
-# kernel), whether its layers have tables of their own (LayerKV), and whether some sequence
-# is on the hidden cache (Apt-Serve).
-Shape = tuple[int, bool, bool, bool]
+# kernel), whether its layers have tables of their own (LayerKV), whether some sequence
+# is on the hidden cache (Apt-Serve), and the slots the token counts have.
+Shape = tuple[int, bool, bool, bool, int]
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +75,11 @@ class StepInputs:
     next_token_ids: jax.Array  # [T]: read only when `want_positions`
     want_top: jax.Array  # bool scalar: top log-probabilities of the sampled positions
     want_positions: jax.Array  # bool scalar: and of every position (prompt log-probabilities)
+    slot: jax.Array  # [S] int32: each sequence's row of the token counts
+    presence: jax.Array  # [S] float32: penalties (`jserve.runners.penalties`)
+    frequency: jax.Array
+    repetition: jax.Array
+    count_rows: jax.Array  # [T] int32: the counts' row each output token adds to (NO_ROW: none)
 
 
 @jax.tree_util.register_dataclass
@@ -143,10 +149,10 @@ def first_shapes(shapes: list[int]) -> list[int]:
     return [t for t in shapes if t <= FIRST_TOKENS]
 
 
-def _shape_of(x: StepInputs) -> Shape:
+def _shape_of(x: StepInputs, slots: int) -> Shape:
     m = x.batch.meta
     return (x.batch.token_ids.shape[0], m.decode_only, m.layer_block_tables is not None,
-            m.hidden is not None)
+            m.hidden is not None, slots)
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
         out[:n] = a
         return out
 
+    count_rows = np.full(t, NO_ROW, np.int32)
+    count_rows[:batch.num_tokens] = held.count_rows(slots, batch.start, q)
     next_ids = np.zeros(t, np.int32)
     if x.next_token_ids is not None:
         next_ids[:batch.num_tokens] = x.next_token_ids
@@ -227,7 +235,9 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
     return StepInputs(step, pad(held.temperature[slots]), pad(held.top_p[slots], 1.0),
                       pad(held.top_k[slots]), pad(held.seeds[slots]),
                       pad(x.output_index), fed, next_ids, np.bool_(x.logprobs),
-                      np.bool_(x.next_token_ids is not None))
+                      np.bool_(x.next_token_ids is not None), pad(slots.astype(np.int32)),
+                      pad(held.presence[slots]), pad(held.frequency[slots]),
+                      pad(held.repetition[slots], 1.0), count_rows)
 
 
 def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -276,15 +286,18 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
     `shardings`: its (in, out) over a mesh."""
     jnp = jax.numpy
 
-    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, x: StepInputs
-             ) -> tuple[StepResult, KVCache, jax.Array]:
+    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, counts: TokenCounts,
+             x: StepInputs) -> tuple[StepResult, KVCache, jax.Array, TokenCounts]:
         params = jax.tree.unflatten(treedef, weights)
         ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
+        counts = counts.counted(x.count_rows, ids)
         batch = dataclasses.replace(x.batch, token_ids=ids)
         hidden, cache = model.hidden_states(params, cache, batch)
         logits = model.logits(params, hidden[batch.sample_index])
         tokens, logprobs = sample_tokens(logits, x.temperature, x.top_p, x.top_k, x.seeds,
-                                         x.output_index, rows_per_pass=rows_per_pass(platform))
+                                         x.output_index, rows_per_pass=rows_per_pass(platform),
+                                         penalties=Penalties(counts, x.slot, x.presence, x.frequency,
+                                                             x.repetition))
         s, t = logits.shape[0], ids.shape[0]
         top = jax.lax.cond(x.want_top, lambda: _top(logits)[1], lambda: _no_top(s))
 
@@ -295,10 +308,10 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
         next_lp, position_top = jax.lax.cond(
             x.want_positions, positions, lambda: (jnp.zeros(t, jnp.float32), _no_top(t)))
         fed = jax.lax.dynamic_update_slice(fed, tokens, (0,))
-        return StepResult(tokens, logprobs, top, next_lp, position_top), cache, fed
+        return StepResult(tokens, logprobs, top, next_lp, position_top), cache, fed, counts
 
     placed = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
-    return jax.jit(step, donate_argnums=(1, 2), **placed)
+    return jax.jit(step, donate_argnums=(1, 2, 3), **placed)
 
 
 # One device: the step of a model structure jitted once per process. Runners of the same
@@ -386,7 +399,9 @@ class JaxRunner:
         self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
         self.hidden_steps = hidden_steps and self.hidden_layout is not None
         width = max(self.buckets.max_blocks_per_seq, self.hidden_layout.max_blocks if self.hidden_steps else 0)
-        self.held = PersistentBatch(width, self.scratch_block)
+        # As many slots as a step's sequences, so that the token counts (sized by them)
+        # change shape, and the steps compile again, only when preempted sequences pile up.
+        self.held = PersistentBatch(width, self.scratch_block, max(INITIAL_SLOTS, self.buckets.max_seqs))
         attention_fn = select_attention(attention)
         if tp is not None:
             attention_fn = tp.attention(attention_fn)
@@ -406,6 +421,7 @@ class JaxRunner:
         # The previous step's sampled tokens, which the next step may read (`PendingStep`).
         self._fed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), tp and tp.replicated)
         self._fed_rows: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._counts = jax.device_put(TokenCounts.zeros(self.held.capacity, cfg.vocab_size), tp and tp.replicated)
 
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
@@ -415,8 +431,8 @@ class JaxRunner:
             cache_at = tp.cache_shardings(self.cache)
             self._step = _jit_step(
                 model, treedef, platform,
-                (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated),
-                 (tp.replicated, cache_at, tp.replicated)))
+                (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated, tp.replicated),
+                 (tp.replicated, cache_at, tp.replicated, tp.replicated)))
         self._executables = Executables()
         # What the step is lowered for: the cache's shapes, not its arrays, which the engine
         # thread donates to each step while a background compile lowers other buckets.
@@ -448,7 +464,7 @@ class JaxRunner:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
             for variant in self._variants(first):
                 x = self._padding_inputs(*variant)
-                shape = _shape_of(x)
+                shape = self._shape_of(x)
                 if shape not in self._executables and shape not in pending:
                     pending[shape] = pool.submit(self._build, x)
             done = as_completed(pending.values())
@@ -463,8 +479,8 @@ class JaxRunner:
         if self.layer_pool is not None:
             self.cache = self.layer_pool.warm_up(self.cache)
         rest = [self._padding_inputs(*v) for v in self._variants(sorted(set(shapes) - set(first)))]
-        rest = [(_shape_of(x), lambda x=x: self._build(x)) for x in rest
-                if _shape_of(x) not in self._executables]
+        rest = [(self._shape_of(x), lambda x=x: self._build(x)) for x in rest
+                if self._shape_of(x) not in self._executables]
         if rest:
             self._executables.build_in_background(rest)
         self._warmup_started = True
@@ -493,13 +509,17 @@ class JaxRunner:
                 for lay in layered
                 for h in (hidden if not lay else (False,))]
 
+    def _shape_of(self, x: StepInputs) -> Shape:
+        return _shape_of(x, self._counts.num_slots)
+
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
-        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, x).compile()
+        counts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._counts)
+        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, x).compile()
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
         waited for, where a background warm-up is building it)."""
-        shape = _shape_of(x)
+        shape = self._shape_of(x)
         exe, built = self._executables.get(shape, lambda: self._build(x))
         if built and self.warmed_up:
             log.warning("compiled step for new bucket (T, decode_only, layered, hidden)=%s "
@@ -525,7 +545,9 @@ class JaxRunner:
                                scratch_block=self.scratch_block, block_size=self.block_size)
         return StepInputs(dataclasses.replace(batch, meta=meta), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
-                          np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False))
+                          np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False),
+                          z(s, np.int32), z(s, np.float32), z(s, np.float32), np.ones(s, np.float32),
+                          np.full(t, NO_ROW, np.int32))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
@@ -536,7 +558,7 @@ class JaxRunner:
         Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
         token its sequence sampled in the previous dispatched step, read on the device."""
         if batch.inputs is not None:  # (a batch that only moves blocks may have none)
-            self.held.apply(batch.inputs.delta)
+            self._hold(batch.inputs.delta)
         layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
         self._write_layers(layer_reads)
@@ -546,6 +568,20 @@ class JaxRunner:
         if len(groups) > 1:
             return _ready(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
         return self._compute(batch)
+
+    def _hold(self, delta: BatchDelta) -> None:
+        """Apply a delta to the held sequences, and start the device counts of new ones
+        with penalties (the counts grow with the slots)."""
+        self.held.apply(delta)
+        if self.held.capacity > self._counts.num_slots:
+            log.warning("%d sequences held: token counts grow to %d slots, steps compile again",
+                        self.held.num_held, self.held.capacity)
+            self._counts = self._counts.grown(self.held.capacity)
+        pen = delta.added.penalties
+        if pen is not None and pen.penalised.any():
+            new = np.flatnonzero(pen.penalised)
+            self._counts = reset_rows(self._counts, self.held.slots(delta.added.seq_ids[new].tolist()),
+                                      [pen.prompts[i] for i in new])
 
     def _feed(self, batch: Batch) -> np.ndarray | None:
         """Per batch token, the previous step's row holding it (-1: the host has it)."""
@@ -569,7 +605,8 @@ class JaxRunner:
             self._stream_in(batch, staging)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
                               staging, self.hidden_layout, self._feed(batch))
-        result, self.cache, self._fed = self._executable(x)(self._weights, self.cache, self._fed, x)
+        result, self.cache, self._fed, self._counts = self._executable(x)(
+            self._weights, self.cache, self._fed, self._counts, x)
         sampled = np.flatnonzero(batch.sample)
         order = np.argsort(batch.seq_ids[sampled], kind="stable")
         self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jserve.runners.penalties import Penalties, apply_penalties
+
 # Tokens per block of the two-level draw: the row's block masses and one block's token
 # masses are the only cumulative sums taken (~sqrt of the vocabulary each).
 BLOCK = 256
@@ -27,13 +29,19 @@ def sample_tokens(
     seeds: jax.Array,  # [S] uint32
     output_index: jax.Array,  # [S] int32
     rows_per_pass: int | None = None,
+    penalties: Penalties | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token and its log-probability (under the unmodified distribution) per row.
 
     Each row's randomness is `fold_in(key(seed), output_index)`, so a seeded request samples
     the same tokens whatever else shares its batches. `rows_per_pass` (static): how many
     rows a bisection takes its passes over at once, all where None (`_bisected_cutoffs`).
+    `penalties` change the logits tokens are chosen from (not the log-probabilities
+    returned: vLLM's raw ones), computed only when some row has one.
     """
+    raw = logits
+    if penalties is not None:
+        logits = jax.lax.cond(penalties.active, lambda: apply_penalties(raw, penalties), lambda: raw)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
 
@@ -49,7 +57,7 @@ def sample_tokens(
         return jnp.where(sampled, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(sampled), stochastic, lambda: greedy)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]
 
 
