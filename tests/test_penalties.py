@@ -133,6 +133,13 @@ def test_engine_penalties_match_reference_through_preemption(tiny_loaded: Loaded
     llm = LLM(tiny_loaded, num_blocks=256, warmup=False, async_scheduling=False)
     roomy = _generate(llm, prompts, max_tokens)
     assert _generate(llm, prompts, max_tokens) == roomy  # reused slots start afresh
+    # More sequences held than slots (as when preempted ones pile up): the counts grow.
+    slots = llm.runner.held.capacity
+    idle = np.arange(10**9, 10**9 + slots, dtype=np.int64)
+    z = np.zeros(slots, np.float32)
+    llm.runner._hold(BatchDelta(SequenceSettings(idle, z, z + 1, z.astype(np.int32), z.astype(np.uint32)), {}))
+    assert llm.runner._counts.num_slots == llm.runner.held.capacity > slots
+    assert _generate(llm, prompts, max_tokens) == roomy
     assert roomy == [_reference(tiny_loaded, p, PARAMS[i % len(PARAMS)], max_tokens) for i, p in enumerate(prompts)]
     plain = [_reference(tiny_loaded, p, {}, max_tokens) for p in prompts]
     assert sum(a != b for a, b in zip(roomy, plain)) >= 3  # the penalties do change the tokens

@@ -54,9 +54,9 @@ FIRST_TOKENS = 64
 MIN_TOKENS = 16
 
 # A compiled step's key: tokens T, whether it is an all-decode step (a backend with a decode
-# kernel), whether its layers have tables of their own (LayerKV), whether some sequence
-# is on the hidden cache (Apt-Serve), and the slots the token counts have.
-Shape = tuple[int, bool, bool, bool, int]
+# kernel), whether its layers have tables of their own (LayerKV), and whether some sequence
+# is on the hidden cache (Apt-Serve).
+Shape = tuple[int, bool, bool, bool]
 
 
 @jax.tree_util.register_dataclass
@@ -149,10 +149,10 @@ def first_shapes(shapes: list[int]) -> list[int]:
     return [t for t in shapes if t <= FIRST_TOKENS]
 
 
-def _shape_of(x: StepInputs, slots: int) -> Shape:
+def _shape_of(x: StepInputs) -> Shape:
     m = x.batch.meta
     return (x.batch.token_ids.shape[0], m.decode_only, m.layer_block_tables is not None,
-            m.hidden is not None, slots)
+            m.hidden is not None)
 
 
 @dataclass(frozen=True)
@@ -464,7 +464,7 @@ class JaxRunner:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
             for variant in self._variants(first):
                 x = self._padding_inputs(*variant)
-                shape = self._shape_of(x)
+                shape = _shape_of(x)
                 if shape not in self._executables and shape not in pending:
                     pending[shape] = pool.submit(self._build, x)
             done = as_completed(pending.values())
@@ -479,8 +479,8 @@ class JaxRunner:
         if self.layer_pool is not None:
             self.cache = self.layer_pool.warm_up(self.cache)
         rest = [self._padding_inputs(*v) for v in self._variants(sorted(set(shapes) - set(first)))]
-        rest = [(self._shape_of(x), lambda x=x: self._build(x)) for x in rest
-                if self._shape_of(x) not in self._executables]
+        rest = [(_shape_of(x), lambda x=x: self._build(x)) for x in rest
+                if _shape_of(x) not in self._executables]
         if rest:
             self._executables.build_in_background(rest)
         self._warmup_started = True
@@ -509,9 +509,6 @@ class JaxRunner:
                 for lay in layered
                 for h in (hidden if not lay else (False,))]
 
-    def _shape_of(self, x: StepInputs) -> Shape:
-        return _shape_of(x, self._counts.num_slots)
-
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
         counts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._counts)
         return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, x).compile()
@@ -519,7 +516,7 @@ class JaxRunner:
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
         waited for, where a background warm-up is building it)."""
-        shape = self._shape_of(x)
+        shape = _shape_of(x)
         exe, built = self._executables.get(shape, lambda: self._build(x))
         if built and self.warmed_up:
             log.warning("compiled step for new bucket (T, decode_only, layered, hidden)=%s "
@@ -577,6 +574,7 @@ class JaxRunner:
             log.warning("%d sequences held: token counts grow to %d slots, steps compile again",
                         self.held.num_held, self.held.capacity)
             self._counts = self._counts.grown(self.held.capacity)
+            self._executables = Executables()  # built for the smaller counts
         pen = delta.added.penalties
         if pen is not None and pen.penalised.any():
             new = np.flatnonzero(pen.penalised)
