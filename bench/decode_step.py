@@ -152,8 +152,8 @@ def main() -> None:
     allowed = runner._allowed(step_batch, x.temperature.shape[0])
 
     def device_step():
-        result, runner.cache, runner._fed = runner._executable(x)(runner._weights, runner.cache, runner._fed, x,
-                                                                  allowed)
+        result, runner.cache, runner._fed, runner._counts = runner._executable(x)(
+            runner._weights, runner.cache, runner._fed, runner._counts, x, allowed)
         return result.tokens
 
     step_s = median_seconds(device_step, repeats=args.repeats)

@@ -18,6 +18,25 @@ class SequenceSettings:
     top_p: np.ndarray  # [N] float32
     top_k: np.ndarray  # [N] int32, 0 = off
     seeds: np.ndarray  # [N] uint32
+    penalties: PenaltySettings | None = None  # None: no new sequence has a penalty
+
+
+@dataclass(frozen=True)
+class PenaltySettings:
+    """The penalties of `SequenceSettings`' sequences (vLLM's), and what the runner's
+    device counts of their tokens start from: where outputs begin, and the prompt's tokens
+    of those with a repetition penalty (it reads the prompt too; others' are empty)."""
+
+    presence: np.ndarray  # [N] float32, 0 = off
+    frequency: np.ndarray  # [N] float32, 0 = off
+    repetition: np.ndarray  # [N] float32, 1 = off
+    prompt_len: np.ndarray  # [N] int32
+    prompts: tuple[np.ndarray, ...]  # [N] int32 arrays
+
+    @property
+    def penalised(self) -> np.ndarray:
+        """[N] bool: which sequences have some penalty."""
+        return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
 
 
 @dataclass(frozen=True)

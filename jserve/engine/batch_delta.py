@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.engine.batch import BatchDelta, SequenceSettings
+from jserve.engine.batch import BatchDelta, PenaltySettings, SequenceSettings
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.request import Request
 
@@ -33,13 +33,27 @@ class DeltaTracker:
             np.array([r.params.temperature for r in reqs], np.float32),
             np.array([r.params.top_p for r in reqs], np.float32),
             np.array([r.params.top_k for r in reqs], np.int32),
-            np.array([_seed(r) for r in reqs], np.uint32))
+            np.array([_seed(r) for r in reqs], np.uint32), _penalties(reqs))
         return BatchDelta(settings, self.blocks.take_changes(), ended)
 
     def discard(self) -> None:
         """A batch without inputs (the simulator's): nothing to send, nothing to keep."""
         self.live.take_ended()
         self.blocks.discard_changes()
+
+
+def _penalties(reqs: list[Request]) -> PenaltySettings | None:
+    """The new sequences' penalties, None where none has one (the common case sends nothing)."""
+    ps = [r.params for r in reqs]
+    if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1 for p in ps):
+        return None
+    return PenaltySettings(
+        np.array([p.presence_penalty for p in ps], np.float32),
+        np.array([p.frequency_penalty for p in ps], np.float32),
+        np.array([p.repetition_penalty for p in ps], np.float32),
+        np.array([len(r.prompt_token_ids) for r in reqs], np.int32),
+        tuple(np.asarray(r.prompt_token_ids if r.params.repetition_penalty != 1 else (), np.int32)
+              for r in reqs))
 
 
 def _seed(req: Request) -> int:

@@ -28,6 +28,10 @@ class SamplingParams:
     The prompt is prefilled once and its KV blocks shared (`jserve.engine.fork`).
     `grammar`: the output follows it (a JSON schema, a tool call; see
     `jserve.structured`): tokens outside it are masked before sampling.
+    `presence_penalty` / `frequency_penalty` (in [-2, 2]) subtract from the logit of each
+    token already output, once / per time it was; `repetition_penalty` (> 0) divides the
+    positive logits and multiplies the negative ones of tokens in the prompt or the output
+    (vLLM's and the OpenAI API's definitions; 0, 0 and 1 turn them off).
     """
 
     temperature: float = 1.0
@@ -45,6 +49,9 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def num_sequences(self) -> int:
@@ -76,6 +83,12 @@ class SamplingParams:
         if not 0 < number("top_p") <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         integer("top_k", 0, " (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not number("repetition_penalty") > 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      "repetition_penalty")
         integer("max_tokens", 1)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")

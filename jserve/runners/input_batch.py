@@ -11,6 +11,13 @@ from jserve.engine.batch import BatchDelta
 
 # Slots the arrays start with; they double when more sequences are held at once.
 INITIAL_SLOTS = 64
+# A token row index past any slot: the device counts skip it (`TokenCounts.counted`).
+NO_ROW = np.iinfo(np.int32).max
+# Per-slot columns and what an empty slot holds.
+_COLUMNS = (("num_blocks", np.int32, 0), ("temperature", np.float32, 0), ("top_p", np.float32, 1),
+            ("top_k", np.int32, 0), ("seeds", np.uint32, 0), ("presence", np.float32, 0),
+            ("frequency", np.float32, 0), ("repetition", np.float32, 1), ("prompt_len", np.int32, 0),
+            ("counted", np.int32, 0))
 
 
 class PersistentBatch:
@@ -18,11 +25,10 @@ class PersistentBatch:
         """Tables up to `max_blocks` wide; unused entries point at `scratch_block`."""
         self.scratch_block = scratch_block
         self.tables = np.full((slots, max_blocks), scratch_block, np.int32)
-        self.num_blocks = np.zeros(slots, np.int32)
-        self.temperature = np.zeros(slots, np.float32)
-        self.top_p = np.ones(slots, np.float32)
-        self.top_k = np.zeros(slots, np.int32)
-        self.seeds = np.zeros(slots, np.uint32)
+        # Penalties, where a sequence's output tokens start, and the positions whose tokens
+        # the device counts hold (a recompute after preemption feeds them again).
+        for name, dtype, fill in _COLUMNS:
+            setattr(self, name, np.full(slots, fill, dtype))
         self._slot: dict[int, int] = {}
         self._free: list[int] = list(range(slots - 1, -1, -1))
 
@@ -46,6 +52,12 @@ class PersistentBatch:
             self.top_p[slots] = added.top_p
             self.top_k[slots] = added.top_k
             self.seeds[slots] = added.seeds
+            pen = added.penalties
+            self.presence[slots] = 0 if pen is None else pen.presence
+            self.frequency[slots] = 0 if pen is None else pen.frequency
+            self.repetition[slots] = 1 if pen is None else pen.repetition
+            self.prompt_len[slots] = 0 if pen is None else pen.prompt_len
+            self.counted[slots] = 0
         for seq_id, (at, blocks) in delta.tables.items():
             slot = self._slot_of(seq_id)
             end = at + len(blocks)
@@ -60,6 +72,30 @@ class PersistentBatch:
     def slots(self, seq_ids: list[int]) -> np.ndarray:
         """The slots of `seq_ids` (a sequence without one takes one)."""
         return np.fromiter(map(self._slot_of, seq_ids), np.int64, len(seq_ids))
+
+    @property
+    def capacity(self) -> int:
+        return len(self.num_blocks)
+
+    def penalised(self, slots: np.ndarray) -> np.ndarray:
+        return (self.presence[slots] != 0) | (self.frequency[slots] != 0) | (self.repetition[slots] != 1)
+
+    def count_rows(self, slots: np.ndarray, start: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+        """Per token of a step computing `query_lens` tokens from `start` for the sequences
+        in `slots`: the slot whose output-token counts it adds to, `NO_ROW` for a prompt
+        token, a position counted before (recomputed), or a sequence without penalties.
+        Marks the positions counted."""
+        rows = np.full(int(query_lens.sum()), NO_ROW, np.int32)
+        pen = self.penalised(slots)
+        if not pen.any():
+            return rows
+        at = np.repeat(np.arange(len(slots)), query_lens)
+        pos = np.arange(len(at)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens) + start[at]
+        s = slots[at]
+        new = pen[at] & (pos >= np.maximum(self.counted[s], self.prompt_len[s]))
+        rows[new] = s[new]
+        self.counted[slots] = np.maximum(self.counted[slots], np.where(pen, start + query_lens, 0))
+        return rows
 
     def table(self, slot: int) -> np.ndarray:
         return self.tables[slot, : self.num_blocks[slot]]
@@ -77,7 +113,7 @@ class PersistentBatch:
     def _grow(self) -> None:
         n = len(self.num_blocks)
         self.tables = np.concatenate([self.tables, np.full_like(self.tables, self.scratch_block)])
-        for name, fill in (("num_blocks", 0), ("temperature", 0), ("top_p", 1), ("top_k", 0), ("seeds", 0)):
+        for name, _, fill in _COLUMNS:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.full_like(a, fill)]))
         self._free.extend(range(2 * n - 1, n - 1, -1))

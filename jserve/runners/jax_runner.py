@@ -22,13 +22,14 @@ import numpy as np
 from flax import nnx
 
 from jserve.cache.sizing import hidden_rows_per_page
-from jserve.engine.batch import Batch, LayerMove, StepOutput, TopLogprobs
+from jserve.engine.batch import Batch, BatchDelta, LayerMove, StepOutput, TopLogprobs
 from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables
 from jserve.runners.host_kv import HostKVStore, LayerHostPool
-from jserve.runners.input_batch import PersistentBatch
+from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
+from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.structured import bitmask_words
@@ -75,6 +76,11 @@ class StepInputs:
     next_token_ids: jax.Array  # [T]: read only when `want_positions`
     want_top: jax.Array  # bool scalar: top log-probabilities of the sampled positions
     want_positions: jax.Array  # bool scalar: and of every position (prompt log-probabilities)
+    slot: jax.Array  # [S] int32: each sequence's row of the token counts
+    presence: jax.Array  # [S] float32: penalties (`jserve.runners.penalties`)
+    frequency: jax.Array
+    repetition: jax.Array
+    count_rows: jax.Array  # [T] int32: the counts' row each output token adds to (NO_ROW: none)
 
 
 @jax.tree_util.register_dataclass
@@ -217,6 +223,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
         out[:n] = a
         return out
 
+    count_rows = np.full(t, NO_ROW, np.int32)
+    count_rows[:batch.num_tokens] = held.count_rows(slots, batch.start, q)
     next_ids = np.zeros(t, np.int32)
     if x.next_token_ids is not None:
         next_ids[:batch.num_tokens] = x.next_token_ids
@@ -228,7 +236,9 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
     return StepInputs(step, pad(held.temperature[slots]), pad(held.top_p[slots], 1.0),
                       pad(held.top_k[slots]), pad(held.seeds[slots]),
                       pad(x.output_index), fed, next_ids, np.bool_(x.logprobs),
-                      np.bool_(x.next_token_ids is not None))
+                      np.bool_(x.next_token_ids is not None), pad(slots.astype(np.int32)),
+                      pad(held.presence[slots]), pad(held.frequency[slots]),
+                      pad(held.repetition[slots], 1.0), count_rows)
 
 
 def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -279,16 +289,20 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
     rows and whether to apply it (`JaxRunner._allowed`)."""
     jnp = jax.numpy
 
-    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, x: StepInputs,
-             allowed: tuple[jax.Array, jax.Array]) -> tuple[StepResult, KVCache, jax.Array]:
+    def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, counts: TokenCounts,
+             x: StepInputs, allowed: tuple[jax.Array, jax.Array]
+             ) -> tuple[StepResult, KVCache, jax.Array, TokenCounts]:
         params = jax.tree.unflatten(treedef, weights)
         ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
+        counts = counts.counted(x.count_rows, ids)
         batch = dataclasses.replace(x.batch, token_ids=ids)
         hidden, cache = model.hidden_states(params, cache, batch)
         logits = model.logits(params, hidden[batch.sample_index])
         tokens, logprobs = sample_tokens(logits, x.temperature, x.top_p, x.top_k, x.seeds,
                                          x.output_index, rows_per_pass=rows_per_pass(platform),
-                                         token_mask=allowed[0], masked=allowed[1])
+                                         token_mask=allowed[0], masked=allowed[1],
+                                         penalties=Penalties(counts, x.slot, x.presence, x.frequency,
+                                                             x.repetition))
         s, t = logits.shape[0], ids.shape[0]
         top = jax.lax.cond(x.want_top, lambda: _top(logits)[1], lambda: _no_top(s))
 
@@ -299,10 +313,10 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
         next_lp, position_top = jax.lax.cond(
             x.want_positions, positions, lambda: (jnp.zeros(t, jnp.float32), _no_top(t)))
         fed = jax.lax.dynamic_update_slice(fed, tokens, (0,))
-        return StepResult(tokens, logprobs, top, next_lp, position_top), cache, fed
+        return StepResult(tokens, logprobs, top, next_lp, position_top), cache, fed, counts
 
     placed = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
-    return jax.jit(step, donate_argnums=(1, 2), **placed)
+    return jax.jit(step, donate_argnums=(1, 2, 3), **placed)
 
 
 # One device: the step of a model structure jitted once per process. Runners of the same
@@ -390,7 +404,9 @@ class JaxRunner:
         self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
         self.hidden_steps = hidden_steps and self.hidden_layout is not None
         width = max(self.buckets.max_blocks_per_seq, self.hidden_layout.max_blocks if self.hidden_steps else 0)
-        self.held = PersistentBatch(width, self.scratch_block)
+        # As many slots as a step's sequences, so that the token counts (sized by them)
+        # change shape, and the steps compile again, only when preempted sequences pile up.
+        self.held = PersistentBatch(width, self.scratch_block, max(INITIAL_SLOTS, self.buckets.max_seqs))
         attention_fn = select_attention(attention)
         if tp is not None:
             attention_fn = tp.attention(attention_fn)
@@ -410,6 +426,7 @@ class JaxRunner:
         # The previous step's sampled tokens, which the next step may read (`PendingStep`).
         self._fed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), tp and tp.replicated)
         self._fed_rows: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._counts = jax.device_put(TokenCounts.zeros(self.held.capacity, cfg.vocab_size), tp and tp.replicated)
 
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
@@ -420,8 +437,8 @@ class JaxRunner:
             self._step = _jit_step(
                 model, treedef, platform,
                 (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated,
-                  tp.replicated),
-                 (tp.replicated, cache_at, tp.replicated)))
+                  tp.replicated, tp.replicated),
+                 (tp.replicated, cache_at, tp.replicated, tp.replicated)))
         self._executables = Executables()
         # What the step is lowered for: the cache's shapes, not its arrays, which the engine
         # thread donates to each step while a background compile lowers other buckets.
@@ -507,7 +524,8 @@ class JaxRunner:
         s = x.temperature.shape[0]
         allowed = (jax.ShapeDtypeStruct((s, self._mask_words), np.int32, sharding=self._fed.sharding),
                    np.bool_(False))
-        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, x, allowed).compile()
+        counts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._counts)
+        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, x, allowed).compile()
 
     def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_]:
         """The step's grammar bitmask padded to its `s` rows, and whether to apply it."""
@@ -550,7 +568,9 @@ class JaxRunner:
                                scratch_block=self.scratch_block, block_size=self.block_size)
         return StepInputs(dataclasses.replace(batch, meta=meta), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
-                          np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False))
+                          np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False),
+                          z(s, np.int32), z(s, np.float32), z(s, np.float32), np.ones(s, np.float32),
+                          np.full(t, NO_ROW, np.int32))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
@@ -561,7 +581,7 @@ class JaxRunner:
         Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
         token its sequence sampled in the previous dispatched step, read on the device."""
         if batch.inputs is not None:  # (a batch that only moves blocks may have none)
-            self.held.apply(batch.inputs.delta)
+            self._hold(batch.inputs.delta)
         layer_reads = self._read_layers(batch)
         self._move_blocks(batch)
         self._write_layers(layer_reads)
@@ -571,6 +591,21 @@ class JaxRunner:
         if len(groups) > 1:
             return _ready(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
         return self._compute(batch)
+
+    def _hold(self, delta: BatchDelta) -> None:
+        """Apply a delta to the held sequences, and start the device counts of new ones
+        with penalties (the counts grow with the slots)."""
+        self.held.apply(delta)
+        if self.held.capacity > self._counts.num_slots:
+            log.warning("%d sequences held: token counts grow to %d slots, steps compile again",
+                        self.held.num_held, self.held.capacity)
+            self._counts = self._counts.grown(self.held.capacity)
+            self._executables = Executables()  # built for the smaller counts
+        pen = delta.added.penalties
+        if pen is not None and pen.penalised.any():
+            new = np.flatnonzero(pen.penalised)
+            self._counts = reset_rows(self._counts, self.held.slots(delta.added.seq_ids[new].tolist()),
+                                      [pen.prompts[i] for i in new])
 
     def _feed(self, batch: Batch) -> np.ndarray | None:
         """Per batch token, the previous step's row holding it (-1: the host has it)."""
@@ -594,8 +629,8 @@ class JaxRunner:
             self._stream_in(batch, staging)
         x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
                               staging, self.hidden_layout, self._feed(batch))
-        result, self.cache, self._fed = self._executable(x)(
-            self._weights, self.cache, self._fed, x, self._allowed(batch, x.temperature.shape[0]))
+        result, self.cache, self._fed, self._counts = self._executable(x)(
+            self._weights, self.cache, self._fed, self._counts, x, self._allowed(batch, x.temperature.shape[0]))
         sampled = np.flatnonzero(batch.sample)
         order = np.argsort(batch.seq_ids[sampled], kind="stable")
         self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jserve.runners.penalties import Penalties, apply_penalties
+
 # Tokens per block of the two-level draw: the row's block masses and one block's token
 # masses are the only cumulative sums taken (~sqrt of the vocabulary each).
 BLOCK = 256
@@ -29,6 +31,7 @@ def sample_tokens(
     rows_per_pass: int | None = None,
     token_mask: jax.Array | None = None,  # [S, ceil(V / 32)] int32 bitmask
     masked: jax.Array | bool = False,  # bool scalar: apply `token_mask`
+    penalties: Penalties | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token and its log-probability (under the unmodified distribution) per row.
 
@@ -37,8 +40,13 @@ def sample_tokens(
     rows a bisection takes its passes over at once, all where None (`_bisected_cutoffs`).
     With `masked`, a row draws only among the tokens its `token_mask` row allows (a
     grammar's, `apply_token_bitmask`); a step without it takes the other branch of a
-    `lax.cond` and pays nothing for the mask.
+    `lax.cond` and pays nothing for the mask. `penalties` change the logits tokens are
+    chosen from (not the log-probabilities returned: vLLM's raw ones), computed only when
+    some row has one.
     """
+    raw = logits
+    if penalties is not None:
+        logits = jax.lax.cond(penalties.active, lambda: apply_penalties(raw, penalties), lambda: raw)
     chosen = logits if token_mask is None else jax.lax.cond(
         masked, lambda: apply_token_bitmask(logits, token_mask), lambda: logits)
     greedy = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
@@ -56,7 +64,7 @@ def sample_tokens(
         return jnp.where(sampled, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(sampled), stochastic, lambda: greedy)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]
 
 
