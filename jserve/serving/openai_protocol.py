@@ -108,9 +108,6 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "use_beam_search": Unsupported("beam search", (None, False)),
     "length_penalty": Unsupported("beam search's length penalty", (None, 1, 1.0)),
     # penalties and token constraints in the sampler
-    "presence_penalty": Unsupported("presence penalties", (None, 0, 0.0)),
-    "frequency_penalty": Unsupported("frequency penalties", (None, 0, 0.0)),
-    "repetition_penalty": Unsupported("repetition penalties", (None, 1, 1.0)),
     "min_tokens": Unsupported("a minimum output length", (None, 0)),
     "min_p": Unsupported("min-p sampling", (None, 0, 0.0)),
     "logit_bias": Unsupported("logit biases", (None, {})),
@@ -306,6 +303,9 @@ class GenerationRequest(RequestBody):
     stop: Stop = None
     n: int | None = None
     best_of: int | None = None  # vLLM's: generate this many, return the n likeliest
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -384,6 +384,9 @@ class GenerationRequest(RequestBody):
                 logprobs=self.requested_logprobs()[0], prompt_logprobs=self.requested_logprobs()[1],
                 n=1 if self.n is None else self.n, best_of=self.best_of,
                 grammar=self.grammar(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             )
         except InvalidRequestError as e:
             if e.param == "max_tokens":
