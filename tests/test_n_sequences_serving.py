@@ -43,6 +43,20 @@ def test_greedy_sequences_equal_separate_requests(tiny_llms: dict[bool, LLM], pi
     assert not llm.engine.state.blocks.seq_ids()
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_penalised_greedy_sequences_equal_separate_requests(tiny_llms: dict[bool, LLM], pipelined: bool) -> None:
+    """A forked sequence's penalties count its own output from the fork on, over the
+    whole prompt, as a request of its own does."""
+    llm = tiny_llms[pipelined]
+    penalised = dict(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=3.0,
+                     frequency_penalty=1.5, presence_penalty=0.5)
+    alone = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(**penalised), use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(n=3, **penalised),
+                        use_tqdm=False)
+    for one, out in zip(alone, outs):
+        assert [o.token_ids for o in out.outputs] == [one.token_ids] * 3
+
+
 def test_seeded_child_equals_a_request_with_vllms_child_seed(tiny_llms: dict[bool, LLM]) -> None:
     llm = tiny_llms[True]
     sampled = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
