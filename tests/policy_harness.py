@@ -423,7 +423,11 @@ class Harness:
 
     def reference(self, rid: str) -> tuple[list[int], str]:
         """What the request produces alone, never preempted."""
-        spec, seq = self.specs[rid], self.seq_of[rid]
+        return self.produced(self.specs[rid], self.seq_of[rid])
+
+    def produced(self, spec: Spec, seq: int) -> tuple[list[int], str]:
+        """What sequence `seq` of `spec` produces alone (the fake runner's tokens depend on
+        the seq id and the context), never preempted."""
         cap = min(len(spec.prompt) + spec.max_tokens, self.limits.max_model_len, self.capacity())
         toks, out = list(spec.prompt), []
         while True:

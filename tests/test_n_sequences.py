@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from policy_harness import Harness, Spec, aborts_strategy, configs, next_token, specs_for
+from policy_harness import Harness, Spec, aborts_strategy, configs, specs_for
 from property_examples import examples
 
 from jserve.builder import build_engine
@@ -69,17 +69,7 @@ class ForkHarness(Harness):
         self.check()
 
     def reference(self, req: Request) -> tuple[list[int], str]:
-        spec = self.specs[req.group_request_id]
-        cap = min(len(spec.prompt) + spec.max_tokens, self.limits.max_model_len, self.capacity())
-        toks, out = list(spec.prompt), []
-        while True:
-            t = next_token(req.seq_id, toks, self.vocab_size)
-            toks.append(t)
-            out.append(t)
-            if t == self.eos and not spec.ignore_eos:
-                return out, "stop"
-            if len(out) >= spec.max_tokens or len(toks) >= cap:
-                return out, "length"
+        return self.produced(self.specs[req.group_request_id], req.seq_id)
 
     def check_done(self) -> None:
         assert not self.engine.has_unfinished and len(self.state.table) == 0
