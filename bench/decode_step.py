@@ -72,6 +72,17 @@ def decode_batch(batch: int, context: int, block_size: int, num_blocks: int, voc
                  query_lens=np.ones(batch, np.int32), sample=np.ones(batch, bool), inputs=inputs)
 
 
+def decode_runner(loaded, batch: int, context: int, block_size: int, attention: str = "auto"
+                  ) -> tuple[JaxRunner, int]:
+    """A runner with room for `batch` sequences of `context` tokens (and the scratch
+    block), and its number of blocks, for `decode_batch`."""
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq + 1
+    return JaxRunner(loaded.model, num_blocks=num_blocks, block_size=block_size,
+                     max_num_batched_tokens=batch, max_num_seqs=batch,
+                     max_model_len=per_seq * block_size, attention=attention), num_blocks
+
+
 def fits(cfg, batch: int, context: int, itemsize: int) -> bool:
     """Weights and K/V within 85% of the device's memory (where the backend reports it)."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -134,11 +145,7 @@ def main() -> None:
     if batch != args.batch:
         print(f"note: batch {args.batch} x {args.context} tokens does not fit this device; "
               f"measuring batch {batch}")
-    per_seq = -(-args.context // args.block_size)
-    num_blocks = batch * per_seq + 1
-    runner = JaxRunner(loaded.model, num_blocks=num_blocks, block_size=args.block_size,
-                       max_num_batched_tokens=batch, max_num_seqs=batch,
-                       max_model_len=per_seq * args.block_size, attention=args.attention)
+    runner, num_blocks = decode_runner(loaded, batch, args.context, args.block_size, args.attention)
     shape = runner.cache.k[0].shape
     for i in range(cfg.num_layers):  # one layer at a time: two whole caches may not fit
         runner.cache.k[i] = random_like(shape, dtype, 2 * i)

@@ -23,7 +23,7 @@ import pathlib
 
 import jax
 import numpy as np
-from decode_step import decode_batch
+from decode_step import decode_batch, decode_runner
 from device_timing import device_name, today, turn_about_medians
 
 import jserve
@@ -72,14 +72,10 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model)
     cfg = loaded.config
-    per_seq = -(-args.context // args.block_size)
     rng = np.random.default_rng(0)
     rows = []
     for batch_size in args.batches:
-        num_blocks = batch_size * per_seq + 1
-        runner = JaxRunner(loaded.model, num_blocks=num_blocks, block_size=args.block_size,
-                           max_num_batched_tokens=batch_size, max_num_seqs=batch_size,
-                           max_model_len=per_seq * args.block_size)
+        runner, num_blocks = decode_runner(loaded, batch_size, args.context, args.block_size)
         batch = decode_batch(batch_size, args.context, args.block_size, num_blocks, cfg.vocab_size, rng)
         fns = {"plain": functools.partial(runner.execute, held_batch(runner, batch, 0, False))}
         if PenaltySettings is not None:
