@@ -91,9 +91,8 @@ def _child(argv: list[str]) -> None:
             elif _label.startswith("runner"):
                 runner = args[0]
                 record["kv_nbytes"] = sum(x.nbytes for x in runner.cache.k + runner.cache.v)
-                pool = runner.layer_pool
-                record["host_pool_nbytes"] = 0 if pool is None else sum(
-                    x.nbytes for x in pool.k + pool.v)
+                pools = [f.pool for f in getattr(runner, "features", ()) if getattr(f, "pool", None)]
+                record["host_pool_nbytes"] = sum(x.nbytes for pool in pools for x in pool.k + pool.v)
             report(record)
             return out
 

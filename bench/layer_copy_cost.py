@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from device_timing import device_name, median_seconds, random_like, results_tag, today
 
-from jserve.runners.host_kv import LayerHostPool, memory_shardings
+from jserve.cache.host_memory import memory_shardings
+from jserve.cache_features.layer_offload.host_pool import LayerHostPool
 from jserve.models.paged import KVCache
 from jserve.models.registry import get_config
 from jserve.pallas_kernels.block_copy import gather_blocks_reference, scatter_blocks_reference

@@ -6,7 +6,7 @@ prefills, layer blocks moved each way), and the host transfer rate LayerKV's lay
 achieved beside a plain `jax.device_put` of the same bytes to the same host memory kind.
 
 The layer copies are timed by wrapping, in this script only, the runner's layer copy paths
-(`JaxRunner._offload_prefills`, `_read_layers`, `_write_layers` and `LayerHostPool.flush`),
+(`LayerSteps.after_compute`, `before_moves`, `after_moves` and `LayerHostPool.flush`),
 each waited on until its copies are done; bytes = layer blocks moved to and from the host
 x K and V x one layer's block (the per-layer jit dispatches and the padded gathers/scatters
 included; the copies are compiled, and the host pool mapped, before the run starts).
@@ -35,7 +35,9 @@ from device_timing import median_seconds, random_like, today
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.config import EngineConfig
-from jserve.runners.host_kv import LayerHostPool, memory_shardings
+from jserve.cache.host_memory import memory_shardings
+from jserve.cache_features.layer_offload.host_pool import LayerHostPool
+from jserve.cache_features.layer_offload.steps import LayerSteps
 from jserve.runners.jax_runner import JaxRunner
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -51,8 +53,8 @@ class LayerCopyMeter:
     def __init__(self) -> None:
         self.reset()
         self._saved = {}
-        for cls, name in ((JaxRunner, "execute"), (JaxRunner, "_offload_prefills"),
-                          (JaxRunner, "_read_layers"), (JaxRunner, "_write_layers"),
+        for cls, name in ((JaxRunner, "execute"), (LayerSteps, "after_compute"),
+                          (LayerSteps, "before_moves"), (LayerSteps, "after_moves"),
                           (LayerHostPool, "flush")):
             self._saved[(cls, name)] = getattr(cls, name)
             setattr(cls, name, self._wrap(name, getattr(cls, name)))
@@ -77,10 +79,9 @@ class LayerCopyMeter:
         def timed(obj, *args):
             t0 = time.perf_counter()
             out = fn(obj, *args)
-            pool = obj.layer_pool if isinstance(obj, JaxRunner) else obj
-            pending = [p[2:] for p in pool._pending] if pool is not None else []
-            cache = obj.cache if isinstance(obj, JaxRunner) else None
-            jax.block_until_ready([x for x in jax.tree.leaves((out, pending, cache))
+            pool = obj.pool if isinstance(obj, LayerSteps) else obj
+            pending = [p[2:] for p in pool._pending]
+            jax.block_until_ready([x for x in jax.tree.leaves((out, pending, args))
                                    if isinstance(x, jax.Array)])
             meter.copy_seconds += time.perf_counter() - t0
             return out
@@ -88,9 +89,10 @@ class LayerCopyMeter:
         return counted if name == "execute" else timed
 
     def _count(self, runner: JaxRunner, batch) -> None:
-        if runner.layer_pool is None:
+        steps = [f for f in runner.features if isinstance(f, LayerSteps)]
+        if not steps:
             return
-        k = runner.layer_pool.k[0]
+        k = steps[0].pool.k[0]
         self.block_bytes = 2 * k[0].nbytes  # one layer's block, K and V
         tables = batch.inputs.layer_tables if batch.inputs is not None else {}
         for i, t in tables.items():

@@ -12,19 +12,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.dense_attention import dense_paged_attention
 from jserve.pallas_kernels.hidden_attention import (
-    HiddenPool, KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
-    write_hidden_rows,
+    KVProjection, hidden_paged_attention, hidden_paged_attention_reference,
 )
 from jserve.pallas_kernels.block_copy import (
     gather_blocks, gather_blocks_reference, scatter_blocks, scatter_blocks_reference,
@@ -59,24 +56,20 @@ class AttentionBackend:
         meta: AttentionMetadata, *, scale: float, hidden: jax.Array | None = None,
         proj: KVProjection | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`hidden`: the layer's attention input rows `[T, hidden_size]` and `proj` its K/V
-        projection, read only when `meta.hidden` puts sequences on the hidden cache: their
-        rows go into their blocks (K page, then V page) and they attend through K/V
-        projected from them, the other sequences as always."""
+        """Write the step's K/V, then attend; `hidden` and `proj` are for a wrapper that
+        keeps some sequences' layer inputs instead (Apt-Serve's hidden cache), which a
+        backend of paged KV ignores."""
+        if meta.hidden is not None:
+            raise ValueError(f"the {self.name!r} backend attends over paged KV only; a step with "
+                             "hidden-cache sequences runs through the hidden cache's wrapper")
         k_pages, v_pages = self.write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        h = meta.hidden
-        if h is not None:
-            pool = write_hidden_rows(HiddenPool.in_kv_pages(k_pages, v_pages, hidden.shape[-1]),
-                                     hidden, (h.k_offsets, h.v_offsets))
-            k_pages, v_pages = pool.pages
+        return self.attend(q, k_pages, v_pages, meta, scale=scale), k_pages, v_pages
+
+    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
+               *, scale: float) -> jax.Array:
+        """Attention over the pages as they are (the step's K/V already written)."""
         attend = self.decode if meta.decode_only and self.decode is not None else self.ragged
-        out = attend(q, k_pages, v_pages, meta, scale=scale)
-        if h is None:
-            return out, k_pages, v_pages
-        rows = dataclasses.replace(meta, block_tables=h.block_tables, context_lens=h.context_lens,
-                                   decode_only=False, hidden=None)
-        out_hidden = self.hidden(q, pool, proj, rows, scale=scale)
-        return jnp.where(h.token_mask[:, None, None], out_hidden, out), k_pages, v_pages
+        return attend(q, k_pages, v_pages, meta, scale=scale)
 
 
 def pallas_backend(name: str, *, interpret: bool = False, block_m: int = 64, block_k: int = 64,

@@ -10,6 +10,7 @@ import pytest
 
 from jserve import LLM, RequestOutput, SamplingParams
 from jserve.builder import build_engine
+from jserve.cache_features.layer_offload.steps import LayerSteps
 from jserve.cache.sizing import block_bytes, num_blocks_for_budget
 from jserve.config import EngineConfig
 from jserve.engine.clock import VirtualClock, WallClock
@@ -138,11 +139,12 @@ def test_host_memory_is_paid_for_only_where_the_policy_keeps_layers_there(
     in a buffer of its own, so no host memory is held before a swap."""
     built = build_engine(dataclasses.replace(TINY, policy=policy, swap_space=swap_space))
     runner = built.engine.runner
-    assert (runner.layer_pool is not None) == pooled
+    pools = [f.pool for f in runner.features if isinstance(f, LayerSteps)]
+    assert bool(pools) == pooled
     assert len(runner.host_kv) == 0
     if pooled:
         host_blocks = built.engine.state.host_blocks.num_blocks
-        assert runner.layer_pool.k[0].shape[0] == host_blocks > 0
+        assert pools[0].k[0].shape[0] == host_blocks > 0
 
 
 def test_layerkv_host_tier_is_sized_from_the_host_by_default() -> None:

@@ -97,7 +97,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
     llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **LIMITS)
     llm.runner.warmup()
     warmed = set(llm.runner._executables)
-    assert any(shape[-1] for shape in warmed)
+    assert any(shape[-1] == "hidden_cache" for shape in warmed)
     prompts = random_prompts(mha_loaded.config.vocab_size, [7, 12, 30, 9, 21, 4, 33])
     roomy = LLM(mha_loaded, num_blocks=512, warmup=False)
     cap = 12 * 4  # requests are capped at the KV capacity

@@ -15,6 +15,7 @@ from layer_offload_policy import (
 )
 
 from jserve import LLM
+from jserve.cache_features.layer_offload.steps import LayerSteps
 from jserve.models.loading import LoadedModel
 
 
@@ -40,6 +41,11 @@ def test_tiny_model_identical_with_layers_offloaded(tiny_loaded: LoadedModel, at
         assert seen["to_host"] and seen["copies"]
 
 
+def layers(runner: object) -> LayerSteps:
+    """The runner's layer-offload side (its staging rows and host pool)."""
+    return next(f for f in runner.features if isinstance(f, LayerSteps))
+
+
 @pytest.mark.parametrize("narrow", [False, True])
 def test_tiny_model_identical_decoding_with_layers_on_the_host(tiny_loaded: LoadedModel, narrow: bool) -> None:
     """Partly offloaded requests decode with their host layers read for each step (LayerKV
@@ -52,7 +58,7 @@ def test_tiny_model_identical_decoding_with_layers_on_the_host(tiny_loaded: Load
                 attention="reference", warmup=False, swap_space=0.001)
     runner, groups, steps = tight.runner, [], []
     if narrow:  # the top 12 of the staging rows
-        runner.staging_start = runner.scratch_block - 12
+        layers(runner).staging_start = runner.scratch_block - 12
     compute, execute = runner._compute, runner.execute
     runner._compute = lambda batch: groups.append(batch.num_seqs) or compute(batch)
     runner.execute = lambda batch: steps.append(batch.num_seqs) or execute(batch)
@@ -79,10 +85,10 @@ def test_smollm2_identical_with_mixed_residencies(smollm2_loaded: LoadedModel) -
 def test_warmup_compiles_layered_prefill_variants_only_for_an_offloading_policy(tiny_loaded: LoadedModel) -> None:
     plain = LLM(tiny_loaded, num_blocks=32, warmup=False)
     plain.runner.warmup(shapes=[16])
-    assert set(plain.runner._executables) == {(16, False, False, False)}
+    assert set(plain.runner._executables) == {(16, False, None)}
     offloading = LLM(tiny_loaded, policy=ForcedLayerOffload(), num_blocks=32, warmup=False, swap_space=0.001)
     offloading.runner.warmup(shapes=[16])
-    assert set(offloading.runner._executables) == {(16, False, False, False), (16, False, True, False)}
+    assert set(offloading.runner._executables) == {(16, False, None), (16, False, "layer_offload")}
 
 
 def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny_loaded: LoadedModel) -> None:
@@ -97,7 +103,7 @@ def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny
     after = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
     for b, a in zip(before, after, strict=True):
         np.testing.assert_array_equal(np.delete(b, scratch, axis=0), np.delete(a, scratch, axis=0))
-    pool = runner.layer_pool
+    pool = layers(runner).pool
     compiled = pool._gather._cache_size(), pool._scatter._cache_size()
     prompts = random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15])
     seen = identical_to_roomy_run(offloading, tiny_loaded, prompts, 40, 48)

@@ -1,11 +1,14 @@
 """The one protocol a cache feature implements: a hook per stage of the loop, so that the
-core checks and books whole blocks and asks each feature only where its requests differ.
-Every hook has a default that does nothing, so a feature writes only the stages it uses."""
+core checks and books whole blocks and asks each feature only where its requests differ,
+and the runner builds whole-block paged steps and asks each feature only where its
+sequences' tables, metadata, compiled variant or copies differ. Every hook has a default
+that does nothing, so a feature writes only the stages it uses."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +17,14 @@ from jserve.engine.batch import Batch
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import Plan
 from jserve.engine.prefix_reuse import PrefixReuse
+
+if TYPE_CHECKING:  # the runner's side only (the simulator never loads kernels)
+    import jax
+
+    from jserve.models.config import ModelConfig
+    from jserve.models.paged import KVCache
+    from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+    from jserve.pallas_kernels.backends import AttentionBackend
 
 NO_ROWS = np.zeros(0, np.int64)
 
@@ -114,3 +125,96 @@ class CacheFeature:
 
     def check_invariants(self, prefix_cache: bool) -> None:
         """What must hold of its requests between steps."""
+
+
+# ====================================================================== the runner's side
+@dataclass(frozen=True)
+class StepContext:
+    """What a feature's runner side is built from: the model, the block layout, the step's
+    largest bucket, the attention backend and the pages' sharding (None: one device)."""
+
+    cfg: ModelConfig
+    block_size: int
+    num_blocks: int  # the engine's device blocks; a feature's own blocks come after them
+    max_model_len: int
+    max_tokens: int
+    max_seqs: int
+    attention: AttentionBackend
+    kv_dtype: np.dtype
+    pages_sharding: jax.sharding.Sharding | None = None
+
+
+class StepFeature:
+    """A cache feature's runner side, in step order: the device blocks it adds, the attention
+    it wraps, the compiled variant of steps holding its sequences, their tables and metadata,
+    and the copies around the compute. `name` is the feature's (`CacheFeature.name`); the
+    step key of a step with its sequences names it. Every hook has a default that does
+    nothing."""
+
+    name: str = ""
+    compiled_ahead: bool = True  # whether warm-up compiles its variant of every step
+
+    @staticmethod
+    def in_batch(batch: Batch) -> bool:
+        """Whether `batch` has this feature's sequences (a runner without the feature refuses
+        such a batch)."""
+        return False
+
+    # ------------------------------------------------------------------ build
+    def extra_blocks(self) -> int:
+        """Device blocks it needs after the engine's own (at `StepContext.num_blocks`)."""
+        return 0
+
+    def table_width(self) -> int:
+        """Block-table width its sequences need (0: the engine's)."""
+        return 0
+
+    def bind(self, scratch_block: int) -> None:
+        """The cache is built: its scratch block (padding writes go there)."""
+
+    def wrap_attention(self, attention: AttentionBackend) -> AttentionBackend:
+        return attention
+
+    def warm_up(self, cache: KVCache) -> KVCache:
+        """Compile its own copies (writing only the scratch block)."""
+        return cache
+
+    # ------------------------------------------------------------------ a step
+    def before_moves(self, batch: Batch, cache: KVCache) -> object:
+        """Read what its moves copy, before the step's block copies and swaps (which may land
+        where it reads); returns what `after_moves` writes."""
+        return None
+
+    def after_moves(self, reads: object, cache: KVCache) -> KVCache:
+        return cache
+
+    def groups(self, batch: Batch) -> list[np.ndarray] | None:
+        """The batch's sequences in consecutive groups that run as steps of their own
+        (None: one step)."""
+        return None
+
+    def before_compute(self, batch: Batch, cache: KVCache) -> tuple[KVCache, object]:
+        """Copies before the compute; returns the cache and what this step's `tables`,
+        `metadata` and `after_compute` read."""
+        return cache, None
+
+    def tables(self, batch: Batch, tables: np.ndarray) -> np.ndarray:
+        """The step's block tables (its sequences' rows changed where its layout differs)."""
+        return tables
+
+    def metadata(self, batch: Batch, meta: AttentionMetadata,
+                 table_of: Callable[[int], np.ndarray], step: object) -> AttentionMetadata:
+        """The step's attention metadata with its sequences' part; `table_of(i)`: the whole
+        block table the runner holds for the batch's sequence `i`."""
+        return meta
+
+    def padding_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """An all-padding step's metadata in its compiled variant (warm-up)."""
+        return meta
+
+    def marks(self, meta: AttentionMetadata) -> bool:
+        """Whether `meta` has its part (the step is its compiled variant)."""
+        return False
+
+    def after_compute(self, batch: Batch, cache: KVCache, step: object) -> None:
+        """Copies after the compute has been dispatched."""

@@ -1,6 +1,7 @@
 """Every cache feature the engine knows, one line each: adding a feature is its folder and
-a line here. Each entry builds the feature for one engine from the state's parts and the
-engine's options (a feature reads the options it needs and ignores the others)."""
+a line here. Each entry builds the feature's two sides for one engine: the engine's, from
+the state's parts, and the runner's, from the step's context (or None where the engine
+will not use it); each reads the engine options it needs and ignores the others."""
 
 from __future__ import annotations
 
@@ -10,23 +11,48 @@ from collections.abc import Callable
 import numpy as np
 
 from jserve.cache_features.hidden_cache.feature import HiddenCache
+from jserve.cache_features.hidden_cache.steps import HiddenSteps
 from jserve.cache_features.layer_offload.feature import LayerOffload
-from jserve.cache_features.protocol import CacheFeature, SectionCheck, StateParts
+from jserve.cache_features.layer_offload.steps import LayerSteps
+from jserve.cache_features.protocol import (
+    CacheFeature, SectionCheck, StateParts, StepContext, StepFeature,
+)
+from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
 from jserve.errors import PlanError
 
-FEATURES: tuple[Callable[..., CacheFeature], ...] = (
-    HiddenCache.build,
-    LayerOffload.build,
+FEATURES: tuple[tuple[Callable[..., CacheFeature], type[StepFeature]], ...] = (
+    (HiddenCache.build, HiddenSteps),
+    (LayerOffload.build, LayerSteps),
 )
 
 
-def build_features(parts: StateParts, **options: object) -> tuple[CacheFeature, ...]:
-    known = {name for build in FEATURES for name, p in inspect.signature(build).parameters.items()
+def _check_options(builds: list[Callable[..., object]], options: dict[str, object]) -> None:
+    known = {name for build in builds for name, p in inspect.signature(build).parameters.items()
              if p.kind is inspect.Parameter.KEYWORD_ONLY}
     if set(options) - known:
         raise TypeError(f"no cache feature takes the options {sorted(set(options) - known)}")
-    return tuple(build(parts, **options) for build in FEATURES)
+
+
+def build_features(parts: StateParts, **options: object) -> tuple[CacheFeature, ...]:
+    _check_options([build for build, _ in FEATURES], options)
+    return tuple(build(parts, **options) for build, _ in FEATURES)
+
+
+def build_step_features(ctx: StepContext, **options: object) -> tuple[StepFeature, ...]:
+    """The runner sides of the features the engine will use."""
+    _check_options([steps.build for _, steps in FEATURES], options)
+    built = (steps.build(ctx, **options) for _, steps in FEATURES)
+    return tuple(f for f in built if f is not None)
+
+
+def refuse_unknown_steps(batch: Batch, features: tuple[StepFeature, ...]) -> None:
+    """A runner refuses a batch with sequences of a feature it was not built with."""
+    have = {f.name for f in features}
+    for _, steps in FEATURES:
+        if steps.name not in have and steps.in_batch(batch):
+            raise RuntimeError(f"the batch has {steps.name} sequences, and this runner was not "
+                               f"built for them (no {steps.name} steps)")
 
 
 def check_sections_known(plan: Plan, features: tuple[CacheFeature, ...]) -> None:

@@ -21,23 +21,22 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.cache.sizing import hidden_rows_per_page
-from jserve.engine.batch import Batch, BatchDelta, LayerMove, StepOutput, TopLogprobs
+from jserve.cache_features.protocol import StepContext, StepFeature
+from jserve.cache_features.registry import build_step_features, refuse_unknown_steps
+from jserve.engine.batch import Batch, BatchDelta, StepOutput, TopLogprobs
 from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables
-from jserve.runners.host_kv import HostKVStore, LayerHostPool
+from jserve.runners.host_kv import HostKVStore
 from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
 from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.structured import bitmask_words
-from jserve.models.config import ModelConfig
 from jserve.models.functional import PagedBatch, PagedModel, paged_batch, pow2_at_least
 from jserve.models.loading import CausalLM
 from jserve.models.paged import KVCache
-from jserve.pallas_kernels.attention_metadata import with_hidden, with_layer_tables
 from jserve.pallas_kernels.backends import select_attention
 
 log = logging.getLogger(__name__)
@@ -55,9 +54,8 @@ FIRST_TOKENS = 64
 MIN_TOKENS = 16
 
 # A compiled step's key: tokens T, whether it is an all-decode step (a backend with a decode
-# kernel), whether its layers have tables of their own (LayerKV), and whether some sequence
-# is on the hidden cache (Apt-Serve).
-Shape = tuple[int, bool, bool, bool]
+# kernel), and the cache feature whose sequences it has (its metadata differs), if any.
+Shape = tuple[int, bool, str | None]
 
 
 @jax.tree_util.register_dataclass
@@ -150,44 +148,16 @@ def first_shapes(shapes: list[int]) -> list[int]:
     return [t for t in shapes if t <= FIRST_TOKENS]
 
 
-def _shape_of(x: StepInputs) -> Shape:
-    m = x.batch.meta
-    return (x.batch.token_ids.shape[0], m.decode_only, m.layer_block_tables is not None,
-            m.hidden is not None)
-
-
-@dataclass(frozen=True)
-class HiddenLayout:
-    """Where a hidden-cache sequence's rows go in the KV pool (Apt-Serve, Section 4.3):
-    `rows_per_page` rows of `row_size` (the model's hidden size) values at the start of a
-    block's K page, then as many in its V page, pages of `page_size` values; tables up to
-    `max_blocks` wide."""
-
-    rows_per_page: int
-    row_size: int
-    page_size: int
-    max_blocks: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, block_size: int, max_model_len: int) -> HiddenLayout | None:
-        """None when a page cannot hold one row."""
-        rows = hidden_rows_per_page(cfg, block_size)
-        if rows < 1:
-            return None
-        return cls(rows, cfg.hidden_size, block_size * cfg.num_kv_heads * cfg.head_dim,
-                   -(-max_model_len // (2 * rows)))
-
-
 def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
-                      mark_decode: bool = False, staging: dict[int, np.ndarray] | None = None,
-                      hidden: HiddenLayout | None = None, feed: np.ndarray | None = None) -> StepInputs:
+                      mark_decode: bool = False, feed: np.ndarray | None = None,
+                      features: Sequence[tuple[StepFeature, object]] = ()) -> StepInputs:
     """Pad a batch to its bucket, its tables and sampling settings gathered from the
     sequences' slots of `held` (its delta applied); padding tokens write to the scratch
     block, padded sequences are empty. `mark_decode` sets `meta.decode_only` on all-decode
-    steps, for backends with a decode kernel. `staging`: the staging blocks each partly
-    offloaded sequence (by batch index) computes its offloaded layers' K/V in. `hidden`: the
-    model's hidden-cache layout, for the batch's `hidden` sequences. `feed`
-    ([num_tokens]): the previous step's row each token is read from (-1: the batch's own id)."""
+    steps, for backends with a decode kernel. `feed` ([num_tokens]): the previous step's row
+    each token is read from (-1: the batch's own id). `features`: the runner's cache
+    features with what each prepared for this step (`StepFeature.before_compute`), which
+    change their sequences' tables and metadata."""
     n = batch.num_seqs
     t = b.tokens(batch.num_tokens)
     s = b.seqs(t)
@@ -198,25 +168,16 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
 
     slots = held.slots(batch.seq_ids.tolist())
     tables = held.tables[slots]
-    if batch.hidden is not None:
-        if hidden is None:
-            raise ValueError("a hidden-cache sequence, but this model's blocks hold no hidden row")
-        tables[batch.hidden] = held.scratch_block
+    for feature, _ in features:
+        tables = feature.tables(batch, tables)
     step = paged_batch(
         x.token_ids, batch.start, q, tables, num_tokens=t, num_seqs=s,
         max_blocks=b.max_blocks_per_seq, block_size=bs, scratch_block=held.scratch_block,
         decode_only=mark_decode and bool(np.all(q == 1)),
     )
     meta = step.meta
-    if batch.hidden is not None:
-        meta = with_hidden(meta, batch.hidden, [held.table(i) for i in slots.tolist()],
-                           rows_per_page=hidden.rows_per_page, row_size=hidden.row_size,
-                           page_size=hidden.page_size, max_blocks=hidden.max_blocks,
-                           scratch_block=held.scratch_block, block_size=bs)
-    if x.layer_tables:
-        per_layer = {i: [d if len(d) else staging[i] for d in tables.device]
-                     for i, tables in x.layer_tables.items()}
-        meta = with_layer_tables(meta, per_layer, len(next(iter(per_layer.values()))), bs)
+    for feature, prepared in features:
+        meta = feature.metadata(batch, meta, lambda i: held.table(int(slots[i])), prepared)
 
     def pad(a: np.ndarray, fill: float = 0) -> np.ndarray:
         out = np.full(s, fill, a.dtype)
@@ -239,15 +200,6 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
                       np.bool_(x.next_token_ids is not None), pad(slots.astype(np.int32)),
                       pad(held.presence[slots]), pad(held.frequency[slots]),
                       pad(held.repetition[slots], 1.0), count_rows)
-
-
-def _by_layer(moves: Sequence[LayerMove]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Moves' source and destination blocks, concatenated per layer."""
-    grouped: dict[int, list[LayerMove]] = {}
-    for m in moves:
-        grouped.setdefault(m.layer, []).append(m)
-    return {layer: (np.concatenate([m.src for m in ms]), np.concatenate([m.dst for m in ms]))
-            for layer, ms in grouped.items()}
 
 
 def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
@@ -373,17 +325,15 @@ class JaxRunner:
         max_model_len: int,
         attention: str = "auto",
         kv_dtype: Any = None,
-        layer_staging: bool = False,
-        num_host_blocks: int = 0,
-        hidden_steps: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        **feature_options: object,
     ) -> None:
-        """`layer_staging`: room for prefills of partly offloaded requests (LayerKV), whose
-        offloaded layers go to a per-layer host pool of `num_host_blocks` blocks.
-        `hidden_steps`: the policy may put sequences on the hidden cache (Apt-Serve), so
-        warm-up compiles those steps too.
-        `tensor_parallel`: run the step over its mesh (`jserve.runners.sharding`): weights
-        split Megatron-style, the cache by KV head, attention per shard."""
+        """`tensor_parallel`: run the step over its mesh (`jserve.runners.sharding`): weights
+        split Megatron-style, the cache by KV head, attention per shard.
+        `feature_options`: the cache features' runner options
+        (`jserve.cache_features.registry.build_step_features`: `layer_staging` and
+        `num_host_blocks` for LayerKV's layer offload, `hidden_steps` for Apt-Serve's hidden
+        cache); each feature the engine will use adds its compiled variant of every step."""
         tp = tensor_parallel
         if tp is not None:
             model = tp.prepare(model)
@@ -395,28 +345,26 @@ class JaxRunner:
         if tp is not None:
             self.params = tp.place_params(self.params)
         dtype = kv_dtype or model.embed.embedding.get_value().dtype
-        # A step's prefills fill at most T / block_size blocks plus one partial block each.
-        staging = (-(-self.buckets.max_tokens // block_size) + self.buckets.max_seqs) if layer_staging else 0
-        self.staging_start = num_blocks
-        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype, staging_blocks=staging,
-                                   sharding=tp and tp.pages)
-        self.scratch_block = self.cache.scratch_block
-        self.hidden_layout = HiddenLayout.of(cfg, block_size, max_model_len)
-        self.hidden_steps = hidden_steps and self.hidden_layout is not None
-        width = max(self.buckets.max_blocks_per_seq, self.hidden_layout.max_blocks if self.hidden_steps else 0)
-        # As many slots as a step's sequences, so that the token counts (sized by them)
-        # change shape, and the steps compile again, only when preempted sequences pile up.
-        self.held = PersistentBatch(width, self.scratch_block, max(INITIAL_SLOTS, self.buckets.max_seqs))
         attention_fn = select_attention(attention)
         if tp is not None:
             attention_fn = tp.attention(attention_fn)
+        self.features = build_step_features(StepContext(
+            cfg, block_size, num_blocks, max_model_len, self.buckets.max_tokens,
+            self.buckets.max_seqs, attention_fn, np.dtype(dtype), tp and tp.pages), **feature_options)
+        self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype,
+                                   staging_blocks=sum(f.extra_blocks() for f in self.features),
+                                   sharding=tp and tp.pages)
+        self.scratch_block = self.cache.scratch_block
+        for feature in self.features:
+            feature.bind(self.scratch_block)
+            attention_fn = feature.wrap_attention(attention_fn)
+        width = max([self.buckets.max_blocks_per_seq, *(f.table_width() for f in self.features)])
+        # As many slots as a step's sequences, so that the token counts (sized by them)
+        # change shape, and the steps compile again, only when preempted sequences pile up.
+        self.held = PersistentBatch(width, self.scratch_block, max(INITIAL_SLOTS, self.buckets.max_seqs))
         self.mark_decode = attention_fn.specialises_decode
         self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks,
                                    tp and swap_buffer_sharding(tp.mesh))
-        self.layer_pool = LayerHostPool(
-            attention_fn.gather_blocks, attention_fn.scatter_blocks,
-            (num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), np.dtype(dtype),
-            cfg.num_layers, self.scratch_block, tp and tp.pages) if layer_staging and num_host_blocks else None
         # The step takes the weights as a flat list: flattening the nnx.State tree on every
         # call cost ~0.25 ms. The model runs through `jserve.models.functional`, as a JAX
         # user's own jit would.
@@ -459,7 +407,8 @@ class JaxRunner:
         them from the persistent compile cache; returns the seconds it took.
 
         No step runs: executing a padding batch per bucket cost more than loading its step.
-        LayerKV's layer copies (small jits, one per padded size) do run, on the scratch block.
+        Cache features' own copies (LayerKV's, small jits, one per padded size) do run, on the
+        scratch block.
         Tracing and lowering (Python) happen here while worker threads compile or load the
         buckets already lowered (XLA, which releases the GIL), so they overlap.
 
@@ -473,11 +422,9 @@ class JaxRunner:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-compile") as pool:
             pending: dict[Shape, Future[jax.stages.Compiled]] = {}
-            for variant in self._variants(first):
-                x = self._padding_inputs(*variant)
-                shape = _shape_of(x)
+            for shape in self._variants(first):
                 if shape not in self._executables and shape not in pending:
-                    pending[shape] = pool.submit(self._build, x)
+                    pending[shape] = pool.submit(self._build, self._padding_inputs(*shape))
             done = as_completed(pending.values())
             if progress:
                 from tqdm import tqdm
@@ -487,11 +434,11 @@ class JaxRunner:
                 pass
         for shape, f in pending.items():
             self._executables.put(shape, f.result())
-        if self.layer_pool is not None:
-            self.cache = self.layer_pool.warm_up(self.cache)
-        rest = [self._padding_inputs(*v) for v in self._variants(sorted(set(shapes) - set(first)))]
-        rest = [(_shape_of(x), lambda x=x: self._build(x)) for x in rest
-                if _shape_of(x) not in self._executables]
+        for feature in self.features:
+            self.cache = feature.warm_up(self.cache)
+        rest = [(shape, lambda shape=shape: self._build(self._padding_inputs(*shape)))
+                for shape in self._variants(sorted(set(shapes) - set(first)))
+                if shape not in self._executables]
         if rest:
             self._executables.build_in_background(rest)
         self._warmup_started = True
@@ -507,18 +454,18 @@ class JaxRunner:
         self._executables.wait()
 
     def _variants(self, shapes: list[int]) -> list[Shape]:
-        """The steps each token bucket serves, as (T, decode_only, layered, hidden): with a
-        decode kernel, all-decode steps compile apart; with layer staging, any step may also
-        have per-layer tables (a partly offloaded request's prefill or decode in it); with
-        hidden steps, any step may have hidden-cache sequences (never beside layer tables:
-        the plan check refuses a hidden request's layer offload)."""
-        layered = (False, True) if self.layer_pool is not None else (False,)
-        hidden = (False, True) if self.hidden_steps else (False,)
-        return [(t, d, lay, h) for t in shapes
+        """The steps each token bucket serves, as (T, decode_only, feature): with a decode
+        kernel, all-decode steps compile apart; each cache feature adds steps that have its
+        sequences (one feature a step: a policy uses one feature)."""
+        return [(t, d, f) for t in shapes
                 for d in ((False, True) if self.mark_decode and t <= self.buckets.tokens(self.buckets.max_seqs)
                           else (False,))
-                for lay in layered
-                for h in (hidden if not lay else (False,))]
+                for f in (None, *(feature.name for feature in self.features if feature.compiled_ahead))]
+
+    def _shape_of(self, x: StepInputs) -> Shape:
+        m = x.batch.meta
+        return (x.batch.token_ids.shape[0], m.decode_only,
+                next((f.name for f in self.features if f.marks(m)), None))
 
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
         s = x.temperature.shape[0]
@@ -542,16 +489,16 @@ class JaxRunner:
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
         waited for, where a background warm-up is building it)."""
-        shape = _shape_of(x)
+        shape = self._shape_of(x)
         exe, built = self._executables.get(shape, lambda: self._build(x))
         if built and self.warmed_up:
-            log.warning("compiled step for new bucket (T, decode_only, layered, hidden)=%s "
+            log.warning("compiled step for new bucket (T, decode_only, cache feature)=%s "
                         "while serving", shape)
         return exe
 
-    def _padding_inputs(self, t: int, decode_only: bool = False, layered: bool = False,
-                        hidden: bool = False) -> StepInputs:
-        """An all-padding batch of the given bucket: writes only the scratch block."""
+    def _padding_inputs(self, t: int, decode_only: bool = False, feature: str | None = None) -> StepInputs:
+        """An all-padding batch of the given bucket (in `feature`'s variant): writes only the
+        scratch block."""
         z = np.zeros
         none = z(0, np.int32)
         s = self.buckets.seqs(t)
@@ -559,13 +506,9 @@ class JaxRunner:
                             max_blocks=self.buckets.max_blocks_per_seq, block_size=self.block_size,
                             scratch_block=self.scratch_block, decode_only=decode_only)
         meta = batch.meta
-        if layered:
-            meta = with_layer_tables(meta, {}, len(self.cache.k), self.block_size)
-        if hidden:
-            h = self.hidden_layout
-            meta = with_hidden(meta, np.zeros(0, bool), [], rows_per_page=h.rows_per_page,
-                               row_size=h.row_size, page_size=h.page_size, max_blocks=h.max_blocks,
-                               scratch_block=self.scratch_block, block_size=self.block_size)
+        for f in self.features:
+            if f.name == feature:
+                meta = f.padding_metadata(meta)
         return StepInputs(dataclasses.replace(batch, meta=meta), z(s, np.float32),
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
                           np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False),
@@ -580,16 +523,19 @@ class JaxRunner:
         """Start the step; its outputs are read when the caller asks (`PendingStep.result`).
         Copies and swaps are issued first. A batch token that is `PLACEHOLDER` must be the
         token its sequence sampled in the previous dispatched step, read on the device."""
+        refuse_unknown_steps(batch, self.features)
         if batch.inputs is not None:  # (a batch that only moves blocks may have none)
             self._hold(batch.inputs.delta)
-        layer_reads = self._read_layers(batch)
+        reads = [f.before_moves(batch, self.cache) for f in self.features]
         self._move_blocks(batch)
-        self._write_layers(layer_reads)
+        for f, read in zip(self.features, reads):
+            self.cache = f.after_moves(read, self.cache)
         if batch.num_seqs == 0:
             return _ready(StepOutput.empty())
-        groups = self._staging_groups(batch)
-        if len(groups) > 1:
-            return _ready(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
+        for f in self.features:
+            groups = f.groups(batch)
+            if groups is not None and len(groups) > 1:
+                return _ready(_concat_outputs([self._compute(_sub_batch(batch, g)).result() for g in groups]))
         return self._compute(batch)
 
     def _hold(self, delta: BatchDelta) -> None:
@@ -622,109 +568,24 @@ class JaxRunner:
         return feed
 
     def _compute(self, batch: Batch) -> PendingStep:
-        """The step's compute, its copies done: partly offloaded sequences' host layers
-        read into their staging blocks first, their new K/V written back after."""
-        staging = self._staging(batch)
-        if staging:
-            self._stream_in(batch, staging)
+        """The step's compute, its copies done, between each cache feature's copies before
+        and after it (LayerKV: host layers read into staging blocks, new K/V written back)."""
+        prepared = []
+        for f in self.features:
+            self.cache, step = f.before_compute(batch, self.cache)
+            prepared.append((f, step))
         x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
-                              staging, self.hidden_layout, self._feed(batch))
+                              self._feed(batch), prepared)
         result, self.cache, self._fed, self._counts = self._executable(x)(
             self._weights, self.cache, self._fed, self._counts, x, self._allowed(batch, x.temperature.shape[0]))
         sampled = np.flatnonzero(batch.sample)
         order = np.argsort(batch.seq_ids[sampled], kind="stable")
         self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])
-        if staging:
-            self._offload_prefills(batch, staging)
+        for f, step in prepared:
+            f.after_compute(batch, self.cache, step)
         inputs = batch.inputs
         return PendingStep(result, batch.num_seqs, batch.num_tokens, inputs.logprobs,
                            inputs.next_token_ids is not None)
-
-    def _staging_need(self, batch: Batch) -> dict[int, int]:
-        """Staging blocks each partly offloaded sequence needs, by batch index: its context
-        after the step (each offloaded layer's in that layer's own staging rows)."""
-        end = batch.start + batch.query_lens
-        return {i: -(-int(end[i]) // self.block_size) for i in batch.inputs.layer_tables}
-
-    def _staging_groups(self, batch: Batch) -> list[np.ndarray]:
-        """The batch's sequences in consecutive groups whose partly offloaded sequences'
-        context fits the staging rows: one group unless decodes with layers on the host
-        need more (each group is then a step of its own; the tokens are the same)."""
-        if not batch.inputs.layer_tables:
-            return [np.arange(batch.num_seqs)]
-        room = self.scratch_block - self.staging_start
-        need = self._staging_need(batch)
-        groups, first, used = [], 0, 0
-        for i in range(batch.num_seqs):
-            k = need.get(i, 0)
-            if k > room:
-                raise RuntimeError(f"seq {batch.seq_ids[i]} needs {k} staging blocks, {room} exist")
-            if used + k > room:
-                groups.append(np.arange(first, i))
-                first, used = i, 0
-            used += k
-        return groups + [np.arange(first, batch.num_seqs)]
-
-    def _staging(self, batch: Batch) -> dict[int, np.ndarray]:
-        """Staging blocks for each partly offloaded sequence, by batch index (its offloaded
-        layers' K/V for the step, in each layer's pool)."""
-        if not batch.inputs.layer_tables:
-            return {}
-        if self.layer_pool is None:
-            raise RuntimeError("a partly offloaded request needs a runner built with layer_staging "
-                               "and a host tier")
-        out, nxt = {}, self.staging_start
-        for i, n in self._staging_need(batch).items():
-            out[i] = np.arange(nxt, nxt + n, dtype=np.int32)
-            nxt += n
-        return out
-
-    def _host_layer_moves(self, batch: Batch, staging: dict[int, np.ndarray], before: bool) -> list[LayerMove]:
-        """Per offloaded layer of each partly offloaded sequence, host blocks <-> its
-        staging blocks: `before` the step, those holding its context (host -> staging);
-        after it, those its new tokens fill (staging -> host)."""
-        bs, moves = self.block_size, []
-        for i, tables in batch.inputs.layer_tables.items():
-            start = int(batch.start[i])
-            lo, hi = (0, -(-start // bs)) if before else (start // bs, len(staging[i]))
-            for layer, host in enumerate(tables.host):
-                if len(host) and hi > lo:
-                    src, dst = (host, staging[i]) if before else (staging[i], host)
-                    moves.append(LayerMove(-1, layer, src[lo:hi], dst[lo:hi]))
-        return moves
-
-    def _stream_in(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
-        """The offloaded layers' context of partly offloaded sequences past their first
-        token (decodes), host -> staging: one host read and one scatter per layer."""
-        for layer, (src, dst) in _by_layer(self._host_layer_moves(batch, staging, True)).items():
-            self.cache = self.layer_pool.scatter(self.cache, layer, dst, *self.layer_pool.read(layer, src))
-
-    def _offload_prefills(self, batch: Batch, staging: dict[int, np.ndarray]) -> None:
-        """The offloaded layers' K/V this step computed, staging -> host pool: one gather and
-        one host write per layer."""
-        for layer, (src, dst) in _by_layer(self._host_layer_moves(batch, staging, False)).items():
-            self.layer_pool.write_from_device(layer, dst, *self.layer_pool.gather(self.cache, layer, src))
-
-    def _read_layers(self, batch: Batch) -> list[tuple[str, int, np.ndarray, tuple]]:
-        """The residency changes' sources, read before the swaps and any write (a swap-in,
-        or another copy, may land where a source is): one host read or device gather per
-        layer and kind. Returns (kind, layer, destination blocks, (K, V))."""
-        if not (batch.layers_to_host or batch.layers_to_device or batch.layers_copy):
-            return []
-        pool = self.layer_pool
-        return ([("device", layer, dst, pool.read(layer, src))
-                 for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
-                + [("host", layer, dst, pool.gather(self.cache, layer, src))
-                   for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
-                + [("device", layer, dst, pool.gather(self.cache, layer, src))
-                   for layer, (src, dst) in _by_layer(batch.layers_copy).items()])
-
-    def _write_layers(self, reads: list[tuple[str, int, np.ndarray, tuple]]) -> None:
-        for kind, layer, dst, (k, v) in reads:
-            if kind == "host":
-                self.layer_pool.write_from_device(layer, dst, k, v)
-            else:
-                self.cache = self.layer_pool.scatter(self.cache, layer, dst, k, v)
 
     def _move_blocks(self, batch: Batch) -> None:
         """Block copies, then swaps, before the step's compute, outs first: an in may reuse
