@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from jserve import LLM, SamplingParams
+from jserve.builder import build_engine
+from jserve.config import EngineConfig
 from jserve.engine.batch import TokenRuleSettings
 from jserve.errors import InvalidRequestError
 from jserve.models.dense_reference import dense_logits
@@ -175,3 +177,14 @@ def test_stop_strings_wait_for_min_tokens(tiny_smollm2_vocab: LoadedModel) -> No
     assert early.finish_reason == "stop" and early.text == text[:text.find(stop)]
     late = llm.generate(["Hello"], SamplingParams(**g, stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
     assert late.finish_reason == "length" and late.text == text
+
+
+def test_the_simulator_accepts_the_rules() -> None:
+    """The simulator's runner reads no logits: a request with rules runs to its length."""
+    engine = build_engine(EngineConfig(runner="sim", model="opt-13b", num_blocks=64)).engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True, min_tokens=2,
+                                                      logit_bias={5: 1.0}))
+    done = []
+    while engine.has_unfinished:
+        done += [r for r in engine.step() if r.finished]
+    assert [len(r.output_token_ids) for r in done] == [4]
