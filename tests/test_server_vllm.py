@@ -19,6 +19,7 @@ from jserve.cli import build_parser, main
 from jserve.config import ServerConfig, engine_config_from_args
 from jserve.errors import ConfigError
 from jserve.models.loading import LoadedModel
+from jserve.models.registry import get_config
 from jserve.serving.openai_protocol import UNSUPPORTED_FIELDS
 from jserve.serving.server import build_app, serve, serve_in_background
 from jserve.serving.vllm_flags import NotSupported, apply_vllm_serve_args
@@ -78,7 +79,7 @@ def test_an_unknown_field_is_refused_by_name(tiny: str) -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_tokens", 4), ("logit_bias", {"5": 10}), ("bad_words", ["x"]),
+    ("min_p", 0.1), ("allowed_token_ids", [5]),
     ("guided_json", {"type": "object"}), ("user", "u1"),
 ])
 def test_a_field_not_implemented_is_refused_as_not_supported(tiny: str, field: str, value: object) -> None:
@@ -307,6 +308,34 @@ def test_vllm_flags_jserve_lacks_are_one_clear_error(argv: list[str], message: s
     assert main(["serve", *argv]) == 2  # before any model loads or port is bound
     assert message in capsys.readouterr().err
 
+
+
+SMOL_EOS = get_config("smollm2-135m").eos_token_id
+
+
+def test_token_rules_over_http_and_bad_values_name_their_field(smol: str) -> None:
+    """min_tokens, logit_bias and bad_words reach the sampler; a bad value is a 400 naming
+    its field (the vocabulary's and the tokenizer's checks included)."""
+    base = {"model": HF_ID, "prompt": "a b c", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    biased = httpx.post(f"{smol}/v1/completions", json=base | {"logit_bias": {"42": 500}}).json()
+    assert biased["choices"][0]["token_ids"] == [42] * 6  # clamped to 100, still the largest
+    hello = {"logit_bias": {"28120": 100, "33662": 100}}  # "hello" and " hello", one token each
+    assert set(httpx.post(f"{smol}/v1/completions", json=base | hello).json()["choices"][0]["token_ids"]) \
+        <= {28120, 33662}
+    banned = httpx.post(f"{smol}/v1/completions", json=base | hello | {"bad_words": ["hello"]}).json()
+    assert not {28120, 33662} & set(banned["choices"][0]["token_ids"])
+    eos = {"ignore_eos": False, "logit_bias": {str(SMOL_EOS): 100}}  # EOS is all it would say
+    assert len(httpx.post(f"{smol}/v1/completions", json=base | eos).json()["choices"][0]["token_ids"]) == 1
+    held = httpx.post(f"{smol}/v1/completions", json=base | eos | {"min_tokens": 4}).json()["choices"][0]
+    assert len(held["token_ids"]) == 5 and held["finish_reason"] == "stop"
+    for field, value, param in (("min_tokens", -1, None), ("min_tokens", 7, None), ("logit_bias", {"x": 1}, None),
+                                ("logit_bias", {"99999999": 1}, None), ("logit_bias", {"1": "a"}, "logit_bias.1"),
+                                ("bad_words", [""], None), ("bad_words", ["antidisestablishmentarianism"], None),
+                                ("bad_words", "x", None)):
+        _error(httpx.post(f"{smol}/v1/completions", json=base | {field: value}), 400, param or field)
+        chat = {"model": HF_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, field: value}
+        _error(httpx.post(f"{smol}/v1/chat/completions", json=chat), 400, param or field)
 
 
 def test_penalties_are_accepted_and_bad_values_name_their_field(tiny: str) -> None:

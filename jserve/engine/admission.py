@@ -106,6 +106,7 @@ class Admission:
         """The request, waiting (its options: `RequestOptions`)."""
         ids = [int(t) for t in prompt_token_ids]
         self._validate(request_id, ids, params)
+        params = params.resolved(self.tokenizer, self.vocab_size, self.eos_token_id)
         matcher = self._matcher(params)
         for name, slo in (("ttft_slo", ttft_slo), ("tbt_slo", tbt_slo)):
             if slo is not None and not (math.isfinite(slo) and slo > 0):

@@ -19,6 +19,7 @@ class SequenceSettings:
     top_k: np.ndarray  # [N] int32, 0 = off
     seeds: np.ndarray  # [N] uint32
     penalties: PenaltySettings | None = None  # None: no new sequence has a penalty
+    rules: TokenRuleSettings | None = None  # None: no new sequence has a bias, ban or min_tokens
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,24 @@ class PenaltySettings:
     def penalised(self) -> np.ndarray:
         """[N] bool: which sequences have some penalty."""
         return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
+
+
+@dataclass(frozen=True)
+class TokenRuleSettings:
+    """Logit changes of `SequenceSettings`' sequences besides penalties (vLLM's logit_bias,
+    bad_words and min_tokens): per sequence, the ids and values added to its logits (a
+    banned word's -inf), and the ids held back while it has fewer than `min_tokens` output
+    tokens."""
+
+    bias_ids: tuple[np.ndarray, ...]  # [N] int32 arrays
+    bias: tuple[np.ndarray, ...]  # [N] float32 arrays
+    min_tokens: np.ndarray  # [N] int32, 0 = off
+    stop_ids: tuple[np.ndarray, ...]  # [N] int32 arrays
+
+    @property
+    def biased(self) -> np.ndarray:
+        """[N] bool: which sequences have a bias or a ban."""
+        return np.array([len(b) > 0 for b in self.bias_ids], bool)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.engine.batch import BatchDelta, PenaltySettings, SequenceSettings
+from jserve.engine.batch import BatchDelta, PenaltySettings, SequenceSettings, TokenRuleSettings
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.request import Request
 
@@ -33,7 +33,7 @@ class DeltaTracker:
             np.array([r.params.temperature for r in reqs], np.float32),
             np.array([r.params.top_p for r in reqs], np.float32),
             np.array([r.params.top_k for r in reqs], np.int32),
-            np.array([_seed(r) for r in reqs], np.uint32), _penalties(reqs))
+            np.array([_seed(r) for r in reqs], np.uint32), _penalties(reqs), _rules(reqs))
         return BatchDelta(settings, self.blocks.take_changes(), ended)
 
     def discard(self) -> None:
@@ -54,6 +54,21 @@ def _penalties(reqs: list[Request]) -> PenaltySettings | None:
         np.array([len(r.prompt_token_ids) for r in reqs], np.int32),
         tuple(np.asarray(r.prompt_token_ids if r.params.repetition_penalty != 1 else (), np.int32)
               for r in reqs))
+
+
+def _rules(reqs: list[Request]) -> TokenRuleSettings | None:
+    """The new sequences' biases, bans and minimum lengths, None where none has one."""
+    ps = [r.params for r in reqs]
+    if not any(p.has_token_rules for p in ps):
+        return None
+    biases = [dict(p.logit_bias) for p in ps]
+    for b, p in zip(biases, ps):
+        b.update(dict.fromkeys(p.bad_word_ids, -np.inf))
+    return TokenRuleSettings(
+        tuple(np.fromiter(b, np.int32, len(b)) for b in biases),
+        tuple(np.fromiter(b.values(), np.float32, len(b)) for b in biases),
+        np.array([p.min_tokens for p in ps], np.int32),
+        tuple(np.asarray(p.min_tokens_stop_ids, np.int32) for p in ps))
 
 
 def _seed(req: Request) -> int:

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from jserve.errors import InvalidRequestError
 from jserve.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (OpenAI's cap)
+
+
+class Encoder(Protocol):
+    """What resolving `bad_words` needs of a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,13 @@ class SamplingParams:
     token already output, once / per time it was; `repetition_penalty` (> 0) divides the
     positive logits and multiplies the negative ones of tokens in the prompt or the output
     (vLLM's and the OpenAI API's definitions; 0, 0 and 1 turn them off).
+    `min_tokens`: EOS and the stop token ids cannot be sampled, and stop strings do not
+    end the output, before it has this many tokens. `logit_bias` ({token id: bias}, a
+    mapping or pairs, kept as sorted pairs) is added to those tokens' logits. `bad_words`
+    are never sampled: each word, and the word after a space, must be one token of the
+    model's vocabulary (a longer one is refused: `resolved`). The engine resolves them
+    against its tokenizer at admission (`resolved`), filling `bad_word_ids` and
+    `min_tokens_stop_ids`; they change the logits tokens are chosen from, as penalties do.
     """
 
     temperature: float = 1.0
@@ -52,6 +68,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[str, ...] = ()
+    # Filled by `resolved` (the engine's admission), not by a user.
+    bad_word_ids: tuple[int, ...] = ()
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     @property
     def num_sequences(self) -> int:
@@ -64,7 +86,48 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         self._validate()
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must change this request's logits beyond penalties: a bias,
+        a banned word or a minimum length."""
+        return bool(self.logit_bias or self.bad_word_ids or self.min_tokens)
+
+    def resolved(self, encoder: Encoder | None, vocab_size: int, eos_token_id: int | None) -> SamplingParams:
+        """These options against a model: `logit_bias` ids checked against its vocabulary,
+        `bad_words` tokenized as vLLM does (the word with its leading spaces stripped, then
+        after one space, the second kept where it is another token of the same length), and
+        the ids `min_tokens` holds back (the stop ids, and EOS unless ignored).
+
+        A bad word of more than one token is refused: vLLM bans its last token only after
+        the output ends with the others, which needs each sequence's latest tokens on the
+        device (the host reads them a step late while steps are pipelined); one token is a
+        ban with no history."""
+        if not (self.bad_words or self.logit_bias or self.min_tokens):
+            return self
+        bad: list[int] = []
+        if self.bad_words:
+            if encoder is None:
+                raise InvalidRequestError("bad_words needs the model's tokenizer; this model has none",
+                                          "bad_words")
+            for word in self.bad_words:
+                plain, spaced = encoder.encode(word.lstrip()), encoder.encode(" " + word.lstrip())
+                if len(plain) != 1:
+                    raise InvalidRequestError(
+                        f"bad_words: {word!r} is {len(plain)} tokens; only words of one token are "
+                        "supported", "bad_words")
+                bad += plain + (spaced if len(spaced) == 1 and spaced != plain else [])
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("bad_words", bad)):
+            if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+                raise InvalidRequestError(f"{name}: token ids must lie in [0, {vocab_size})", name)
+        stops = self.stop_token_ids + ((eos_token_id,) if eos_token_id is not None and not self.ignore_eos else ())
+        return dataclasses.replace(self, bad_word_ids=tuple(dict.fromkeys(bad)),
+                                   min_tokens_stop_ids=tuple(dict.fromkeys(stops)) if self.min_tokens else ())
 
     def _validate(self) -> None:
         def number(name: str) -> float:
@@ -90,6 +153,14 @@ class SamplingParams:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
                                       "repetition_penalty")
         integer("max_tokens", 1)
+        integer("min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got "
+                                      f"{self.min_tokens}", "min_tokens")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be finite numbers", "logit_bias")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words must be non-empty strings", "bad_words")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         for name in ("logprobs", "prompt_logprobs"):
@@ -108,3 +179,19 @@ class SamplingParams:
                                       "with EOS", "ignore_eos")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+
+
+def _bias_pairs(bias: Mapping[int, float] | tuple | list | None) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, or a 400 naming it."""
+    items = (bias.items() if isinstance(bias, Mapping) else bias) or ()
+    try:
+        pairs = {_token_id(t): float(b) for t, b in items}
+    except (TypeError, ValueError):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+    return tuple(sorted(pairs.items()))
+
+
+def _token_id(t: object) -> int:
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise TypeError(t)
+    return int(t)

@@ -17,7 +17,7 @@ NO_ROW = np.iinfo(np.int32).max
 _COLUMNS = (("num_blocks", np.int32, 0), ("temperature", np.float32, 0), ("top_p", np.float32, 1),
             ("top_k", np.int32, 0), ("seeds", np.uint32, 0), ("presence", np.float32, 0),
             ("frequency", np.float32, 0), ("repetition", np.float32, 1), ("prompt_len", np.int32, 0),
-            ("counted", np.int32, 0))
+            ("counted", np.int32, 0), ("min_tokens", np.int32, 0), ("biased", bool, False))
 
 
 class PersistentBatch:
@@ -26,7 +26,8 @@ class PersistentBatch:
         self.scratch_block = scratch_block
         self.tables = np.full((slots, max_blocks), scratch_block, np.int32)
         # Penalties, where a sequence's output tokens start, and the positions whose tokens
-        # the device counts hold (a recompute after preemption feeds them again).
+        # the device counts hold (a recompute after preemption feeds them again); the
+        # minimum length, and whether the device's bias row of the slot is its own.
         for name, dtype, fill in _COLUMNS:
             setattr(self, name, np.full(slots, fill, dtype))
         self._slot: dict[int, int] = {}
@@ -58,6 +59,9 @@ class PersistentBatch:
             self.repetition[slots] = 1 if pen is None else pen.repetition
             self.prompt_len[slots] = 0 if pen is None else pen.prompt_len
             self.counted[slots] = 0
+            rules = added.rules
+            self.min_tokens[slots] = 0 if rules is None else rules.min_tokens
+            self.biased[slots] = False if rules is None else rules.biased
         for seq_id, (at, blocks) in delta.tables.items():
             slot = self._slot_of(seq_id)
             end = at + len(blocks)

@@ -32,6 +32,7 @@ from jserve.runners.host_kv import HostKVStore
 from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
 from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
+from jserve.runners.token_rules import SlotRules, TokenRules, set_rows
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.structured import bitmask_words
 from jserve.models.functional import PagedBatch, PagedModel, paged_batch, pow2_at_least
@@ -79,6 +80,8 @@ class StepInputs:
     frequency: jax.Array
     repetition: jax.Array
     count_rows: jax.Array  # [T] int32: the counts' row each output token adds to (NO_ROW: none)
+    biased: jax.Array  # [S] bool: add the slot's bias row (`jserve.runners.token_rules`)
+    early: jax.Array  # [S] bool: short of its min_tokens, its stop ids banned
 
 
 @jax.tree_util.register_dataclass
@@ -199,7 +202,8 @@ def build_step_inputs(batch: Batch, b: Buckets, bs: int, held: PersistentBatch,
                       pad(x.output_index), fed, next_ids, np.bool_(x.logprobs),
                       np.bool_(x.next_token_ids is not None), pad(slots.astype(np.int32)),
                       pad(held.presence[slots]), pad(held.frequency[slots]),
-                      pad(held.repetition[slots], 1.0), count_rows)
+                      pad(held.repetition[slots], 1.0), count_rows, pad(held.biased[slots]),
+                      pad(x.output_index < held.min_tokens[slots]))
 
 
 def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
@@ -238,11 +242,11 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
               shardings: tuple[Any, Any] | None = None) -> Callable[..., Any]:
     """The step of a model structure: model, sampling and log-probabilities in one program.
     `shardings`: its (in, out) over a mesh. `allowed`: the grammar bitmask of the step's
-    rows and whether to apply it (`JaxRunner._allowed`)."""
+    rows, whether to apply it, and the slots' biases and bans (`JaxRunner._allowed`)."""
     jnp = jax.numpy
 
     def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, counts: TokenCounts,
-             x: StepInputs, allowed: tuple[jax.Array, jax.Array]
+             x: StepInputs, allowed: tuple[jax.Array, jax.Array, SlotRules]
              ) -> tuple[StepResult, KVCache, jax.Array, TokenCounts]:
         params = jax.tree.unflatten(treedef, weights)
         ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
@@ -254,7 +258,8 @@ def _jit_step(model: PagedModel, treedef: Any, platform: str,
                                          x.output_index, rows_per_pass=rows_per_pass(platform),
                                          token_mask=allowed[0], masked=allowed[1],
                                          penalties=Penalties(counts, x.slot, x.presence, x.frequency,
-                                                             x.repetition))
+                                                             x.repetition),
+                                         rules=TokenRules(allowed[2], x.slot, x.biased, x.early))
         s, t = logits.shape[0], ids.shape[0]
         top = jax.lax.cond(x.want_top, lambda: _top(logits)[1], lambda: _no_top(s))
 
@@ -375,6 +380,7 @@ class JaxRunner:
         self._fed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), tp and tp.replicated)
         self._fed_rows: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._counts = jax.device_put(TokenCounts.zeros(self.held.capacity, cfg.vocab_size), tp and tp.replicated)
+        self._rules = jax.device_put(SlotRules.zeros(self.held.capacity, cfg.vocab_size), tp and tp.replicated)
 
         # Over a mesh: compiled once for all devices, weights and cache where they lie, the
         # batch replicated; the cache comes back as it went in, so its donation aliases.
@@ -469,22 +475,24 @@ class JaxRunner:
 
     def _build(self, x: StepInputs) -> jax.stages.Compiled:
         s = x.temperature.shape[0]
+        spec = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding))
         allowed = (jax.ShapeDtypeStruct((s, self._mask_words), np.int32, sharding=self._fed.sharding),
-                   np.bool_(False))
-        counts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self._counts)
+                   np.bool_(False), spec(self._rules))
+        counts = spec(self._counts)
         return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, x, allowed).compile()
 
-    def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_]:
-        """The step's grammar bitmask padded to its `s` rows, and whether to apply it."""
+    def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_, SlotRules]:
+        """The step's grammar bitmask padded to its `s` rows, whether to apply it, and the
+        slots' biases and bans (on the device already)."""
         mask = batch.inputs.token_mask
         if mask is None:
-            return self._unmasked(s), np.bool_(False)
+            return self._unmasked(s), np.bool_(False), self._rules
         if mask.shape[1] != self._mask_words:
             raise ValueError(f"a grammar bitmask of {mask.shape[1]} words a row; this model's "
                              f"vocabulary takes {self._mask_words}")
         padded = np.full((s, self._mask_words), -1, np.int32)
         padded[:len(mask)] = mask
-        return padded, np.bool_(True)
+        return padded, np.bool_(True), self._rules
 
     def _executable(self, x: StepInputs) -> jax.stages.Compiled:
         """The compiled step for `x`'s bucket, built ahead of time on its first use (or
@@ -513,7 +521,7 @@ class JaxRunner:
                           np.ones(s, np.float32), z(s, np.int32), z(s, np.uint32), z(s, np.int32),
                           np.full(t, -1, np.int32), z(t, np.int32), np.bool_(False), np.bool_(False),
                           z(s, np.int32), z(s, np.float32), z(s, np.float32), np.ones(s, np.float32),
-                          np.full(t, NO_ROW, np.int32))
+                          np.full(t, NO_ROW, np.int32), z(s, bool), z(s, bool))
 
     # ------------------------------------------------------------------ execute
     def execute(self, batch: Batch) -> StepOutput:
@@ -540,18 +548,24 @@ class JaxRunner:
 
     def _hold(self, delta: BatchDelta) -> None:
         """Apply a delta to the held sequences, and start the device counts of new ones
-        with penalties (the counts grow with the slots)."""
+        with penalties and the bias and ban rows of those with rules (both grow with the
+        slots)."""
         self.held.apply(delta)
         if self.held.capacity > self._counts.num_slots:
             log.warning("%d sequences held: token counts grow to %d slots, steps compile again",
                         self.held.num_held, self.held.capacity)
             self._counts = self._counts.grown(self.held.capacity)
+            self._rules = self._rules.grown(self.held.capacity)
             self._executables = Executables()  # built for the smaller counts
         pen = delta.added.penalties
         if pen is not None and pen.penalised.any():
             new = np.flatnonzero(pen.penalised)
             self._counts = reset_rows(self._counts, self.held.slots(delta.added.seq_ids[new].tolist()),
                                       [pen.prompts[i] for i in new])
+        rules = delta.added.rules
+        if rules is not None:
+            new = np.flatnonzero(rules.biased | (rules.min_tokens > 0))
+            self._rules = set_rows(self._rules, self.held.slots(delta.added.seq_ids[new].tolist()), rules, new)
 
     def _feed(self, batch: Batch) -> np.ndarray | None:
         """Per batch token, the previous step's row holding it (-1: the host has it)."""

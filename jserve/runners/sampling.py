@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve.runners.penalties import Penalties, apply_penalties
+from jserve.runners.token_rules import TokenRules, apply_rules
 
 # Tokens per block of the two-level draw: the row's block masses and one block's token
 # masses are the only cumulative sums taken (~sqrt of the vocabulary each).
@@ -32,6 +33,7 @@ def sample_tokens(
     token_mask: jax.Array | None = None,  # [S, ceil(V / 32)] int32 bitmask
     masked: jax.Array | bool = False,  # bool scalar: apply `token_mask`
     penalties: Penalties | None = None,
+    rules: TokenRules | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token and its log-probability (under the unmodified distribution) per row.
 
@@ -42,11 +44,14 @@ def sample_tokens(
     grammar's, `apply_token_bitmask`); a step without it takes the other branch of a
     `lax.cond` and pays nothing for the mask. `penalties` change the logits tokens are
     chosen from (not the log-probabilities returned: vLLM's raw ones), computed only when
-    some row has one.
+    some row has one. `rules` (logit biases, banned words, min_tokens) change them first, in
+    vLLM's order, likewise only when some row has one.
     """
     raw = logits
+    if rules is not None:
+        logits = jax.lax.cond(rules.active, apply_rules, _unchanged, logits, rules)
     if penalties is not None:
-        logits = jax.lax.cond(penalties.active, lambda: apply_penalties(raw, penalties), lambda: raw)
+        logits = jax.lax.cond(penalties.active, apply_penalties, _unchanged, logits, penalties)
     chosen = logits if token_mask is None else jax.lax.cond(
         masked, lambda: apply_token_bitmask(logits, token_mask), lambda: logits)
     greedy = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
@@ -66,6 +71,10 @@ def sample_tokens(
     tokens = jax.lax.cond(jnp.any(sampled), stochastic, lambda: greedy)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, None], axis=-1)
     return tokens, logprobs[:, 0]
+
+
+def _unchanged(logits: jax.Array, _: object) -> jax.Array:
+    return logits
 
 
 def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:

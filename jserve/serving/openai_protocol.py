@@ -108,10 +108,7 @@ UNSUPPORTED_FIELDS: dict[str, Unsupported] = {
     "use_beam_search": Unsupported("beam search", (None, False)),
     "length_penalty": Unsupported("beam search's length penalty", (None, 1, 1.0)),
     # penalties and token constraints in the sampler
-    "min_tokens": Unsupported("a minimum output length", (None, 0)),
     "min_p": Unsupported("min-p sampling", (None, 0, 0.0)),
-    "logit_bias": Unsupported("logit biases", (None, {})),
-    "bad_words": Unsupported("banned words", (None, [])),
     "allowed_token_ids": Unsupported("a restricted vocabulary"),
     "stop_token_ids": Unsupported("stop token ids over HTTP", (None, [])),
     "include_stop_str_in_output": Unsupported("stop strings kept in the output", (None, False)),
@@ -306,6 +303,9 @@ class GenerationRequest(RequestBody):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
+    min_tokens: int | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias, clamped to [-100, 100]
+    bad_words: list[str] | None = None  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -353,6 +353,14 @@ class GenerationRequest(RequestBody):
         """The field a grammar came from, for errors about it."""
         return "response_format"
 
+    def token_biases(self) -> dict[int, float]:
+        """`logit_bias` by token id, each bias clamped to [-100, 100] as vLLM's server does
+        (OpenAI's range), or a 400 naming it for a key that is no token id."""
+        try:
+            return {int(t): min(100.0, max(-100.0, b)) for t, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+
     def sampling_params(self, default_max_tokens: int, num_prompt_tokens: int,
                         max_model_len: int) -> SamplingParams:
         """The engine's options, or `OpenAIError` (400) naming what is wrong. An explicit
@@ -387,6 +395,7 @@ class GenerationRequest(RequestBody):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_tokens=self.min_tokens or 0, logit_bias=self.token_biases(), bad_words=self.bad_words or (),
             )
         except InvalidRequestError as e:
             if e.param == "max_tokens":
