@@ -27,7 +27,7 @@ from jserve.engine.batch import Batch, BatchDelta, StepOutput, TopLogprobs
 from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
-from jserve.runners.executables import Executables
+from jserve.runners.executables import Executables, return_freed_memory
 from jserve.runners.host_kv import HostKVStore
 from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
 from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
@@ -447,6 +447,8 @@ class JaxRunner:
                 if shape not in self._executables]
         if rest:
             self._executables.build_in_background(rest)
+        else:
+            return_freed_memory()
         self._warmup_started = True
         return time.perf_counter() - t0
 
