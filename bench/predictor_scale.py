@@ -1,23 +1,28 @@
 #!/usr/bin/env python
 """A length predictor trained on several times the shipped one's prompts, beside it (issue 43):
-held-out accuracy, what each encoding shortcut costs, and CacheOpt at bar J's loads with each.
+held-out accuracy, what each encoding shortcut costs on its own, and CacheOpt at bar J's loads
+with each.
 
 1. Held-out figures of each predictor directory (its `metrics.json`, written by `jserve
    train-predictor` on the first 1,000 prompts of the seed-0 shuffle, the same for every run):
    CacheOpt's MAE, accuracy within 50 tokens, direction accuracy and ROC AUC, range coverage
    and width; the training median's MAE beside.
-2. Encoding choices at equal data: CacheOpt's head trained on the first `--ablation-train`
+2. Encoding shortcuts at equal data: CacheOpt's head trained on the first `--ablation-train`
    training prompts and scored on the first `--ablation-test` held-out ones, once per encoder
-   (prompt tokens kept, base layers run; features from the feature store, encoded if missing),
-   with the rate each encoder encodes `--rate-sample` prompts at here (after a warm-up batch;
-   on a shared machine the rates are only comparable with each other).
+   (prompt tokens kept, base layers run; features from the feature store, encoded if missing).
+   The default encoders are the shipped one (128 tokens, all layers), truncation alone (64
+   tokens), fewer layers alone (8) and both; each row's MAE change against the first encoder
+   is paired over the same held-out prompts, with its standard error. Beside each, the rate it
+   encodes `--rate-sample` prompts at here (after a warm-up batch; on a shared machine the
+   rates are only comparable with each other).
 3. CacheOpt at bar J's loads (issue 41: OPT-13B on one simulated A100-80G, ShareGPT, 1,500
    requests, seed 21, 8-token blocks, 12 and 28 req/s; `--slos paper`: Section 5's SLOs set by
    the SLO-unaware baselines with the shipped predictor, as `cacheopt_preemptions.py` runs
-   them, or none), once per predictor: the simulator draws CacheOpt's predictions from that directory's noise model
-   (`predictor=DIR`); vLLM beside.
+   them, or none), once per predictor: the simulator draws CacheOpt's predictions from that
+   directory's noise model (`predictor=DIR`); vLLM beside, with its median TTFT per tenth of
+   the run (`cacheopt_preemptions.row`), which says whether the load is a steady state.
 
-    nice python bench/predictor_scale.py --predictor 9.7k=DIR [--encoders 64:8,128:8,64:15]
+    nice python bench/predictor_scale.py --predictor 9.2k=DIR [--encoders 128:0,64:0,128:8,64:8]
 
 Writes `--output` (JSON); the printed tables are what bench/results/issue43_predictor.md holds.
 """
@@ -73,6 +78,13 @@ def held_out(predictors: dict[str, pathlib.Path]) -> dict[str, dict]:
     return out
 
 
+def paired_change(errors: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """Mean change in absolute error against `reference` over the same prompts, and its
+    standard error (pairing removes the prompts' own spread, which dwarfs the encoders')."""
+    d = errors - reference
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+
+
 def encoder_choices(encoders: list[tuple[int, int | None]], args: argparse.Namespace,
                     work: pathlib.Path) -> dict[str, dict]:
     """CacheOpt's held-out figures and the encode rate per encoder, at equal data."""
@@ -82,7 +94,7 @@ def encoder_choices(encoders: list[tuple[int, int | None]], args: argparse.Names
     y_tr = np.array([ex.output_len for ex in train])
     y_te = np.array([ex.output_len for ex in test])
     sample = [ex.prompt_ids for ex in data.train[-args.rate_sample:]]
-    out = {}
+    out, reference = {}, None
     for tokens, layers in encoders:
         label = f"{tokens} tokens, {layers or 'all'} layers"
         encoder = PromptEncoder(base, EncoderConfig(max_prompt_len=tokens, num_layers=layers))
@@ -97,9 +109,13 @@ def encoder_choices(encoders: list[tuple[int, int | None]], args: argparse.Names
         pred = jax.tree.map(np.asarray, predict_features(head, x_te))
         m = length_metrics(pred.lengths, y_te, over_prob=pred.over_prob, lo=pred.lo, hi=pred.hi,
                            majority_over=bool(labels.mean() > 0.5))
+        errors = np.abs(pred.lengths - y_te).astype(np.float64)
+        reference = errors if reference is None else reference
+        change, se = paired_change(errors, reference)
         out[label] = {"prompts_per_s": rate, "num_train": len(train), "num_test": len(test),
-                      **{k: getattr(m, k) for k in HELD_OUT}}
-        print(f"{label}: MAE {m.mae:.1f}, AUC {m.direction_auc:.3f}, {rate:.2f} prompts/s", flush=True)
+                      **{k: getattr(m, k) for k in HELD_OUT}, "mae_change": change, "mae_change_se": se}
+        print(f"{label}: MAE {m.mae:.1f} ({change:+.1f} +- {se:.1f}), AUC {m.direction_auc:.3f}, "
+              f"{rate:.2f} prompts/s", flush=True)
     return out
 
 
@@ -144,10 +160,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--predictor", action="append", default=[], metavar="LABEL=DIR",
                     help="a trained predictor directory to set beside the shipped one (repeatable)")
-    ap.add_argument("--encoders", default="64:8,128:8,64:15",
+    ap.add_argument("--encoders", default="128:0,64:0,128:8,64:8",
                     help="TOKENS:LAYERS encoders to compare at equal data ('' skips; LAYERS 0: all)")
-    ap.add_argument("--ablation-train", type=int, default=600)
-    ap.add_argument("--ablation-test", type=int, default=400)
+    ap.add_argument("--ablation-train", type=int, default=1000)
+    ap.add_argument("--ablation-test", type=int, default=500)
     ap.add_argument("--rate-sample", type=int, default=64)
     ap.add_argument("--loads", type=lambda t: [float(x) for x in t.split(",")], default=[12.0, 28.0])
     ap.add_argument("--num-requests", type=int, default=1500)
@@ -173,11 +189,14 @@ def main() -> None:
             report["encoders"] = encoder_choices(encoders, args, pathlib.Path(tmp))
             print(f"\n## Encoding choices at equal data ({args.ablation_train} training, "
                   f"{args.ablation_test} held-out prompts)\n")
-            print(table(report["encoders"], ("prompts_per_s", *HELD_OUT), "encoder"))
+            print(table(report["encoders"], ("prompts_per_s", "mae_change", "mae_change_se", *HELD_OUT),
+                        "encoder"))
         report["bar_j"] = bar_j(predictors, args, pathlib.Path(tmp))
     for rate, rows in report["bar_j"].items():
         print(f"\n## CacheOpt at {rate} req/s (OPT-13B, A100-80G, ShareGPT, {args.num_requests} "
               f"requests, seed {args.seed}, SLOs: {args.slos})\n")
+        medians = ", ".join("-" if x is None else f"{x:.3g}" for x in rows["vllm"]["ttft_window_medians"])
+        print(f"vLLM's median TTFT per tenth of the run, in arrival order (s): {medians}\n")
         print(table(rows, TAIL, "run"))
     out = pathlib.Path(args.output)
     out.write_text(json.dumps(report, indent=1) + "\n")
