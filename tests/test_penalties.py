@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from sampler_checks import assert_greedy_draw
 
 from jserve import LLM, SamplingParams
 from jserve.engine.batch import BatchDelta, PenaltySettings, SequenceSettings
@@ -51,14 +52,7 @@ def test_penalties_match_numpy_reference() -> None:
     expected = reference_penalties(logits, *ref_args)
     np.testing.assert_allclose(np.asarray(jax.jit(apply_penalties)(logits, p)), expected, rtol=1e-6, atol=1e-5)
 
-    z = np.zeros(rows)
-    tokens, logprobs = jax.jit(sample_tokens)(logits, z.astype(np.float32), np.ones(rows, np.float32),
-                                              z.astype(np.int32), z.astype(np.uint32), z.astype(np.int32),
-                                              penalties=p)
-    assert np.asarray(tokens).tolist() == expected.argmax(-1).tolist()
-    raw = jax.nn.log_softmax(logits, axis=-1)  # log-probabilities stay the model's (vLLM's raw)
-    np.testing.assert_allclose(np.asarray(logprobs), np.take_along_axis(raw, np.asarray(tokens)[:, None], -1)[:, 0],
-                               rtol=1e-5, atol=1e-5)
+    assert_greedy_draw(logits, expected, penalties=p)
 
 
 def test_sampler_without_penalties_is_plain() -> None:
