@@ -116,13 +116,24 @@ class Engine:
         return self.state.abort(request_id, self.clock())
 
     @property
+    def runner(self) -> Runner:
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: Runner) -> None:
+        """What the runner can do is read once here: a check against a runtime protocol
+        walks its members, and the loop asks every step."""
+        self._runner = runner
+        self._dispatches = isinstance(runner, DispatchingRunner)
+        self._repeats = isinstance(runner, RepeatingRunner)
+
+    @property
     def pipelined(self) -> bool:
         """Whether steps are pipelined now: asked for, the runner in place dispatches (a
         wrapper that reads every step's output, such as a trace replay's, runs in step),
         and no live request decodes under a grammar (its next step's token mask follows
         from the token the step in flight has not returned yet)."""
-        return (self._pipelined and isinstance(self.runner, DispatchingRunner)
-                and not self.state.live.constrained)
+        return self._pipelined and self._dispatches and not self.state.live.constrained
 
     @property
     def has_unfinished(self) -> bool:
@@ -172,7 +183,7 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += batch.num_tokens
         gained = self.state.commit(batch, out, self.clock())
-        if plan.repeat > 1 and until is not None and isinstance(self.runner, RepeatingRunner):
+        if plan.repeat > 1 and until is not None and self._repeats:
             return self._repeat(batch, plan.repeat - 1, until) or gained
         return gained
 
