@@ -32,6 +32,7 @@ from jserve.runners.host_kv import HostKVStore
 from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
 from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
+from jserve.runners.slot_rows import grown_rows
 from jserve.runners.token_rules import SlotRules, TokenRules, set_rows
 from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
 from jserve.structured import bitmask_words
@@ -556,8 +557,7 @@ class JaxRunner:
         if self.held.capacity > self._counts.num_slots:
             log.warning("%d sequences held: token counts grow to %d slots, steps compile again",
                         self.held.num_held, self.held.capacity)
-            self._counts = self._counts.grown(self.held.capacity)
-            self._rules = self._rules.grown(self.held.capacity)
+            self._counts, self._rules = grown_rows((self._counts, self._rules), self.held.capacity)
             self._executables = Executables()  # built for the smaller counts
         pen = delta.added.penalties
         if pen is not None and pen.penalised.any():

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jserve.runners.slot_rows import padded_slots
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -29,11 +31,6 @@ class TokenCounts:
     def num_slots(self) -> int:
         return self.counts.shape[0]
 
-    def grown(self, slots: int) -> TokenCounts:
-        """The same rows, then empty ones up to `slots`."""
-        more = slots - self.num_slots
-        return TokenCounts(jnp.pad(self.counts, ((0, more), (0, 0))), jnp.pad(self.prompt, ((0, more), (0, 0))))
-
     def counted(self, rows: jax.Array, ids: jax.Array) -> TokenCounts:
         """One more of token `ids[i]` in slot `rows[i]`; rows out of range are skipped."""
         return TokenCounts(self.counts.at[rows, ids].add(1, mode="drop"), self.prompt)
@@ -49,11 +46,8 @@ def reset_rows(state: TokenCounts, slots: np.ndarray, prompts: list[np.ndarray])
     """Slots taken by new sequences with penalties: no outputs yet, their prompts' tokens
     marked. Padded to a power of two of rows (padding rows out of range, dropped) so a few
     programs serve every count."""
-    n = 1 << max(0, len(slots) - 1).bit_length()
-    vocab = state.prompt.shape[1]
-    rows = np.full(n, state.num_slots, np.int32)
-    rows[:len(slots)] = slots
-    mask = np.zeros((n, vocab), bool)
+    rows = padded_slots(slots, state.num_slots)
+    mask = np.zeros((len(rows), state.prompt.shape[1]), bool)
     for i, p in enumerate(prompts):
         mask[i, p] = True
     return _reset(state, rows, mask)

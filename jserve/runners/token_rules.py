@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.engine.batch import TokenRuleSettings
+from jserve.runners.slot_rows import padded_slots
 
 
 @jax.tree_util.register_dataclass
@@ -33,11 +34,6 @@ class SlotRules:
     def num_slots(self) -> int:
         return self.bias.shape[0]
 
-    def grown(self, slots: int) -> SlotRules:
-        """The same rows, then empty ones up to `slots`."""
-        more = ((0, slots - self.num_slots), (0, 0))
-        return SlotRules(jnp.pad(self.bias, more), jnp.pad(self.stops, more))
-
 
 @jax.jit
 def _set(state: SlotRules, slots: jax.Array, bias: jax.Array, stops: jax.Array) -> SlotRules:
@@ -47,15 +43,13 @@ def _set(state: SlotRules, slots: jax.Array, bias: jax.Array, stops: jax.Array) 
 def set_rows(state: SlotRules, slots: np.ndarray, rules: TokenRuleSettings, which: np.ndarray) -> SlotRules:
     """Slots taken by new sequences with rules (`which` of `rules`' sequences, in `slots`):
     their rows written whole. Padded to a power of two of rows (padding rows out of range,
-    dropped) so a few programs serve every count, as `penalties.reset_rows`."""
-    n = 1 << max(0, len(slots) - 1).bit_length()
-    vocab = state.bias.shape[1]
-    rows = np.full(n, state.num_slots, np.int32)
-    rows[:len(slots)] = slots
-    bias, stops = np.zeros((n, vocab), np.float32), np.zeros((n, vocab), bool)
+    dropped) so a few programs serve every count."""
+    rows = padded_slots(slots, state.num_slots)
+    shape = (len(rows), state.bias.shape[1])
+    bias, stops = np.zeros(shape, np.float32), np.zeros(shape, bool)
     for i, j in enumerate(which.tolist()):
         bias[i, rules.bias_ids[j]] = rules.bias[j]
-        stops[i, rules.stop_ids[j][rules.stop_ids[j] < vocab]] = True
+        stops[i, rules.stop_ids[j][rules.stop_ids[j] < shape[1]]] = True
     return _set(state, rows, bias, stops)
 
 
