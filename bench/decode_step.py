@@ -83,6 +83,16 @@ def decode_runner(loaded, batch: int, context: int, block_size: int, attention: 
                      max_model_len=per_seq * block_size, attention=attention), num_blocks
 
 
+def add_decode_batch_args(ap, repeats: int) -> None:
+    """The options of a script that times steps of `decode_batch` batches on CPU-sized
+    settings (bench/penalties.py, bench/sampling.py)."""
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=repeats)
+
+
 def fits(cfg, batch: int, context: int, itemsize: int) -> bool:
     """Weights and K/V within 85% of the device's memory (where the backend reports it)."""
     stats = jax.devices()[0].memory_stats() or {}

@@ -23,7 +23,7 @@ import pathlib
 
 import jax
 import numpy as np
-from decode_step import decode_batch, decode_runner
+from decode_step import add_decode_batch_args, decode_batch, decode_runner
 from device_timing import device_name, today, turn_about_medians
 
 import jserve
@@ -63,11 +63,7 @@ def held_batch(runner: JaxRunner, batch: Batch, first_id: int, penalised: bool) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=20)
+    add_decode_batch_args(ap, repeats=20)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     loaded = load_model(args.model)

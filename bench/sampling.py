@@ -38,7 +38,7 @@ import statistics
 
 import jax
 import numpy as np
-from decode_step import decode_batch, decode_runner
+from decode_step import add_decode_batch_args, decode_batch, decode_runner
 from device_timing import device_name, results_tag, today, turn_about_medians
 
 import jserve
@@ -110,11 +110,7 @@ def report(title: str, seconds: dict[str, float], rows: list[dict], **key: objec
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=10)
+    add_decode_batch_args(ap, repeats=10)
     ap.add_argument("--served-tokens", type=int, default=32,
                     help="tokens per request of the served part (0: skip it)")
     ap.add_argument("--served-repeats", type=int, default=2, help="rounds of the served part")
