@@ -166,6 +166,10 @@ def test_completions_best_of(tiny_url: str) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
     bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 3, "best_of": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
+    # refused before anything is made per sequence (a fuzzed 134 million once ran the server
+    # out of memory spelling out the children's ids)
+    bad = _post(tiny_url, {"prompt": PROMPTS[0], "best_of": 2**27})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
     bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 2, "echo": True, "logprobs": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
     bad = _post(tiny_url, {"prompt": PROMPTS[0], "n": 9})

@@ -93,7 +93,12 @@ def test_rules_resolve_against_the_model(tiny_smollm2_vocab: LoadedModel) -> Non
                                                       + tok.encode("the") + tok.encode(" the")))
     assert params.min_tokens_stop_ids == (7, 2)
     assert SamplingParams(min_tokens=2, ignore_eos=True).resolved(tok, vocab, 2).min_tokens_stop_ids == ()
+    # past what the device's int32 columns hold, meaning the same (fuzzed values once failed steps)
+    wide = SamplingParams(top_k=2**31, min_tokens=2**40, max_tokens=2**41).resolved(tok, vocab, 2)
+    assert (wide.top_k, wide.min_tokens) == (0, 2**31 - 1)
+    assert SamplingParams(top_k=vocab - 1).resolved(tok, vocab, 2).top_k == vocab - 1
     for bad, name in ((dict(logit_bias={vocab: 1.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                      (dict(stop_token_ids=[vocab]), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
                       (dict(bad_words=["antidisestablishmentarianism"]), "bad_words")):
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**bad).resolved(tok, vocab, 2)

@@ -169,15 +169,20 @@ class Admission:
         except ValueError as e:
             raise InvalidRequestError(str(e), "grammar") from None
 
+    def check_sequences(self, params: SamplingParams) -> None:
+        """Refuse more sequences (`n`, `best_of`) than can run at once; asked before anything
+        is made per sequence (a fuzzed `best_of` of 134 million once spelled out as many
+        child ids first)."""
+        if params.num_sequences > self.limits.max_num_seqs:
+            name = "n" if params.best_of is None else "best_of"
+            raise InvalidRequestError(f"{name}={params.num_sequences} sequences cannot run at once: "
+                                      f"max_num_seqs is {self.limits.max_num_seqs}", name)
+
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params)}")
         if self.live.by_request_id(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if params.num_sequences > self.limits.max_num_seqs:
-            name = "n" if params.best_of is None else "best_of"
-            raise InvalidRequestError(f"{name}={params.num_sequences} sequences cannot run at once: "
-                                      f"max_num_seqs is {self.limits.max_num_seqs}", name)
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:

@@ -13,6 +13,7 @@ from jserve.errors import InvalidRequestError
 from jserve.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (OpenAI's cap)
+INT32_MAX = 2**31 - 1
 
 
 class Encoder(Protocol):
@@ -107,9 +108,18 @@ class SamplingParams:
         A bad word of more than one token is refused: vLLM bans its last token only after
         the output ends with the others, which needs each sequence's latest tokens on the
         device (the host reads them a step late while steps are pipelined); one token is a
-        ban with no history."""
+        ban with no history.
+
+        Values past what the device's 32-bit columns hold but meaning the same are brought
+        in: a `top_k` of the whole vocabulary or more is no cutoff (as in vLLM v1), and a
+        `min_tokens` past 2**31 - 1 holds the stop ids back for any output a context allows.
+        Stop token ids outside the vocabulary are refused, as `logit_bias` ids are."""
+        if not 0 <= min(self.stop_token_ids, default=0) <= max(self.stop_token_ids, default=0) < vocab_size:
+            raise InvalidRequestError(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+        base = dataclasses.replace(self, top_k=0 if self.top_k >= vocab_size else self.top_k,
+                                   min_tokens=min(self.min_tokens, INT32_MAX))
         if not (self.bad_words or self.logit_bias or self.min_tokens):
-            return self
+            return base
         bad: list[int] = []
         if self.bad_words:
             if encoder is None:
@@ -126,7 +136,7 @@ class SamplingParams:
             if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
                 raise InvalidRequestError(f"{name}: token ids must lie in [0, {vocab_size})", name)
         stops = self.stop_token_ids + ((eos_token_id,) if eos_token_id is not None and not self.ignore_eos else ())
-        return dataclasses.replace(self, bad_word_ids=tuple(dict.fromkeys(bad)),
+        return dataclasses.replace(base, bad_word_ids=tuple(dict.fromkeys(bad)),
                                    min_tokens_stop_ids=tuple(dict.fromkeys(stops)) if self.min_tokens else ())
 
     def _validate(self) -> None:

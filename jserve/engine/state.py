@@ -141,6 +141,7 @@ class EngineState:
         A request of several sequences (`params.n`, `best_of`) is admitted as one and forks
         the others at its first token; they carry its id as `parent_request_id`."""
         if isinstance(params, SamplingParams):
+            self._admission.check_sequences(params)
             self._forks.check_ids(request_id, params)
         req = self._admission.admit(request_id, prompt_token_ids, params, arrival_time, **options)
         self._forks.expect(req)
