@@ -23,6 +23,7 @@ from datetime import date
 
 import numpy as np
 
+from jserve.benchmarking.metrics import percentiles
 from jserve.builder import build_engine
 from jserve.config import EngineConfig
 from jserve.engine.request import RequestStatus
@@ -55,7 +56,7 @@ def median_ms(policy, view, repeats: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         policy.schedule(view)
         times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), float(np.percentile(times, 90))
+    return statistics.median(times), percentiles(times, (90,))[0]
 
 
 def greedy_alone_ms(n: int, repeats: int, seed: int = 0) -> float:

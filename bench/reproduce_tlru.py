@@ -283,7 +283,7 @@ def windows(records: list[RequestRecord], size: int) -> list[dict[str, float]]:
     if len(cuts) > 1 and len(t) - cuts[-1] < size // 2:
         cuts.pop()
     bounds = [*cuts[1:], len(t)]
-    return [{"p50": 1000 * float(np.median(t[a:b])), "p90": 1000 * float(np.percentile(t[a:b], 90)),
+    return [{"p50": 1000 * float(np.median(t[a:b])), "p90": 1000 * percentiles(t[a:b], (90,))[0],
              "uncached_p50": float(np.median(u[a:b]))} for a, b in zip(cuts, bounds)]
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import psutil
 
 from jserve.benchmarking.http_client import scrape_metrics, wait_until_idle
+from jserve.benchmarking.metrics import percentiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
@@ -193,7 +194,7 @@ def main() -> int:
     num_5xx = sum(c for (_, o), c in outcomes.items() if o.startswith("5"))
     leaked = int(metrics["jserve_kv_blocks_total"] - metrics["jserve_kv_blocks_free"])
     unfinished = int(metrics["jserve_requests_running"] + metrics["jserve_requests_waiting"])
-    p99_ttft = float(np.percentile(ttfts, 99)) if ttfts else None
+    p99_ttft = percentiles(ttfts, (99,))[0]
     growth = rss_end / rss_start - 1
     print(f"{args.num_requests} requests at {args.rate}/s in {wall:.0f} s "
           f"(after {args.warmup_requests} warm-up requests)")
