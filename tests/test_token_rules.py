@@ -74,6 +74,27 @@ def test_sampled_rows_never_draw_a_banned_token() -> None:
     assert (np.asarray(tokens) % 2 == 1).all()
 
 
+def test_a_grammar_wins_where_the_rules_leave_it_no_token() -> None:
+    """min_tokens holding back the one token a grammar allows (its end): the row draws it
+    rather than a token outside the grammar; a row the rules leave a token keeps them."""
+    rows, vocab = 4, 64
+    logits = np.random.default_rng(2).normal(0, 3, (rows, vocab)).astype(np.float32)
+    settings = TokenRuleSettings((np.zeros(0, np.int32),) * rows, (np.zeros(0, np.float32),) * rows,
+                                 np.full(rows, 5, np.int32), (np.array([7], np.int32),) * rows)
+    slot = np.arange(rows, dtype=np.int32)
+    rules = TokenRules(set_rows(SlotRules.zeros(rows, vocab), slot, settings, slot), slot, settings.biased,
+                       np.ones(rows, bool))
+    allowed = np.zeros((rows, vocab), bool)
+    allowed[:, 7] = True  # rows 0-1: only the held-back token
+    allowed[2:, 9] = True  # rows 2-3: another one too
+    mask = np.packbits(allowed, axis=1, bitorder="little").view(np.int32)  # llguidance's layout
+    o = np.array([0, 1, 0, 1], np.float32)  # greedy and sampled rows of each kind
+    tokens, _ = sample_tokens(logits, o, np.ones(rows, np.float32), np.zeros(rows, np.int32),
+                              np.arange(rows, dtype=np.uint32), np.zeros(rows, np.int32),
+                              token_mask=mask, masked=np.bool_(True), rules=rules)
+    assert np.asarray(tokens).tolist() == [7, 7, 9, 9]
+
+
 @pytest.mark.parametrize("kwargs,name", [
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
     (dict(min_tokens=1.5), "min_tokens"), (dict(logit_bias={"a": 1.0}), "logit_bias"),

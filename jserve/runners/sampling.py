@@ -53,7 +53,7 @@ def sample_tokens(
     if penalties is not None:
         logits = jax.lax.cond(penalties.active, apply_penalties, _unchanged, logits, penalties)
     chosen = logits if token_mask is None else jax.lax.cond(
-        masked, lambda: apply_token_bitmask(logits, token_mask), lambda: logits)
+        masked, lambda: _grammar_first(logits, raw, token_mask), lambda: logits)
     greedy = jnp.argmax(chosen, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
 
@@ -75,6 +75,16 @@ def sample_tokens(
 
 def _unchanged(logits: jax.Array, _: object) -> jax.Array:
     return logits
+
+
+def _grammar_first(logits: jax.Array, raw: jax.Array, mask: jax.Array) -> jax.Array:
+    """The grammar's tokens of `logits`; a row whose rules ban every token its grammar
+    allows (min_tokens holding back EOS where the grammar allows only EOS, or a banned word
+    that is the only way on) draws among its grammar's tokens of `raw`, without its rules
+    and penalties: the output stays valid rather than taking a token outside the grammar."""
+    ruled = apply_token_bitmask(logits, mask)
+    stuck = jnp.all(ruled == -jnp.inf, axis=-1)
+    return jnp.where(stuck[:, None], apply_token_bitmask(raw, mask), ruled)
 
 
 def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
