@@ -116,8 +116,8 @@ class SamplingParams:
         Stop token ids outside the vocabulary are refused, as `logit_bias` ids are."""
         if not 0 <= min(self.stop_token_ids, default=0) <= max(self.stop_token_ids, default=0) < vocab_size:
             raise InvalidRequestError(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
-        base = dataclasses.replace(self, top_k=0 if self.top_k >= vocab_size else self.top_k,
-                                   min_tokens=min(self.min_tokens, INT32_MAX))
+        base = self if self.top_k < vocab_size and self.min_tokens <= INT32_MAX else dataclasses.replace(
+            self, top_k=0 if self.top_k >= vocab_size else self.top_k, min_tokens=min(self.min_tokens, INT32_MAX))
         if not (self.bad_words or self.logit_bias or self.min_tokens):
             return base
         bad: list[int] = []
