@@ -30,6 +30,7 @@ from jserve.engine.view import SchedulerLimits
 from jserve.runners.executables import Executables, return_freed_memory
 from jserve.runners.host_kv import HostKVStore
 from jserve.runners.input_batch import INITIAL_SLOTS, NO_ROW, PersistentBatch
+from jserve.runners.packed_inputs import Packed
 from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.slot_rows import grown_rows
@@ -242,14 +243,16 @@ def _concat_outputs(outs: list[StepOutput]) -> StepOutput:
 def _jit_step(model: PagedModel, treedef: Any, platform: str,
               shardings: tuple[Any, Any] | None = None) -> Callable[..., Any]:
     """The step of a model structure: model, sampling and log-probabilities in one program.
-    `shardings`: its (in, out) over a mesh. `allowed`: the grammar bitmask of the step's
-    rows, whether to apply it, and the slots' biases and bans (`JaxRunner._allowed`)."""
+    `shardings`: its (in, out) over a mesh. The step's `StepInputs` arrive packed in one
+    buffer (`Packed`). `allowed`: the grammar bitmask of the step's rows, whether to apply
+    it, and the slots' biases and bans (`JaxRunner._allowed`)."""
     jnp = jax.numpy
 
     def step(weights: list[jax.Array], cache: KVCache, fed: jax.Array, counts: TokenCounts,
-             x: StepInputs, allowed: tuple[jax.Array, jax.Array, SlotRules]
+             packed: Packed, allowed: tuple[jax.Array, jax.Array, SlotRules]
              ) -> tuple[StepResult, KVCache, jax.Array, TokenCounts]:
         params = jax.tree.unflatten(treedef, weights)
+        x: StepInputs = packed.unpack()
         ids = jnp.where(x.feed >= 0, fed[jnp.maximum(x.feed, 0)], x.batch.token_ids)
         counts = counts.counted(x.count_rows, ids)
         batch = dataclasses.replace(x.batch, token_ids=ids)
@@ -482,7 +485,8 @@ class JaxRunner:
         allowed = (jax.ShapeDtypeStruct((s, self._mask_words), np.int32, sharding=self._fed.sharding),
                    np.bool_(False), spec(self._rules))
         counts = spec(self._counts)
-        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, x, allowed).compile()
+        return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, Packed.of(x),
+                                allowed).compile()
 
     def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_, SlotRules]:
         """The step's grammar bitmask padded to its `s` rows, whether to apply it, and the
@@ -593,7 +597,8 @@ class JaxRunner:
         x = build_step_inputs(batch, self.buckets, self.block_size, self.held, self.mark_decode,
                               self._feed(batch), prepared)
         result, self.cache, self._fed, self._counts = self._executable(x)(
-            self._weights, self.cache, self._fed, self._counts, x, self._allowed(batch, x.temperature.shape[0]))
+            self._weights, self.cache, self._fed, self._counts, Packed.of(x),
+            self._allowed(batch, x.temperature.shape[0]))
         sampled = np.flatnonzero(batch.sample)
         order = np.argsort(batch.seq_ids[sampled], kind="stable")
         self._fed_rows = (batch.seq_ids[sampled][order], sampled[order])
