@@ -103,19 +103,6 @@ class StepResult:
 CPU_ROWS_PER_PASS = 2
 
 
-# XLA:CPU's code generation at LLVM's level 1 rather than its default: the step programs
-# compiled 15-20% faster (SmolLM2 buckets 16/128/512: 16.6-17.1 s -> 13.5-15.1 s; tiny-llama
-# 7.4-7.7 s -> 5.8-6.7 s, two rounds turn about) and ran within the runs' spread
-# (bench/results/issue42_engine.md). The programs are many small fused kernels, each
-# compiled on its own, so start-up and the test suite are mostly compiling.
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-
-
-def compiler_options(platform: str) -> dict[str, int]:
-    """What the step programs are compiled with on `platform` (XLA's defaults elsewhere)."""
-    return CPU_COMPILER_OPTIONS if platform == "cpu" else {}
-
-
 def rows_per_pass(platform: str) -> int | None:
     """Rows a bisection passes over at once on `platform` (None: the whole batch)."""
     return CPU_ROWS_PER_PASS if platform == "cpu" else None
@@ -393,7 +380,6 @@ class JaxRunner:
         self._weights, treedef = jax.tree.flatten(self.params)
         model = PagedModel(graphdef, attention_fn)
         platform = (next(iter(tp.mesh.devices.flat)).platform if tp is not None else jax.default_backend())
-        self._platform = platform
         # The previous step's sampled tokens, which the next step may read (`PendingStep`).
         self._fed = jax.device_put(np.zeros(self.buckets.max_seqs, np.int32), tp and tp.replicated)
         self._fed_rows: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -500,7 +486,7 @@ class JaxRunner:
                    np.bool_(False), spec(self._rules))
         counts = spec(self._counts)
         return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, Packed.of(x),
-                                allowed).compile(compiler_options(self._platform))
+                                allowed).compile()
 
     def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_, SlotRules]:
         """The step's grammar bitmask padded to its `s` rows, whether to apply it, and the
