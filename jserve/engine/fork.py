@@ -45,6 +45,11 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
 
+def child_request_ids(request_id: str, params: SamplingParams) -> tuple[str, ...]:
+    """The ids of the sequences a request forks (all but its first), in index order."""
+    return tuple(child_request_id(request_id, i) for i in range(1, params.num_sequences))
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """A child's own settings: one sequence, no prompt log-probabilities (the parent has
     them), and a user's seed made its own as vLLM does (`seed + index`); without one, the
@@ -73,15 +78,14 @@ class Forks:
 
     def check_ids(self, request_id: str, params: SamplingParams) -> None:
         """Refuse a request whose id, or one of its children's, is in use or promised."""
-        ids = [request_id] + [child_request_id(request_id, i) for i in range(1, params.num_sequences)]
-        for rid in ids:
+        for rid in (request_id, *child_request_ids(request_id, params)):
             if rid in self._reserved or self.live.by_request_id(rid) is not None:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
 
     def expect(self, req: Request) -> None:
         """An admitted request: fork it at its first token if it asks for several sequences."""
         if req.params.num_sequences > 1:
-            ids = tuple(child_request_id(req.request_id, i) for i in range(1, req.params.num_sequences))
+            ids = child_request_ids(req.request_id, req.params)
             self._pending[req.seq_id] = ids
             self._reserved.update(ids)
 

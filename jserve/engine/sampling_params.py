@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,10 +114,11 @@ class SamplingParams:
         in: a `top_k` of the whole vocabulary or more is no cutoff (as in vLLM v1), and a
         `min_tokens` past 2**31 - 1 holds the stop ids back for any output a context allows.
         Stop token ids outside the vocabulary are refused, as `logit_bias` ids are."""
-        if not 0 <= min(self.stop_token_ids, default=0) <= max(self.stop_token_ids, default=0) < vocab_size:
-            raise InvalidRequestError(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
-        base = self if self.top_k < vocab_size and self.min_tokens <= INT32_MAX else dataclasses.replace(
-            self, top_k=0 if self.top_k >= vocab_size else self.top_k, min_tokens=min(self.min_tokens, INT32_MAX))
+        _check_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
+        top_k = 0 if self.top_k >= vocab_size else self.top_k
+        min_tokens = min(self.min_tokens, INT32_MAX)
+        base = (self if (top_k, min_tokens) == (self.top_k, self.min_tokens)
+                else dataclasses.replace(self, top_k=top_k, min_tokens=min_tokens))
         if not (self.bad_words or self.logit_bias or self.min_tokens):
             return base
         bad: list[int] = []
@@ -132,9 +133,8 @@ class SamplingParams:
                         f"bad_words: {word!r} is {len(plain)} tokens; only words of one token are "
                         "supported", "bad_words")
                 bad += plain + (spaced if len(spaced) == 1 and spaced != plain else [])
-        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("bad_words", bad)):
-            if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
-                raise InvalidRequestError(f"{name}: token ids must lie in [0, {vocab_size})", name)
+        _check_in_vocab("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
+        _check_in_vocab("bad_words", bad, vocab_size)
         stops = self.stop_token_ids + ((eos_token_id,) if eos_token_id is not None and not self.ignore_eos else ())
         return dataclasses.replace(base, bad_word_ids=tuple(dict.fromkeys(bad)),
                                    min_tokens_stop_ids=tuple(dict.fromkeys(stops)) if self.min_tokens else ())
@@ -189,6 +189,12 @@ class SamplingParams:
                                       "with EOS", "ignore_eos")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+
+
+def _check_in_vocab(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    """A 400 naming `name` unless every id of `ids` is a token of the vocabulary."""
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise InvalidRequestError(f"{name}: token ids must lie in [0, {vocab_size})", name)
 
 
 def _bias_pairs(bias: Mapping[int, float] | tuple | list | None) -> tuple[tuple[int, float], ...]:

@@ -82,19 +82,23 @@ def _grammar_first(logits: jax.Array, raw: jax.Array, mask: jax.Array) -> jax.Ar
     allows (min_tokens holding back EOS where the grammar allows only EOS, or a banned word
     that is the only way on) draws among its grammar's tokens of `raw`, without its rules
     and penalties: the output stays valid rather than taking a token outside the grammar."""
-    ruled = apply_token_bitmask(logits, mask)
+    allowed = _allowed_tokens(mask, logits.shape[-1])
+    ruled = jnp.where(allowed, logits, -jnp.inf)
     stuck = jnp.all(ruled == -jnp.inf, axis=-1)
-    return jnp.where(stuck[:, None], apply_token_bitmask(raw, mask), ruled)
+    return jnp.where(allowed, jnp.where(stuck[:, None], raw, logits), -jnp.inf)
 
 
 def apply_token_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """`logits` with the tokens `mask` does not allow at -inf: bit `t % 32` of word
     `t // 32` of a row allows token t (llguidance's layout, sent packed: a 32nd of a bool
     mask's bytes from the host each step)."""
-    rows, vocab = logits.shape
+    return jnp.where(_allowed_tokens(mask, logits.shape[-1]), logits, -jnp.inf)
+
+
+def _allowed_tokens(mask: jax.Array, vocab: int) -> jax.Array:
+    """The bool `[rows, vocab]` a token bitmask packs (`apply_token_bitmask`'s layout)."""
     bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)) & 1
-    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
-    return jnp.where(allowed, logits, -jnp.inf)
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].astype(bool)
 
 
 def _cutoffs(x: jax.Array, k: jax.Array, top_p: jax.Array, cut: jax.Array,

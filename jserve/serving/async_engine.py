@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from jserve.engine.fork import child_request_id
+from jserve.engine.fork import child_request_ids
 from jserve.engine.loop import Engine
 from jserve.engine.request import FinishReason, Request, RequestMetrics
 from jserve.engine.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ class AsyncEngine:
                 return
             # Streams only for an admitted request: the engine has checked its sequence count
             # (a fuzzed best_of of 4 million once made as many streams before the refusal).
-            forked = tuple(child_request_id(request_id, i) for i in range(1, params.num_sequences))
+            forked = child_request_ids(request_id, params)
             streams = [RequestStream(self, rid) for rid in (request_id, *forked)]
             holdback = max((len(s) for s in params.stop), default=1) - 1
             self._live[request_id] = _Live(streams[0], holdback, forked=forked)
