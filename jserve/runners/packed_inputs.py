@@ -1,7 +1,7 @@
 """A step's host inputs as one buffer of 32-bit words, sent to the device in one transfer.
 
 A jitted call converts each numpy argument on its own: about 4 us an array on this CPU,
-against 0.7 us for one already on the device (bench/results/issue42_engine.md), and a step's
+against 0.7 us for one already on the device (`bench/step_arguments.py`), and a step's
 inputs are some two dozen small arrays (tokens, metadata, sampling settings, flags). Packed,
 they cross once, and the program cuts them apart again at offsets its bucket's shapes fix,
 as vLLM's model runner fills one persistent input buffer."""
