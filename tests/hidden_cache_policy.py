@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jserve.cache_features.hidden_cache.section import CacheType, blocks_for_type, hidden_view, section
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -73,14 +73,14 @@ class ForcedHiddenCache:
         r = view.requests
         running = list(r.with_status(RUNNING))  # oldest first
         free = view.num_free_blocks
-        preempt: dict[int, PreemptMode] = {}
+        preempt: list[int] = []
 
         def need(i: int) -> int:
             return blocks_for_type(view, int(r.num_computed[i]) + 1, int(r.cache_type[i])) - int(r.num_blocks[i])
 
         while running and sum(need(i) for i in running) > free:
             victim = running.pop()
-            preempt[int(r.seq_id[victim])] = PreemptMode.RECOMPUTE
+            preempt.append(int(r.seq_id[victim]))
             free += int(r.num_blocks[victim])
         run = {int(r.seq_id[i]): 1 for i in running}
         allocate = {int(r.seq_id[i]): need(i) for i in running if need(i)}

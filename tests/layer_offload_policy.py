@@ -22,7 +22,8 @@ import numpy as np
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
 from jserve.cache_features.layer_offload.section import layer_view, section
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import swaps
+from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy, PolicyCapabilities
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -125,9 +126,8 @@ class ForcedLayerOffload:
         inner = self.inner.schedule(dataclasses.replace(view, num_free_blocks=room.whole, limits=limits))
         run, allocate = {**back_run, **inner.run}, {**back_allocate, **inner.allocate}
         row = {int(s): i for i, s in enumerate(r.seq_id.tolist())}
-        room.whole -= sum(inner.allocate.values()) + sum(int(r.num_host_blocks[row[s]]) for s in inner.swap_in)
-        room.host_whole -= sum(int(r.num_blocks[row[s]]) for s, m in inner.preempt.items()
-                               if m is PreemptMode.SWAP)
+        room.whole -= sum(inner.allocate.values()) + sum(int(r.num_host_blocks[row[s]]) for s in swaps(inner).back)
+        room.host_whole -= sum(int(r.num_blocks[row[s]]) for s in swaps(inner).out)
         for seq, n in inner.allocate.items():  # prefills keep `keep` layers where the host has room
             i = row[seq]
             x = self.keep(seq, L)
@@ -156,13 +156,13 @@ class ForcedLayerOffload:
                 if room.fits(change[0], change[2]):
                     room.book(*change)
                     layers[seq] = target
-        if not run and not inner.preempt and not inner.swap_in and not layers and len(offloaded):
+        if not run and not inner.preempt and not swaps(inner).back and not layers and len(offloaded):
             self._unstick(view, offloaded, layers, room)
-        preempt = dict(inner.preempt)
+        preempt = list(inner.preempt)
         if not run and not preempt and not layers and len(offloaded):
-            preempt[int(r.seq_id[offloaded[-1]])] = PreemptMode.RECOMPUTE
-        return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=inner.swap_in,
-                    reserve=inner.reserve, features=section(layers),
+            preempt.append(int(r.seq_id[offloaded[-1]]))
+        return Plan(run=run, allocate=allocate, preempt=preempt, reserve=inner.reserve,
+                    features={**inner.features, **section(layers)},
                     repeat=inner.repeat if not len(offloaded) and not layers else 1)
 
     def _decode_from_host(self, view: SchedulerView, offloaded: np.ndarray, run: dict[int, int],

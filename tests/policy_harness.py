@@ -33,7 +33,8 @@ from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types
 from jserve.cache_features.layer_offload.section import kept, layer_view, num_free_layer_blocks
 from jserve.engine.batch import Batch, LayerMove, StepOutput
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import swaps
+from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy
 from jserve.engine.request import RUNNING, WAITING, RequestOutput, RequestStatus
 from jserve.engine.request_table import RequestArrays
@@ -247,7 +248,9 @@ def assert_view_unchanged(view: SchedulerView, before: dict[str, np.ndarray], sc
 
 def plan_key(plan: Plan) -> tuple:
     """Everything a plan says, order of `run` included (it is the batch order)."""
-    return (list(plan.run.items()), dict(plan.allocate), dict(plan.preempt), sorted(plan.swap_in))
+    moved = swaps(plan)
+    return (list(plan.run.items()), dict(plan.allocate), list(plan.preempt), sorted(moved.out),
+            sorted(moved.back))
 
 
 def check_plan(view: SchedulerView, plan: Plan) -> None:
@@ -256,10 +259,12 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     row = {int(s): i for i, s in enumerate(r.seq_id)}
     running = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.RUNNING)}
     swapped = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.SWAPPED)}
-    assert set(plan.run) | set(plan.allocate) | set(plan.preempt) | plan.swap_in <= set(row), \
+    moved = swaps(plan)
+    assert set(plan.run) | set(plan.allocate) | set(plan.preempt) | moved.back <= set(row), \
         "plan names an unknown request"
     assert set(plan.preempt) <= running, "preempted a request that is not running"
-    assert plan.swap_in <= swapped, "swapped in a request that is not swapped out"
+    assert moved.out <= set(plan.preempt), "swapped out a request it does not preempt"
+    assert moved.back <= swapped, "swapped in a request that is not swapped out"
     assert not set(plan.preempt) & (set(plan.run) | set(plan.allocate)), "preempted and run/allocated"
     assert len(plan.run) <= lim.max_num_seqs
     assert plan.num_batched_tokens <= lim.max_num_batched_tokens
@@ -269,7 +274,7 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     after = {s: layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(layers)}
     freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
         s for s, t in cache_types(plan).items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
-    back = sum(int(r.num_host_blocks[row[s]]) for s in plan.swap_in)
+    back = sum(int(r.num_host_blocks[row[s]]) for s in moved.back)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
     back_whole = [s for s, x in layers.items() if x == L and s in partial]
     whole += sum(int(r.num_blocks[row[s]]) for s in back_whole)
@@ -277,7 +282,7 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     # released, which the view does not show: the engine's checker counts that exactly.
     assert back_whole or whole + back <= view.num_free_blocks + freed, "allocates more than is free"
     assert set(layers) <= set(row) and all(0 <= x <= L for x in layers.values())
-    to_host = sum(int(r.num_blocks[row[s]]) for s, m in plan.preempt.items() if m is PreemptMode.SWAP)
+    to_host = sum(int(r.num_blocks[row[s]]) for s in moved.out)
     assert to_host <= view.num_free_host_blocks, "swaps out more than the host holds"
     assert all(n >= 0 for n in plan.allocate.values())
     # Hidden cache (Apt-Serve): a running request whose type changes discards its blocks
@@ -290,7 +295,7 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     for s, n in plan.run.items():
         i = row[s]
         end = (0 if s in switched else int(r.num_computed[i])) + n
-        assert s not in swapped or s in plan.swap_in, f"seq {s}: runs while swapped out"
+        assert s not in swapped or s in moved.back, f"seq {s}: runs while swapped out"
         assert 1 <= n and end <= r.num_tokens[i], f"seq {s}: runs {n} tokens past its last known token"
         held = (0 if s in switched else int(r.num_blocks[i] + r.num_host_blocks[i])) + plan.allocate.get(s, 0)
         assert held >= blocks_for_type(view, end, kind[s]), f"seq {s}: runs {end} tokens in {held} blocks"

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from jserve.engine.plan import PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode, preempt_modes
 from jserve.engine.preemption_costs import PreemptionCosts
 from jserve.engine.request import RequestStatus
 from jserve.engine.request_table import RequestArrays
@@ -185,7 +185,7 @@ def test_critical_waiting_request_preempts_for_its_basic_demand() -> None:
     ], num_blocks=32, iteration_time=0.5)
     policy = CacheOptPolicy(padding=False, global_reserve=False)
     plan = policy.schedule(view)
-    assert plan.preempt == {1: PreemptMode.RECOMPUTE}
+    assert preempt_modes(plan) == {1: PreemptMode.RECOMPUTE}
     assert 2 in plan.run and 0 in plan.run
     # Not critical, or its SLO already missed: it waits, nobody is preempted.
     assert not policy.schedule(dataclasses.replace(view, now=1.0)).preempt
@@ -252,15 +252,15 @@ def test_sweet_spot_chooses_swap_above_and_recompute_below() -> None:
         view = view_of([row, row], num_blocks=tokens // 2, num_host_blocks=100,
                        num_free_host_blocks=100, limits=SchedulerLimits(8, 256, 256))
         policy = CacheOptPolicy(preemption_costs=costs, preemption_order=False)
-        assert policy.schedule(view).preempt == {1: mode}, tokens
-        assert dataclasses.replace(policy, swap_selection=False).schedule(view).preempt == {1: PreemptMode.RECOMPUTE}
+        assert preempt_modes(policy.schedule(view)) == {1: mode}, tokens
+        assert preempt_modes(dataclasses.replace(policy, swap_selection=False).schedule(view)) == {1: PreemptMode.RECOMPUTE}
 
 
 def test_swap_needs_host_room() -> None:
     row = dict(status=R, num_tokens=13, num_computed=12, num_blocks=3)
     view = view_of([row, row], num_blocks=6, num_host_blocks=2, num_free_host_blocks=2)
     plan = CacheOptPolicy().schedule(view)  # each holds 3 blocks and needs a 4th
-    assert list(plan.preempt.values()) == [PreemptMode.RECOMPUTE]
+    assert list(preempt_modes(plan).values()) == [PreemptMode.RECOMPUTE]
 
 
 
@@ -338,4 +338,4 @@ def test_pp_ranks_victims_by_the_predicted_not_the_padded_remaining() -> None:
     est = co.estimates(view)
     assert est.remaining.tolist() == [60, 0, 35]
     assert est.predicted_remaining.tolist() == [0, 58, 0]
-    assert co.schedule(view).preempt.keys() == {1}
+    assert co.schedule(view).preempt == (1,)

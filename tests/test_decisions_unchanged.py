@@ -35,6 +35,7 @@ from jserve.benchmarking.conversations import (
     conversation_futures,
 )
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache_features.swap_tier.section import preempt_modes, swaps
 from jserve.config import EngineConfig
 from jserve.engine.batch import Batch, StepOutput
 from jserve.engine.clock import VirtualClock
@@ -125,7 +126,7 @@ class Recorder:
         self.partial_chunks += sum(n < remaining[s] for s, n in plan.run.items())
         self.digest.update(repr((
             list(plan.run.items()), sorted(plan.allocate.items()),
-            sorted((s, m.value) for s, m in plan.preempt.items()), sorted(plan.swap_in),
+            sorted((s, m.value) for s, m in preempt_modes(plan).items()), sorted(swaps(plan).back),
             sorted(plan.reserve.items()), sorted(plan.evict),
         )).encode())
         return plan

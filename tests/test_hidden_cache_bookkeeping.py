@@ -24,7 +24,8 @@ from jserve.cache_features.hidden_cache.section import (
     section,
 )
 from jserve.cache_features.layer_offload.section import section as layer_section
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode, preemptions
+from jserve.engine.plan import Plan
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 from jserve.policies.vllm import VLLMPolicy
@@ -123,12 +124,12 @@ def test_hidden_is_refused_where_unnatural() -> None:
         state.apply(Plan(run={0: 17}, allocate={0: 2}, features=section({0: CacheType.HIDDEN})), 0.0)
     h = _one_request(num_host_blocks=8)
     _step(h, Plan(run={0: 17}, allocate={0: 1}, features=section({0: CacheType.HIDDEN})))
-    with pytest.raises(PlanError, match="preempted by recompute, never swapped"):
-        h.state.apply(Plan(preempt={0: PreemptMode.SWAP}), 0.0)
+    with pytest.raises(PlanError, match="swap_tier and hidden_cache cache features cannot both hold it"):
+        h.state.apply(Plan(**preemptions({0: PreemptMode.SWAP})), 0.0)
     with pytest.raises(PlanError, match="layer_offload and hidden_cache cache features cannot both hold it"):
         h.state.apply(Plan(features=layer_section({0: 0})), 0.0)
     # preempted by recompute, it may come back as KV
-    _step(h, Plan(preempt={0: PreemptMode.RECOMPUTE}, features=section({0: CacheType.KV})))
+    _step(h, Plan(preempt=[0], features=section({0: CacheType.KV})))
     _step(h, Plan(run={0: 18}, allocate={0: 2}))
     assert h.state.live.cols.cache_type[h.state.live.row(0)] == CacheType.KV
 

@@ -23,7 +23,8 @@ from jserve.cache_features.layer_offload.section import (
     section,
 )
 from jserve.engine.batch import StepOutput
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode, preemptions
+from jserve.engine.plan import Plan
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.view import SchedulerLimits
@@ -163,8 +164,8 @@ def test_layer_offload_needs_a_host_tier_and_no_swap_of_a_partial_request():
     s = _add(engine, "a", 5).seq_id
     _apply(engine, Plan(run={s: 5}, allocate={s: 3}, features=section({s: 1})))
     with pytest.raises(PlanError, match="recompute"):
-        engine.state.apply(Plan(preempt={s: PreemptMode.SWAP}), 0.0)
-    _apply(engine, Plan(preempt={s: PreemptMode.RECOMPUTE}))
+        engine.state.apply(Plan(**preemptions({s: PreemptMode.SWAP})), 0.0)
+    _apply(engine, Plan(preempt=[s]))
     view = engine.state.snapshot(0.0)
     assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
     assert view.requests.device_layers.tolist() == [4]
@@ -273,7 +274,7 @@ def test_random_plans_are_refused_whole_or_applied_whole(data):
     for _ in range(data.draw(st.integers(1, 12))):
         view = state.snapshot(0.0)
         r = view.requests
-        run, allocate, layers, preempt = {}, {}, {}, {}
+        run, allocate, layers, preempt = {}, {}, {}, []
         for i in data.draw(st.permutations(range(len(r)))):
             seq, status = int(r.seq_id[i]), int(r.status[i])
             choice = data.draw(st.sampled_from(["none", "run", "layers", "preempt"]))
@@ -287,7 +288,7 @@ def test_random_plans_are_refused_whole_or_applied_whole(data):
             elif choice == "layers" and status in (1, 4):
                 layers[seq] = data.draw(st.integers(0, L))
             elif choice == "preempt" and status in (1, 4):
-                preempt[seq] = PreemptMode.RECOMPUTE
+                preempt.append(seq)
         plan = Plan(run=run, allocate=allocate, features=section(layers), preempt=preempt)
         before = (state.snapshot(0.0).requests.status.tobytes(), state.blocks.num_free,
                   state.feature("layer_offload").residency.slab.used.tobytes(), state.feature("layer_offload").residency.free_slots().tobytes())

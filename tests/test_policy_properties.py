@@ -33,6 +33,7 @@ from policy_harness import (
     view_scalars,
 )
 
+from jserve.cache_features.swap_tier.section import swaps
 from jserve.engine.batch import StepOutput
 from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy
@@ -123,7 +124,7 @@ def check_reservations(view: SchedulerView, plan: Plan) -> None:
     for i, s in enumerate(r.seq_id.tolist()):
         held = plan.allocate.get(s, 0)
         if s not in plan.preempt:
-            held += int(r.num_blocks[i]) + (int(r.num_host_blocks[i]) if s in plan.swap_in else 0)
+            held += int(r.num_blocks[i]) + (int(r.num_host_blocks[i]) if s in swaps(plan).back else 0)
         assert held <= reserved[s], f"seq {s}: holds {held} blocks after the plan, reserved {reserved[s]}"
     assert sum(reserved.values()) <= view.num_blocks, f"reserves {sum(reserved.values())} blocks"
 
@@ -315,7 +316,7 @@ def test_vllm_swap_swaps_and_keeps_outputs(num_host_blocks: int) -> None:
     assert preempted > 0
     if num_host_blocks > 1:
         assert h.runner.num_swaps == preempted
-        assert sum(len(p.swap_in) for p in h.policy.plans) == preempted
+        assert sum(len(swaps(p).back) for p in h.policy.plans) == preempted
     else:
         assert h.runner.num_swaps == 0
 
@@ -355,7 +356,7 @@ def test_reserving_policies_preempt_under_prediction_and_keep_outputs(policy: Po
     assert any(p.reserve for p in h.policy.plans)
     if num_host_blocks:
         assert h.runner.num_swaps > 0
-        assert sum(len(p.swap_in) for p in h.policy.plans) == h.runner.num_swaps
+        assert sum(len(swaps(p).back) for p in h.policy.plans) == h.runner.num_swaps
     else:
         assert h.runner.num_swaps == 0
 

@@ -11,6 +11,7 @@ import pytest
 from jserve import builder
 from jserve.benchmarking.replay import TraceEnds, open_params, replay
 from jserve.benchmarking.workload import Trace, TraceRequest
+from jserve.cache_features.swap_tier.section import preempt_modes
 from jserve.config import EngineConfig
 from jserve.engine.plan import Plan
 from jserve.engine.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ class Spy:
         self.max_lens.append(r.max_len.copy())
         self.steps.append((r.seq_id.tolist(), r.num_tokens.tolist(), r.reserved_blocks.tolist(),
                            list(plan.run.items()), sorted(plan.reserve.items()),
-                           sorted((s, m.value) for s, m in plan.preempt.items())))
+                           sorted((s, m.value) for s, m in preempt_modes(plan).items())))
         return plan
 
 

@@ -28,7 +28,8 @@ from policy_harness import Harness as BaseHarness
 
 from jserve.builder import assemble_engine
 from jserve.engine.batch import StepOutput
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import swaps
+from jserve.engine.plan import Plan
 from jserve.engine.request import RequestStatus
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.state import EngineState
@@ -61,7 +62,7 @@ def check_vllm_plan(view: SchedulerView, plan: Plan) -> None:
     else:
         assert set(plan.run) | set(plan.preempt) <= set(running)
         assert all(plan.run[s] == 1 for s in plan.run)
-        assert all(m is PreemptMode.RECOMPUTE for m in plan.preempt.values())
+        assert not swaps(plan).out
         # Victims are the latest arrivals: every preempted request arrived after every one that runs.
         if plan.run and plan.preempt:
             last_run = max(r.arrival_time[row[s]] for s in plan.run)
@@ -234,7 +235,7 @@ def test_preempts_latest_arrival_not_highest_seq_id() -> None:
     # needs a second block, and only one is free.
     state, seqs = _running_state([5.0, 1.0, 3.0], num_blocks=4, block_size=2, plen=2)
     plan = VLLMPolicy().schedule(state.snapshot(12.0))
-    assert dict(plan.preempt) == {seqs[0]: PreemptMode.RECOMPUTE}
+    assert plan.preempt == (seqs[0],) and not swaps(plan).out
     assert list(plan.run) == [seqs[1], seqs[2]]
     assert dict(plan.allocate) == {seqs[1]: 1, seqs[2]: 1}
     state.apply(plan, 12.0)
@@ -341,8 +342,8 @@ def test_refused_plan_changes_nothing() -> None:
     before = state.snapshot(0.0)
     [a, b] = before.requests.seq_id.tolist()
     # Preempting `a` frees its block, then over-allocates to `b`: refused as a whole.
-    bad = Plan(run={b: 1}, allocate={b: 5}, preempt={a: PreemptMode.RECOMPUTE})
-    with pytest.raises(PlanError, match="plan allocates 5 blocks, 3 free"):
+    bad = Plan(run={b: 1}, allocate={b: 5}, preempt=[a])
+    with pytest.raises(PlanError, match="plan takes 5 blocks, 3 free"):
         state.apply(bad, 0.0)
     after = state.snapshot(0.0)
     for name in ("status", "num_blocks", "num_computed", "num_preemptions"):

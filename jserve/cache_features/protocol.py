@@ -46,13 +46,15 @@ class SectionCheck:
 
     `discarded`: rows of running requests whose blocks go back before any take, recomputing
     from their first token in this plan. `whole_taken` / `whole_freed`: whole blocks its
-    takes need and its releases give back, beyond the core's. `own_allocations`: seq ids
-    whose `Plan.allocate` the feature books itself (not as whole blocks). `claims`: seq ids
-    the plan puts in the feature's own state, which no other feature may hold after it."""
+    takes need and its releases give back, beyond the core's. `to_host`: host blocks its
+    releases take (its own, or the preemptions it keeps). `own_allocations`: seq ids whose
+    `Plan.allocate` the feature books itself (not as whole blocks). `claims`: seq ids the
+    plan puts in the feature's own state, which no other feature may hold after it."""
 
     discarded: np.ndarray = field(default_factory=NO_ROWS.copy)
     whole_taken: int = 0
     whole_freed: int = 0
+    to_host: int = 0
     own_allocations: frozenset[int] = frozenset()
     claims: tuple[int, ...] = ()
     booking: object = None
@@ -79,13 +81,18 @@ class CacheFeature:
         swap-in checks, before any block count."""
         return NOTHING
 
+    def blocks_wanted(self, plan: Plan) -> int:
+        """Whole device blocks its section takes, counted before the plan is checked (the
+        prefix cache's eviction makes room for them)."""
+        return 0
+
     def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
         """Which of `seq_ids` are in the feature's own state after `plan`."""
         return np.zeros(len(seq_ids), bool)
 
     def check_room(self, checked: SectionCheck, whole_left: int, to_host: int) -> None:
         """Refuse takes of its own beyond the room left: `whole_left` whole device blocks
-        after every whole-block take, `to_host` host blocks the plan's swaps take."""
+        after every whole-block take, `to_host` host blocks the sections' releases take."""
 
     def block_tokens(self, rows: np.ndarray, plan: Plan | None = None) -> np.ndarray | None:
         """Tokens one block of each of `rows` holds (after `plan` when given), or None
@@ -95,6 +102,12 @@ class CacheFeature:
     # ------------------------------------------------------------------ apply, in the plan's order
     def drop(self, seq_id: int, row: int) -> None:
         """Give back what it holds of a request the core drops (preempted, or ended)."""
+
+    def keep(self, checked: SectionCheck, seq_id: int, row: int, held: np.ndarray) -> bool:
+        """Whether it keeps the KV of a request the plan preempts, whose `held` device
+        blocks the core is freeing (then it sets the request's status; else the request
+        waits to recompute from its first token)."""
+        return False
 
     def release(self, checked: SectionCheck) -> None:
         """Its releases: after the plan's preemptions and evictions, before any take (so

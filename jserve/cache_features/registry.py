@@ -1,7 +1,9 @@
 """Every cache feature the engine knows, one line each: adding a feature is its folder and
 a line here. Each entry builds the feature's two sides for one engine: the engine's, from
 the state's parts, and the runner's, from the step's context (or None where the engine
-will not use it); each reads the engine options it needs and ignores the others."""
+will not use it; no type: the feature has no runner side of its own); each reads the
+engine options it needs and ignores the others. Order matters where features book in the
+same stage: the swap tier's swap-ins take their blocks before the other features' takes."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from jserve.cache_features.layer_offload.steps import LayerSteps
 from jserve.cache_features.protocol import (
     CacheFeature, SectionCheck, StateParts, StepContext, StepFeature,
 )
+from jserve.cache_features.swap_tier.feature import SwapTier
 from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
 from jserve.errors import PlanError
 
-FEATURES: tuple[tuple[Callable[..., CacheFeature], type[StepFeature]], ...] = (
+FEATURES: tuple[tuple[Callable[..., CacheFeature], type[StepFeature] | None], ...] = (
+    (SwapTier.build, None),
     (HiddenCache.build, HiddenSteps),
     (LayerOffload.build, LayerSteps),
 )
@@ -41,8 +45,9 @@ def build_features(parts: StateParts, **options: object) -> tuple[CacheFeature, 
 
 def build_step_features(ctx: StepContext, **options: object) -> tuple[StepFeature, ...]:
     """The runner sides of the features the engine will use."""
-    _check_options([steps.build for _, steps in FEATURES], options)
-    built = (steps.build(ctx, **options) for _, steps in FEATURES)
+    runner_sides = [steps for _, steps in FEATURES if steps is not None]
+    _check_options([steps.build for steps in runner_sides], options)
+    built = (steps.build(ctx, **options) for steps in runner_sides)
     return tuple(f for f in built if f is not None)
 
 
@@ -50,7 +55,7 @@ def refuse_unknown_steps(batch: Batch, features: tuple[StepFeature, ...]) -> Non
     """A runner refuses a batch with sequences of a feature it was not built with."""
     have = {f.name for f in features}
     for _, steps in FEATURES:
-        if steps.name not in have and steps.in_batch(batch):
+        if steps is not None and steps.name not in have and steps.in_batch(batch):
             raise RuntimeError(f"the batch has {steps.name} sequences, and this runner was not "
                                f"built for them (no {steps.name} steps)")
 

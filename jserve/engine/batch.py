@@ -117,7 +117,8 @@ class BatchInputs:
 @dataclass(frozen=True)
 class BlockMove:
     """A request's KV moving between device and host: its device blocks, in table order
-    (where a swap-out reads from, or where a swap-in writes to)."""
+    (where a swap-out reads from, or where a swap-in writes to). A prefix-cache block's
+    demotion or load has a negative key (`jserve.cache.prefix.host_move_key`)."""
 
     seq_id: int
     device_blocks: np.ndarray  # int32
@@ -213,6 +214,11 @@ class Batch:
         """Block moves, or changes to the sequences a runner keeps, that it must see even
         when nothing runs."""
         return self.moves_blocks or (self.inputs is not None and not self.inputs.delta.is_empty)
+
+    @property
+    def num_swapped_out(self) -> int:
+        """Requests whose KV this step moves to the host (not prefix-cache blocks)."""
+        return sum(m.seq_id >= 0 for m in self.swap_out)
 
     @property
     def num_swapped_blocks(self) -> int:

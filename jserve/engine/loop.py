@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 from jserve.cache.prefix import CacheSnapshot, EvictionRule
 from jserve.engine.batch import Batch, RepeatedSteps, StepOutput
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy
 from jserve.engine.request import Request
 from jserve.engine.sampling_params import SamplingParams
@@ -164,12 +164,12 @@ class Engine:
             plan = self._with_evictions(plan, view.now)
         self.state.apply(plan, view.now)
         self.stats.num_preemptions += len(plan.preempt)
-        self.stats.num_swaps += sum(m is PreemptMode.SWAP for m in plan.preempt.values())
         batch = self.state.batch(with_inputs=self.runner.needs_inputs)
+        self.stats.num_swaps += batch.num_swapped_out
         if batch.num_seqs == 0:
             if batch.updates_runner:
                 self.runner.execute(batch)
-            if (not plan.preempt and not plan.swap_in and not plan.features and len(view.requests)
+            if (not plan.preempt and not plan.features and len(view.requests)
                     and self._in_flight is None):
                 raise PlanError(
                     f"policy {self.policy.name!r} scheduled nothing with {len(view.requests)} "

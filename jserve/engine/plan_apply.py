@@ -1,10 +1,10 @@
 """Carrying out a checked plan, in the order `Plan` documents: preemptions release KV
-(dropped, or moved to the host tier), evictions drop cached blocks, cache features release
-what their sections give up, swap-ins bring KV back, allocations grow tables (a started
-request first taking over its cached prefix), then the requests that run and the
-reservations are booked.
+(dropped, or kept by a cache feature: the swap tier moves it to the host), evictions drop
+cached blocks, cache features release what their sections give up and take their whole
+blocks (swap-ins bring KV back), allocations grow tables (a started request first taking
+over its cached prefix), then the requests that run and the reservations are booked.
 
-Every release comes before any take, whole blocks (swap-ins, features' whole-block takes,
+Every release comes before any take, whole blocks (features' whole-block takes, then
 allocations) before a feature's other takes: the order `PlanChecker`'s counting assumes. A
 block a release frees may so serve a take of the same plan; runners read every source
 before writing anything.
@@ -20,24 +20,33 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.cache_features.protocol import CacheFeature
+from jserve.cache_features.protocol import CacheFeature, SectionCheck
 from jserve.cache_features.registry import block_tokens
 from jserve.engine.batch import BlockMove
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import PreemptMode
 from jserve.engine.plan_check import CheckedPlan
 from jserve.engine.prefix_reuse import PrefixReuse
-from jserve.engine.request import RUNNING, SWAPPED, WAITING
+from jserve.engine.request import RUNNING, WAITING
 from jserve.errors import PlanError
 
 
 @dataclass(frozen=True)
 class Moves:
-    """The copies an applied plan makes before its step's compute."""
+    """The copies an applied plan makes before its step's compute: device blocks to the
+    host (swap-outs, prefix-cache demotions) and back (swap-ins, prefix-cache loads)."""
 
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
     layers: object = None  # layer residency's copies (`LayerMoves`); None: no change
+
+    @classmethod
+    def joined(cls, features: list[dict[str, object]], swap_out: list[BlockMove],
+               swap_in: list[BlockMove]) -> Moves:
+        """The features' copies, then the core's (prefix-cache demotions and loads)."""
+        own = {k: v for moves in features for k, v in moves.items() if k not in ("swap_out", "swap_in")}
+        out = [m for moves in features for m in moves.get("swap_out", ())]
+        back = [m for moves in features for m in moves.get("swap_in", ())]
+        return cls(tuple(out + swap_out), tuple(back + swap_in), **own)
 
 
 NO_MOVES = Moves()
@@ -47,45 +56,37 @@ NO_MOVES = Moves()
 class PlanApplier:
     live: LiveRequests
     blocks: BlockManager
-    host_blocks: BlockManager | None
     reuse: PrefixReuse | None
     features: tuple[CacheFeature, ...] = ()
 
     def apply(self, checked: CheckedPlan, now: float) -> Moves:
         plan, booked = checked.plan, tuple(zip(self.features, checked.sections))
-        swap_out = self._preempt(checked, now)
-        if plan.evict:
-            swap_out += self.reuse.evict(sorted(plan.evict), checked.hits)
+        self._preempt(checked, booked, now)
+        demoted = self.reuse.evict(sorted(plan.evict), checked.hits) if plan.evict else []
         for feature, section in booked:
             feature.release(section)
-        swap_in = self._swap_in(sorted(plan.swap_in))
         for feature, section in booked:
             feature.take_whole(section)
-        swap_in += self._allocate(checked)
+        loads = self._allocate(checked)
         for feature, section in booked:
             feature.take_slots(section)
         self._start_runs(checked, now)
         for feature, section in booked:
             feature.after_runs(section, checked.run_rows)
         self.live.cols.reserved_blocks[checked.reserve_rows] = checked.reserve_counts
-        moves = {k: v for feature, section in booked for k, v in feature.moves(section).items()}
-        return Moves(tuple(swap_out), tuple(swap_in), **moves)
+        return Moves.joined([feature.moves(section) for feature, section in booked], demoted, loads)
 
-    def _preempt(self, checked: CheckedPlan, now: float) -> list[BlockMove]:
-        cols, swap_out = self.live.cols, []
-        for (seq_id, mode), row in zip(checked.plan.preempt.items(), checked.preempt_rows.tolist()):
+    def _preempt(self, checked: CheckedPlan, booked: tuple[tuple[CacheFeature, SectionCheck], ...],
+                 now: float) -> None:
+        cols = self.live.cols
+        for seq_id, row in zip(checked.plan.preempt, checked.preempt_rows.tolist()):
             for feature in self.features:
                 feature.drop(seq_id, row)
             held = np.asarray(self.blocks.table(seq_id), np.int32)
             self.blocks.free(seq_id)
             cols.num_blocks[row] = 0
             cols.reserved_blocks[row] = 0
-            if mode is PreemptMode.SWAP:
-                self.host_blocks.allocate(seq_id, len(held))
-                cols.num_host_blocks[row] = len(held)
-                cols.status[row] = SWAPPED
-                swap_out.append(BlockMove(seq_id, held))
-            else:
+            if not any(feature.keep(section, seq_id, row, held) for feature, section in booked):
                 cols.num_computed[row] = 0
                 cols.status[row] = WAITING
             cols.num_preemptions[row] += 1
@@ -93,23 +94,10 @@ class PlanApplier:
             metrics.num_preemptions += 1
             metrics.last_preempted_at = now
             self.live.awaiting_run.add(seq_id)
-        return swap_out
 
     def block_tokens(self, rows: np.ndarray) -> np.ndarray | int:
         """Tokens one block of each of `rows` holds (a cache feature's may differ)."""
         return block_tokens(self.features, self.blocks.block_size, rows)
-
-    def _swap_in(self, seq_ids: list[int]) -> list[BlockMove]:
-        cols, swap_in = self.live.cols, []
-        for seq_id in seq_ids:
-            row = self.live.row(seq_id)
-            n = self.host_blocks.free(seq_id)
-            self.blocks.allocate(seq_id, n)
-            cols.num_host_blocks[row] = 0
-            cols.num_blocks[row] = n
-            cols.status[row] = RUNNING
-            swap_in.append(BlockMove(seq_id, np.asarray(self.blocks.table(seq_id), np.int32)))
-        return swap_in
 
     def _allocate(self, checked: CheckedPlan) -> list[BlockMove]:
         """Grow the tables by whole blocks; returns the copies that load host-tier cached

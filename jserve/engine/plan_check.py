@@ -20,10 +20,10 @@ from jserve.cache.prefix import PrefixHit
 from jserve.cache_features.protocol import NO_ROWS, CacheFeature, SectionCheck
 from jserve.cache_features.registry import block_tokens, check_sections_known, refuse_shared
 from jserve.engine.live_requests import LiveRequests
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.prefix_reuse import PrefixReuse
 from jserve.engine.refusal import member, not_live, refuse_first, values
-from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED
+from jserve.engine.request import OFFLOADED, RUNNING
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
 
@@ -51,22 +51,17 @@ class CheckedPlan:
 class PlanChecker:
     live: LiveRequests
     blocks: BlockManager
-    host_blocks: BlockManager | None
     limits: SchedulerLimits
     reuse: PrefixReuse | None
     features: tuple[CacheFeature, ...] = ()
 
     def check(self, plan: Plan) -> CheckedPlan:
         """The plan with its rows, or `PlanError` for the first thing it gets wrong."""
-        preempt_rows, to_host = self._check_preemptions(plan)
-        self._check_swap_ins(plan)
+        preempt_rows = self._check_preemptions(plan)
         check_sections_known(plan, self.features)
         sections = tuple(feature.check(plan) for feature in self.features)
         refuse_shared(plan, self.features, sections)
         switch_rows = np.concatenate([NO_ROWS, *(c.discarded for c in sections)])
-        if to_host and to_host > self.host_blocks.num_free:
-            raise PlanError(f"plan swaps out {to_host} blocks, {self.host_blocks.num_free} free "
-                            "on the host")
         discarded = list(plan.preempt)
         if len(switch_rows):
             discarded += self.live.cols.seq_id[switch_rows].tolist()
@@ -74,13 +69,12 @@ class PlanChecker:
         hits = {} if self.reuse is None else self.reuse.admitted_hits(plan)
         self._check_evictions(plan, released, hits)
         allocate_rows, allocate_counts = self._check_allocations(plan, hits)
-        wanted = self.fresh_blocks(plan, hits) + sum(c.whole_taken for c in sections)
+        wanted = self._fresh_allocations(plan, hits) + sum(c.whole_taken for c in sections)
         available = (self.blocks.num_free + self._uncached(released) + len(plan.evict)
                      + sum(c.whole_freed for c in sections))
         if wanted > available:
-            from_host = self._swapped_in_blocks(plan)
-            swapping = f" ({from_host} of them to swap in)" if from_host else ""
-            raise PlanError(f"plan allocates {wanted} blocks, {available} free" + swapping)
+            raise PlanError(f"plan takes {wanted} blocks, {available} free")
+        to_host = sum(c.to_host for c in sections)
         for feature, checked in zip(self.features, sections):
             feature.check_room(checked, available - wanted, to_host)
         lim = self.limits
@@ -100,32 +94,18 @@ class PlanChecker:
                            frozenset().union(*(c.own_allocations for c in sections)),
                            sections, switch_rows)
 
-    def _check_preemptions(self, plan: Plan) -> tuple[np.ndarray, int]:
-        """Rows of the requests it preempts, and how many blocks go to the host."""
+    def _check_preemptions(self, plan: Plan) -> np.ndarray:
+        """Rows of the requests it preempts."""
         if not plan.preempt:
-            return NO_ROWS, 0
-        seq_ids, rows = list(plan.preempt), self.live.rows(plan.preempt)
-        swap = np.fromiter((m is PreemptMode.SWAP for m in plan.preempt.values()), bool, len(rows))
+            return NO_ROWS
+        seq_ids, rows = plan.preempt, self.live.rows(plan.preempt)
         status = self.live.cols.status[rows]
-        offloaded = status == OFFLOADED
         refuse_first(seq_ids, [
             not_live(seq_ids, rows, "preempt"),
-            ((status != RUNNING) & ~offloaded,
+            ((status != RUNNING) & (status != OFFLOADED),
              lambda i: f"seq {seq_ids[i]}: only running requests can be preempted"),
-            (swap & (self.host_blocks is None),
-             lambda i: f"seq {seq_ids[i]}: swap preemption needs a host KV tier (num_host_blocks > 0)"),
         ])
-        return rows, int(self.live.cols.num_blocks[rows[swap]].sum())
-
-    def _check_swap_ins(self, plan: Plan) -> None:
-        if not plan.swap_in:
-            return
-        seq_ids, rows = list(plan.swap_in), self.live.rows(plan.swap_in)
-        refuse_first(seq_ids, [
-            not_live(seq_ids, rows, "swap in"),
-            (self.live.cols.status[rows] != SWAPPED,
-             lambda i: f"seq {seq_ids[i]}: only swapped requests can be swapped in"),
-        ])
+        return rows
 
     def _check_evictions(self, plan: Plan, released: np.ndarray, hits: dict[int, PrefixHit]) -> None:
         if not plan.evict:
@@ -195,8 +175,6 @@ class PlanChecker:
         refuse_first(seq_ids, [
             not_live(seq_ids, rows, "run"),
             (member(seq_ids, plan.preempt), lambda i: f"seq {seq_ids[i]}: run and preempted in the same plan"),
-            ((cols.status[rows] == SWAPPED) & ~member(seq_ids, plan.swap_in),
-             lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in before running it"),
             ((n < 1) | (end > total), lambda i: f"seq {seq_ids[i]}: cannot run {n[i]} tokens with "
                                                 f"{computed[i]} of {total[i]} computed"),
             (held * bs < end, lambda i: f"seq {seq_ids[i]}: holds {held[i]} blocks, needs "
@@ -209,31 +187,25 @@ class PlanChecker:
         """Only steps of plain decodes repeat (`Plan.repeat`)."""
         if plan.repeat < 1:
             raise PlanError(f"plan repeats {plan.repeat} times; at least once")
-        if plan.preempt or plan.swap_in or plan.evict or plan.features:
-            raise PlanError("a plan that preempts, swaps in, evicts or has a cache feature's "
-                            "section cannot repeat")
+        if plan.preempt or plan.evict or plan.features:
+            raise PlanError("a plan that preempts, evicts or has a cache feature's section "
+                            "cannot repeat")
         decoding = (n == 1) & (self.live.cols.num_tokens[rows] - self.live.cols.num_computed[rows] == 1)
         if not decoding.all():
             seq = list(plan.run)[int(np.argmin(decoding))]
             raise PlanError(f"seq {seq}: a repeated plan runs only one-token decodes")
 
-    def fresh_blocks(self, plan: Plan, hits: dict[int, PrefixHit]) -> int:
-        """Blocks the plan takes off the free list: its allocations less the cached blocks
-        they take over, plus its swap-ins."""
-        return (sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values())
-                + self._swapped_in_blocks(plan))
-
-    def _swapped_in_blocks(self, plan: Plan) -> int:
-        """Host blocks the plan brings back (a seq that is not live counts 0: `check`
-        refuses the plan with the reason)."""
-        if not plan.swap_in:
-            return 0
-        rows = self.live.rows(plan.swap_in)
-        return int(self.live.cols.num_host_blocks[rows[rows >= 0]].sum())
+    @staticmethod
+    def _fresh_allocations(plan: Plan, hits: dict[int, PrefixHit]) -> int:
+        """Blocks the plan's allocations take off the free list: less the cached blocks
+        they take over."""
+        return sum(plan.allocate.values()) - sum(len(h.device) for h in hits.values())
 
     def _uncached(self, released: np.ndarray) -> int:
         return len(released) if self.reuse is None else self.reuse.uncached(released)
 
     def shortfall(self, plan: Plan, released: np.ndarray, hits: dict[int, PrefixHit]) -> int:
-        """Blocks the plan needs beyond those free now or freed by its preemptions."""
-        return self.fresh_blocks(plan, hits) - self.blocks.num_free - self._uncached(released)
+        """Blocks the plan needs beyond those free now or freed by its preemptions (before
+        it is checked: the features say what their sections want)."""
+        wanted = self._fresh_allocations(plan, hits) + sum(f.blocks_wanted(plan) for f in self.features)
+        return wanted - self.blocks.num_free - self._uncached(released)

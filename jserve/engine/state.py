@@ -66,8 +66,8 @@ class EngineState:
         share_forks: bool = True,
         **feature_options: object,
     ) -> None:
-        """`num_host_blocks`: the host tier that swap preemption moves KV to (0: none, and
-        plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
+        """`num_host_blocks`: the host tier that swap preemption and layer offload move KV
+        to (0: none, and plans may only preempt by recompute). `prefix_cache`: the prefix cache to keep
         (None: none; its trim is `capacity_request` / `trim`). `predictions`: where
         admitted requests' output-length predictions come from (None: only from the
         caller). `share_forks`: whether the sequences of a request of several (`n`) share
@@ -104,9 +104,8 @@ class EngineState:
                                     int(feature_options.get("num_layers", 1)), predictions)
         self.features = build_features(StateParts(self.live, self.blocks, self.host_blocks, self._reuse),
                                        **feature_options)
-        self._checker = PlanChecker(self.live, self.blocks, self.host_blocks, limits, self._reuse,
-                                    self.features)
-        self._applier = PlanApplier(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
+        self._checker = PlanChecker(self.live, self.blocks, limits, self._reuse, self.features)
+        self._applier = PlanApplier(self.live, self.blocks, self._reuse, self.features)
         # The batch builder (runner side, being reworked) still reads partly offloaded
         # requests' slots itself, from the layer feature's residency.
         self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from jserve.engine.plan import PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode
 from jserve.engine.policy import Policy
 from jserve.policies.apt_serve import PAPER_DECAY, AptServePolicy
 from jserve.policies.cacheopt import CacheOptPolicy

@@ -18,7 +18,7 @@ from jserve.cache_features.hidden_cache.section import (
     hidden_view,
     section,
 )
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -166,7 +166,8 @@ class AptServePolicy:
                                                       seqs=lim.max_num_seqs))
         keep = (choice != NONE) & (choice == r.cache_type[running])
         switch = (choice != NONE) & ~keep
-        run, allocate, preempt, types = {}, {}, {}, {}
+        run, allocate, types = {}, {}, {}
+        preempt: list[int] = []
         need = np.where(choice == HIDDEN, c.hidden_blocks, c.kv_blocks) - r.num_blocks[running]
         left = budget
         order = np.flatnonzero(keep)
@@ -185,9 +186,10 @@ class AptServePolicy:
             switch[k] = False
         for k in np.flatnonzero(switch):  # discard; re-prefilled on the new type when admitted
             seq = int(r.seq_id[running[k]])
-            preempt[seq], types[seq] = PreemptMode.RECOMPUTE, CacheType(int(choice[k]))
+            preempt.append(seq)
+            types[seq] = CacheType(int(choice[k]))
         for k in np.flatnonzero(choice == NONE):
-            preempt[int(r.seq_id[running[k]])] = PreemptMode.RECOMPUTE
+            preempt.append(int(r.seq_id[running[k]]))
         return Plan(run=run, allocate=allocate, preempt=preempt, features=section(types))
 
 

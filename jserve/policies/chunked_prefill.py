@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
 from jserve.policies.preemption import make_room
@@ -33,7 +33,7 @@ def schedule_chunked(
     free = view.num_free_blocks
     run: dict[int, int] = {}
     allocate: dict[int, int] = {}
-    preempt: dict[int, PreemptMode] = {}
+    preempt: list[int] = []  # by recompute, in order
 
     def claim(i: int, end: int) -> int:
         """Blocks request `i` must add to hold `end` tokens."""
@@ -43,7 +43,7 @@ def schedule_chunked(
     remaining = r.num_tokens - r.num_computed
 
     def recompute(i: int) -> None:
-        preempt[int(r.seq_id[i])] = PreemptMode.RECOMPUTE
+        preempt.append(int(r.seq_id[i]))
 
     # 1. Decodes, oldest first; only a later arrival may be evicted for one (FCFS priority).
     later = collections.deque(running)
@@ -90,5 +90,5 @@ def schedule_chunked(
     if not run and not preempt and running:
         # Chunk-wise allocation can leave every running prompt holding blocks while none can
         # take its next chunk; free the latest arrival's so the others progress.
-        preempt[int(r.seq_id[running[-1]])] = PreemptMode.RECOMPUTE
+        preempt.append(int(r.seq_id[running[-1]]))
     return Plan(run=run, allocate=allocate, preempt=preempt)

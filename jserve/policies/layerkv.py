@@ -22,7 +22,7 @@ from jserve.cache_features.layer_offload.section import (
     section,
 )
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.policy import PolicyCapabilities, RunnerCosts
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -284,7 +284,7 @@ class LayerKVPolicy:
         if len(holding):
             return Plan(features=section({int(s): 0 for s in r.seq_id[holding]}))
         if len(queue):
-            return Plan(preempt={int(r.seq_id[queue[-1]]): PreemptMode.RECOMPUTE})
+            return Plan(preempt=[int(r.seq_id[queue[-1]])])
         return Plan()
 
     def _stalled(self, view: SchedulerView, queue: np.ndarray) -> bool:

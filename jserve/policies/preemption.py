@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from jserve.engine.plan import PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode
 from jserve.engine.view import SchedulerView
 
 

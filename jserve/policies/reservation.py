@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode, preemptions
+from jserve.engine.plan import Plan
 from jserve.engine.request import RequestStatus
 from jserve.engine.view import SchedulerView
 from jserve.policies.preemption import swap_or_recompute
@@ -98,8 +99,8 @@ class Work:
         return sum(self.run.values())
 
     def plan(self, ledger: Ledger) -> Plan:
-        return Plan(run=self.run, allocate=self.allocate, preempt=self.preempt,
-                    swap_in=self.swap_in, reserve=ledger.reserve)
+        return Plan(run=self.run, allocate=self.allocate, reserve=ledger.reserve,
+                    **preemptions(self.preempt, self.swap_in))
 
     def schedule(self, view: SchedulerView, i: int, blocks_after: int) -> None:
         """Run all of request `i`'s uncomputed tokens, holding `blocks_after` blocks."""

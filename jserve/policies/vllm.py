@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.cache_features.swap_tier.section import PreemptMode, preemptions
+from jserve.engine.plan import Plan
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, SWAPPED, WAITING
 from jserve.engine.view import SchedulerView
@@ -90,7 +91,7 @@ class VLLMPolicy:
                 allocate[seq] = need
             free -= need
         swap_in = set() if preempt else self._swap_ins(view, free, len(run), run, allocate)
-        return Plan(run=run, allocate=allocate, preempt=preempt, swap_in=swap_in)
+        return Plan(run=run, allocate=allocate, **preemptions(preempt, swap_in))
 
     def _decode_all(self, view: SchedulerView, running: np.ndarray, needs: np.ndarray) -> Plan:
         """What `_decodes` plans when the free blocks cover every running request's next
@@ -103,7 +104,7 @@ class VLLMPolicy:
         if (r.status == SWAPPED).any():
             free = view.num_free_blocks - int(needs.sum())
             swap_in = self._swap_ins(view, free, len(run), run, allocate)
-            return Plan(run=run, allocate=allocate, swap_in=swap_in)
+            return Plan(run=run, allocate=allocate, **preemptions({}, swap_in))
         return Plan(run=run, allocate=allocate, repeat=decode_repeat(view, running))
 
     def _swap_ins(self, view: SchedulerView, free: int, running: int, run: dict[int, int],

@@ -12,10 +12,9 @@ import numpy as np
 from jserve.cache_features.hidden_cache.section import NAME, CacheType, HiddenView, cache_types
 from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
 from jserve.engine.batch import Batch
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED
-from jserve.errors import PlanError
 
 
 def types_after(plan: Plan, seq_ids: Sequence[int], now: np.ndarray) -> np.ndarray:
@@ -59,7 +58,6 @@ class HiddenCache(CacheFeature):
         return HiddenView(self.tokens if self.parts.reuse is None else 0, self.cost)
 
     def check(self, plan: Plan) -> SectionCheck:
-        self._check_preemptions(plan)
         types = cache_types(plan)
         if not types:
             return NOTHING
@@ -80,7 +78,7 @@ class HiddenCache(CacheFeature):
             (hidden & (self.parts.reuse is not None),
              lambda i: f"seq {seq_ids[i]}: a hidden-cache request cannot share prefix-cache blocks; "
                        "build the engine without a prefix cache"),
-            (changes & ((status == SWAPPED) | member(seq_ids, plan.swap_in)),
+            (changes & (status == SWAPPED),
              lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in (or let it run) before "
                        "changing its cache type"),
             (changes & (status == OFFLOADED) & ~preempted,
@@ -92,18 +90,6 @@ class HiddenCache(CacheFeature):
         ])
         return SectionCheck(discarded=rows[switching], booking=TypeChanges(rows, after),
                             claims=tuple(s for s, h in zip(seq_ids, hidden.tolist()) if h))
-
-    def _check_preemptions(self, plan: Plan) -> None:
-        """A hidden request, before or after the plan, is preempted by recompute only."""
-        swapped = [s for s, mode in plan.preempt.items() if mode is PreemptMode.SWAP]
-        if not swapped:
-            return
-        rows = self.parts.live.rows(swapped)
-        now = self.parts.live.cols.cache_type[rows]
-        hidden = (now == CacheType.HIDDEN) | (types_after(plan, swapped, now) == CacheType.HIDDEN)
-        if hidden.any():
-            raise PlanError(f"seq {swapped[int(np.argmax(hidden))]}: a hidden-cache request is "
-                            "preempted by recompute, never swapped")
 
     def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
         rows = self.parts.live.rows(seq_ids)

@@ -16,7 +16,7 @@ from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache_features.layer_offload.residency import LayerChange, LayerMoves, LayerResidency
 from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
 from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
-from jserve.engine.plan import Plan, PreemptMode
+from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first, values
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
 from jserve.errors import PlanError
@@ -70,7 +70,6 @@ class LayerOffload(CacheFeature):
         layers, res = kept(plan), self.residency
         if not layers and not res.partial:
             return NOTHING
-        self._check_swaps(plan)
         if plan.repeat != 1:
             self._check_repeat(plan)
         L, cols = res.num_layers, self.parts.live.cols
@@ -82,7 +81,7 @@ class LayerOffload(CacheFeature):
             ((xs < 0) | (xs > L), lambda i: f"seq {seq_ids[i]}: cannot keep {xs[i]} of {L} layers"),
             (member(seq_ids, plan.preempt),
              lambda i: f"seq {seq_ids[i]}: layers set and preempted in the same plan"),
-            ((status == SWAPPED) | member(seq_ids, plan.swap_in),
+            (status == SWAPPED,
              lambda i: f"seq {seq_ids[i]}: is swapped out; swap it in in an earlier plan before "
                        "setting its layers"),
             (offload & (self.parts.reuse is not None),
@@ -102,15 +101,6 @@ class LayerOffload(CacheFeature):
             return SectionCheck(claims=claims, booking=booking)
         return SectionCheck(whole_taken=demand.whole, whole_freed=demand.merged,
                             own_allocations=frozenset(partial), claims=claims, booking=booking)
-
-    def _check_swaps(self, plan: Plan) -> None:
-        swapped = [s for s, mode in plan.preempt.items() if mode is PreemptMode.SWAP]
-        if not swapped:
-            return
-        offloaded = self.parts.live.cols.status[self.parts.live.rows(swapped)] == OFFLOADED
-        if offloaded.any():
-            raise PlanError(f"seq {swapped[int(np.argmax(offloaded))]}: has layers on the host; preempt "
-                            "it by recompute, or offload its other layers")
 
     def _check_repeat(self, plan: Plan) -> None:
         partial = [s for s in plan.run if s in self.residency.partial]
