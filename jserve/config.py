@@ -103,9 +103,10 @@ class EngineConfig:
             'pallas', or 'pallas-interpret' (the kernels interpreted, for checking).
         warmup: compile the step's shape buckets at start-up rather than on first use.
         background_compile: with warmup, compile only the buckets one short request needs
-            before returning (`jax_runner.first_shapes`) and the rest on a background thread,
-            smallest first; a step that meets a bucket not built yet builds it (or waits for
-            it) first. Every bucket warm-up covers is compiled once that thread ends. On by
+            before returning (`jax_runner.first_shapes`) and the rest on background threads
+            (one per core, up to 4), smallest first; a step that meets a bucket not built yet
+            builds it (or waits for it) first. Every bucket warm-up covers is compiled once
+            they end. On by
             default in `jserve serve`, so the server answers early.
         async_scheduling: plan each step while the device computes the one before, reading
             its tokens a step late (vLLM's `--async-scheduling`; `jserve.engine.loop.Engine`).

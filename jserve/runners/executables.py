@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
@@ -82,16 +82,21 @@ class Executables:
         future.set_result(exe)
         return exe, True
 
-    def build_in_background(self, jobs: Sequence[tuple[Hashable, Build]]) -> None:
-        """Build `jobs` in order on a thread of their own. A failed build is logged and
-        left to its first use, which raises it."""
+    def build_in_background(self, jobs: Sequence[tuple[Hashable, Build]], threads: int = 1) -> None:
+        """Build `jobs`, taken in order by `threads` threads of their own (XLA compiles a
+        program on one core). A failed build is logged and left to its first use, which
+        raises it."""
+        def one(job: tuple[Hashable, Build]) -> None:
+            shape, build = job
+            try:
+                self.get(shape, build)
+            except Exception:
+                log.exception("background compile of step bucket %s failed", shape)
+
         def run() -> None:
             t0 = time.perf_counter()
-            for shape, build in jobs:
-                try:
-                    self.get(shape, build)
-                except Exception:
-                    log.exception("background compile of step bucket %s failed", shape)
+            with ThreadPoolExecutor(threads, thread_name_prefix="jserve-background-compile") as pool:
+                list(pool.map(one, jobs))
             log.info("compiled %d step buckets in the background in %.1f s", len(jobs),
                      time.perf_counter() - t0)
             return_freed_memory()

@@ -423,7 +423,7 @@ class JaxRunner:
         buckets already lowered (XLA, which releases the GIL), so they overlap.
 
         `background`: compile only what one short request needs now (`first_shapes`) and
-        the rest on a thread of its own, smallest first, so a server answers early; a step
+        the rest on threads of their own, smallest first, so a server answers early; a step
         that meets a bucket not built yet builds it (or waits for the background's build)
         first. `warmed_up` turns true, and `wait_warmup()` returns, once all are built.
         """
@@ -450,7 +450,7 @@ class JaxRunner:
                 for shape in self._variants(sorted(set(shapes) - set(first)))
                 if shape not in self._executables]
         if rest:
-            self._executables.build_in_background(rest)
+            self._executables.build_in_background(rest, COMPILE_THREADS)
         else:
             return_freed_memory()
         self._warmup_started = True
