@@ -161,7 +161,9 @@ class _TensorSource:
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
 
     def vector(self, name: str) -> np.ndarray:
-        return np.asarray(self.raw(name), dtype=self._dtype)
+        # A copy: an unquantized tensor is a view of the file's mapping, and a CPU device
+        # array made from it aliases it, keeping the whole mapped file resident.
+        return np.array(self.raw(name), dtype=self._dtype)
 
     def matrix(self, name: str, rope_heads: int | None = None) -> np.ndarray:
         """Matrix transposed to [in, out], optionally with RoPE rows un-permuted first."""
@@ -188,7 +190,7 @@ def load_llama_gguf(
     num_heads = int(_field(reader, "llama.attention.head_count"))
     num_kv_heads = int(_field(reader, "llama.attention.head_count_kv", num_heads))
     tie = not tensors.has("output.weight")
-    embed = np.asarray(tensors.raw("token_embd.weight"), dtype=dtype)
+    embed = np.array(tensors.raw("token_embd.weight"), dtype=dtype)  # a copy, as `vector`'s
     name = f"{_field(reader, 'general.basename', 'gguf')}-{_field(reader, 'general.size_label', 'model')}"
     hparams = ModelConfig(
         name=name.lower(),
