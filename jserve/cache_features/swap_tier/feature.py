@@ -29,11 +29,17 @@ class SwapBooking:
 
 
 class SwapTier(CacheFeature):
+    """A swapped request is one whose table is in the host pool (layer offload lends that
+    pool's blocks without tables), so the feature keeps no set of its own."""
+
     name = NAME
 
     def __init__(self, parts: StateParts) -> None:
         self.parts = parts
-        self.swapped: set[int] = set()  # seq ids whose KV is in the host tier
+
+    def _is_swapped(self, seq_id: int) -> bool:
+        host = self.parts.host_blocks
+        return host is not None and host.num_held(seq_id) > 0
 
     @classmethod
     def build(cls, parts: StateParts, **_: object) -> SwapTier:
@@ -42,8 +48,9 @@ class SwapTier(CacheFeature):
     # ------------------------------------------------------------------ check
     def check(self, plan: Plan) -> SectionCheck:
         section = swaps(plan)
-        if self.swapped:
-            stuck = [s for s in plan.run if s in self.swapped and s not in section.back]
+        host = self.parts.host_blocks
+        if host is not None and host.num_table_blocks:
+            stuck = [s for s in plan.run if host.num_held(s) and s not in section.back]
             if stuck:
                 raise PlanError(f"seq {stuck[0]}: is swapped out; swap it in before running it")
         if not section.out and not section.back:
@@ -54,14 +61,13 @@ class SwapTier(CacheFeature):
         out = [s for s in plan.preempt if s in section.out]
         to_host = self._check_out(out)
         back = sorted(section.back)
-        rows = self.parts.live.rows(back)
+        cols, rows = self.parts.live.cols, self.parts.live.rows(back)
         refuse_first(back, [
             not_live(back, rows, "swap in"),
-            (self.parts.live.cols.status[rows] != SWAPPED,
-             lambda i: f"seq {back[i]}: only swapped requests can be swapped in"),
+            (cols.status[rows] != SWAPPED, lambda i: f"seq {back[i]}: only swapped requests can be swapped in"),
         ])
-        return SectionCheck(whole_taken=self.blocks_wanted(plan), to_host=to_host, claims=tuple(out),
-                            booking=SwapBooking(section.out, back))
+        return SectionCheck(whole_taken=int(cols.num_host_blocks[rows].sum()), to_host=to_host,
+                            claims=tuple(out), booking=SwapBooking(section.out, back))
 
     def _check_out(self, out: list[int]) -> int:
         """Host blocks the swap-outs take (the core has checked that each is a running
@@ -91,12 +97,10 @@ class SwapTier(CacheFeature):
 
     def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
         section = swaps(plan)
-        return np.fromiter(((s in self.swapped and s not in section.back) or s in section.out
+        return np.fromiter(((self._is_swapped(s) and s not in section.back) or s in section.out
                             for s in seq_ids), bool, len(seq_ids))
 
     # ------------------------------------------------------------------ apply
-    def drop(self, seq_id: int, row: int) -> None:
-        self.swapped.discard(seq_id)  # ended while swapped: the core frees its host blocks
 
     def keep(self, checked: SectionCheck, seq_id: int, row: int, held: np.ndarray) -> bool:
         booking: SwapBooking | None = checked.booking
@@ -107,7 +111,6 @@ class SwapTier(CacheFeature):
         cols.num_host_blocks[row] = len(held)
         cols.status[row] = SWAPPED
         booking.out_moves.append(BlockMove(seq_id, held))
-        self.swapped.add(seq_id)
         return True
 
     def take_whole(self, checked: SectionCheck) -> None:
@@ -123,7 +126,6 @@ class SwapTier(CacheFeature):
             live.cols.num_blocks[row] = n
             live.cols.status[row] = RUNNING
             booking.in_moves.append(BlockMove(seq_id, np.asarray(blocks.table(seq_id), np.int32)))
-            self.swapped.discard(seq_id)
 
     def moves(self, checked: SectionCheck) -> dict[str, tuple[BlockMove, ...]]:
         booking: SwapBooking | None = checked.booking
@@ -133,7 +135,9 @@ class SwapTier(CacheFeature):
 
     # ------------------------------------------------------------------ between steps
     def check_invariants(self, prefix_cache: bool) -> None:
+        """Swapped exactly while its table is in the host pool (the core checks that no
+        other status holds host blocks)."""
         live = self.parts.live
         rows = live.live_rows()
-        swapped = set(live.cols.seq_id[rows[live.cols.status[rows] == SWAPPED]].tolist())
-        assert swapped == self.swapped, f"swap tier holds {sorted(self.swapped)}, swapped: {sorted(swapped)}"
+        swapped = rows[live.cols.status[rows] == SWAPPED]
+        assert (live.cols.num_host_blocks[swapped] > 0).all(), "a swapped request holds no host blocks"
