@@ -1,5 +1,5 @@
 """Background warm-up (`background_compile`): the first buckets are built before `LLM(...)`
-returns, the rest on a thread; steps meanwhile give the same tokens, and once the thread
+returns, the rest on threads of their own; steps meanwhile give the same tokens, and once the thread
 ends every bucket a synchronous warm-up builds is built, each once."""
 
 from __future__ import annotations
@@ -39,6 +39,20 @@ def test_each_step_is_built_once_whichever_thread_asks_first() -> None:
     assert exes.get("b", lambda: "again") == ("exe-b", False)
     assert exes.get("c", lambda: "exe-c") == ("exe-c", True)
     assert not exes.building_in_background and set(exes) == {"a", "b", "c"}
+
+
+def test_background_builds_run_on_as_many_threads_as_asked() -> None:
+    """Two builds that each wait for the other finish only if they run at once."""
+    exes = Executables()
+    both = threading.Barrier(2, timeout=10)
+
+    def build(name: str):
+        both.wait()
+        return name
+
+    exes.build_in_background([(s, lambda s=s: build(s)) for s in "ab"], threads=2)
+    exes.wait()
+    assert sorted(exes) == ["a", "b"] and not both.broken
 
 
 def test_first_shapes_are_the_buckets_of_a_short_prompt() -> None:
