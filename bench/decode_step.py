@@ -46,6 +46,7 @@ from device_timing import (
     device_name,
     median_seconds,
     on_gpu,
+    random_cache,
     random_like,
     results_tag,
     today,
@@ -157,10 +158,7 @@ def main() -> None:
         print(f"note: batch {args.batch} x {args.context} tokens does not fit this device; "
               f"measuring batch {batch}")
     runner, num_blocks = decode_runner(loaded, batch, args.context, args.block_size, args.attention)
-    shape = runner.cache.k[0].shape
-    for i in range(cfg.num_layers):  # one layer at a time: two whole caches may not fit
-        runner.cache.k[i] = random_like(shape, dtype, 2 * i)
-        runner.cache.v[i] = random_like(shape, dtype, 2 * i + 1)
+    runner.cache = random_cache(runner.cache)
     step_batch = decode_batch(batch, args.context, args.block_size, num_blocks, cfg.vocab_size, rng)
 
     runner.held.apply(step_batch.inputs.delta)
@@ -178,8 +176,9 @@ def main() -> None:
     backend = select_attention(args.attention)
     q = random_like((x.batch.meta.positions.shape[0], cfg.num_heads, cfg.head_dim), dtype, seed=99)
     attend = jax.jit(partial(backend.decode or backend.ragged, scale=cfg.head_dim**-0.5))
+    k_pages, v_pages = runner.cache.k[0], runner.cache.v[0]  # layer 0's blocks: the tables' ids
     attention_s = cfg.num_layers * median_seconds(
-        lambda: attend(q, runner.cache.k[0], runner.cache.v[0], x.batch.meta), repeats=args.repeats)
+        lambda: attend(q, k_pages, v_pages, x.batch.meta), repeats=args.repeats)
     execute_s = median_seconds(lambda: runner.execute(step_batch), repeats=args.repeats)
     copy_bps = copy_bandwidth(1 << 30 if gpu else 1 << 28)
 

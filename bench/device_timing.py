@@ -14,6 +14,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -81,3 +83,9 @@ def random_like(shape: tuple[int, ...], dtype, seed: int = 0) -> jax.Array:
     """Random normal data made on the device (never time on zeros: they hide unwritten
     outputs and can run faster than real data)."""
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def random_cache(cache):
+    """`cache` (a `KVCache`) filled with random data in place (donated: one cache in memory)."""
+    return type(cache)(random_like(cache.k.shape, cache.k.dtype, 0), random_like(cache.v.shape, cache.v.dtype, 1))

@@ -90,7 +90,7 @@ def _child(argv: list[str]) -> None:
                 record["nbytes"] = sum(x.nbytes for x in jax.tree.leaves(nnx.state(out.model)))
             elif _label.startswith("runner"):
                 runner = args[0]
-                record["kv_nbytes"] = sum(x.nbytes for x in runner.cache.k + runner.cache.v)
+                record["kv_nbytes"] = runner.cache.k.nbytes + runner.cache.v.nbytes
                 pools = [f.pool for f in getattr(runner, "features", ()) if getattr(f, "pool", None)]
                 record["host_pool_nbytes"] = sum(x.nbytes for pool in pools for x in pool.k + pool.v)
             report(record)

@@ -40,11 +40,10 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 def measure(model: str, blocks: int, block_size: int, repeats: int) -> dict[str, float]:
     cfg = get_config(model)
     layers, page = cfg.num_layers, (block_size, cfg.num_kv_heads, cfg.head_dim)
-    pool_shape = (blocks + 1, *page)
-    # a scatter donates the layer pools it writes: every stage reads the latest cache here
-    held = {"cache": KVCache(k=[random_like(pool_shape, jnp.float32, seed=i) for i in range(layers)],
-                             v=[random_like(pool_shape, jnp.float32, seed=layers + i)
-                                for i in range(layers)])}
+    pool_shape = (layers, blocks + 1, *page)
+    # a scatter donates the pools it writes: every stage reads the latest cache here
+    held = {"cache": KVCache(k=random_like(pool_shape, jnp.float32, seed=0),
+                             v=random_like(pool_shape, jnp.float32, seed=1))}
     ids = np.arange(blocks, dtype=np.int32)
     host_slots = np.arange(blocks, dtype=np.int32)
     host, _ = memory_shardings()

@@ -1,9 +1,9 @@
-"""A model's layers unrolled (jserve's models today: per-layer parameters and KV pages, one
-copy of the layer in the program per layer) against one `lax.scan` over stacked layers whose
-KV pages are one array carried through the loop, written and read at `[layer, slot]` in
-place. Both compute the same thing. The script prints each one's compile time and decode
-step, side by side: the evidence for the open shape question in docs/architecture.md (the
-unrolled layers are what jserve's compile time pays for). Resident memory is not read
+"""A model's layers unrolled (jserve's models until the layer loop: per-layer parameters and
+KV pages, one copy of the layer in the program per layer) against one `lax.scan` over
+stacked layers whose KV pages are one array carried through the loop, written and read at
+`[layer, slot]` in place (what `jserve.models.paged.run_blocks` does). Both compute the
+same thing. The script prints each one's compile time and decode step, side by side: the
+evidence that led to the layer loop (docs/architecture.md). Resident memory is not read
 here: a deleted program's memory does not come back while JAX holds references to it.
 
 SmolLM2-135M's shapes (30 layers, hidden 576, 9 query and 3 KV heads, MLP 1536, vocabulary

@@ -39,7 +39,7 @@ import statistics
 import jax
 import numpy as np
 from decode_step import add_decode_batch_args, decode_batch, decode_runner
-from device_timing import device_name, results_tag, today, turn_about_medians
+from device_timing import device_name, random_cache, results_tag, today, turn_about_medians
 
 import jserve
 from jserve.benchmarking.workload import sample_lengths
@@ -123,11 +123,7 @@ def main() -> None:
     rows = []
     for batch_size in args.batches:
         runner, num_blocks = decode_runner(loaded, batch_size, args.context, args.block_size)
-        shape = runner.cache.k[0].shape
-        dtype = runner.cache.k[0].dtype
-        for i in range(cfg.num_layers):
-            runner.cache.k[i] = jax.random.normal(jax.random.key(2 * i), shape, dtype)
-            runner.cache.v[i] = jax.random.normal(jax.random.key(2 * i + 1), shape, dtype)
+        runner.cache = random_cache(runner.cache)
         batch = decode_batch(batch_size, args.context, args.block_size, num_blocks,
                              cfg.vocab_size, rng)
         seconds = time_settings(runner, batch, args.repeats)

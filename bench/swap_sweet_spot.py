@@ -122,7 +122,7 @@ def cpu_row(sizes: list[int], repeats: int) -> dict[str, Any]:
     profile = measure_preemption(runner, sizes, repeats)
     context = built.model_config.max_position
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
-    kv = block_bytes(built.model_config, 1, runner.cache.k[0].dtype.itemsize)
+    kv = block_bytes(built.model_config, 1, runner.cache.k.dtype.itemsize)
     return row(f"SmolLM2-135M, {device}, block {CPU_BLOCK_SIZE}, measured (JAX runner)", profile, context, kv)
 
 

@@ -88,7 +88,7 @@ def make_batch(cache: KVCache, tokens: Sequence[Sequence[int]], start: Sequence[
     flat = np.concatenate(ids)
     check_token_ids(flat, vocab_size)
     lens = np.array([len(t) for t in ids], np.int32)
-    block_size = cache.k[0].shape[1]
+    block_size = cache.k.shape[2]
     return paged_batch(
         flat, np.asarray(start, np.int32),
         lens, [np.asarray(b, np.int32) for b in block_tables],

@@ -201,20 +201,26 @@ def checkpoint_dtype(path: str | pathlib.Path) -> str | None:
 
 
 def _keys(path: tuple) -> list[str | int]:
-    """A parameter's jax path as keys: `layers/0/wq/kernel` (the Variable's `value` dropped)."""
+    """A parameter's jax path as keys: `layers/wq/kernel` (the Variable's `value` dropped)."""
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     return [k for k in keys if k is not None and k != "value"]
 
 
-def hf_tensor_name(family: Family, path: tuple) -> tuple[str, bool]:
-    """The checkpoint tensor a parameter is read from, and whether it is stored transposed."""
+def is_stacked(path: tuple) -> bool:
+    """Whether a parameter is the decoder blocks' (`[layers, ...]`, one tensor per layer)."""
+    return _keys(path)[0] == "layers"
+
+
+def hf_tensor_names(family: Family, path: tuple, num_layers: int) -> tuple[list[str], bool]:
+    """The checkpoint tensors a parameter is read from (a block parameter's, one per layer in
+    layer order), and whether they are stored transposed."""
     top, layers, layer_names = _HF_NAMES[family]
     *modules, param = _keys(path)
     hf_param, transposed = _PARAM_NAMES[param]
-    if modules[0] == "layers":
-        _, index, module = modules
-        return f"{layers}.{index}.{layer_names[module]}.{hf_param}", transposed
-    return f"{top[modules[0]]}.{hf_param}", transposed
+    if is_stacked(path):
+        module = layer_names[modules[1]]
+        return [f"{layers}.{i}.{module}.{hf_param}" for i in range(num_layers)], transposed
+    return [f"{top[modules[0]]}.{hf_param}"], transposed
 
 
 class _Tensors:
@@ -272,6 +278,16 @@ class _Source:
         return np.ascontiguousarray(x, dtype=self.dtype)
 
 
+@dataclass(frozen=True)
+class _Layers:
+    """A block parameter as it is read: one stored tensor per layer, stacked."""
+
+    layers: list[_Source]
+
+    def read(self, index: tuple[slice, ...]) -> np.ndarray:
+        return np.stack([layer.read(index[1:]) for layer in self.layers[index[0]]])
+
+
 def load_state(path: str | pathlib.Path, cfg: ModelConfig, held: ModelConfig,
                abstract: Any, sharding: Callable[[tuple], jax.sharding.Sharding],
                progress: bool = True) -> Any:
@@ -286,17 +302,20 @@ def load_state(path: str | pathlib.Path, cfg: ModelConfig, held: ModelConfig,
         tensors = _Tensors(path, files)
 
         def load(param: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:
-            name, transposed = hf_tensor_name(cfg.family, param)
+            names, transposed = hf_tensor_names(cfg.family, param, cfg.num_layers)
             kv = columns is not None and _keys(param)[-2] in ("wk", "wv")
-            shape = tuple(leaf.shape)
+            shape = tuple(leaf.shape[1:] if is_stacked(param) else leaf.shape)
             if kv:
                 shape = (*shape[:-1], cfg.num_kv_heads * cfg.head_dim)
-            tensor = tensors.get(name, path)
-            stored = tuple(tensor.get_shape())
-            if stored != (shape[::-1] if transposed else shape):
-                raise CheckpointError(f"{path}: tensor {name} has shape {list(stored)}, "
-                                      f"config.json implies {list(shape[::-1] if transposed else shape)}")
-            source = _Source(tensor, transposed, columns if kv else None, np.dtype(leaf.dtype))
+            sources = []
+            for name in names:
+                tensor = tensors.get(name, path)
+                stored = tuple(tensor.get_shape())
+                if stored != (shape[::-1] if transposed else shape):
+                    raise CheckpointError(f"{path}: tensor {name} has shape {list(stored)}, "
+                                          f"config.json implies {list(shape[::-1] if transposed else shape)}")
+                sources.append(_Source(tensor, transposed, columns if kv else None, np.dtype(leaf.dtype)))
+            source = _Layers(sources) if is_stacked(param) else sources[0]
             array = jax.make_array_from_callback(leaf.shape, sharding(param), source.read)
             if tick is not None:
                 tick.update(1)
@@ -373,10 +392,11 @@ def save_checkpoint(cfg: ModelConfig, state: Any, path: str | pathlib.Path,
     for file, shard in zip(files, shards):
         tensors = {}
         for param, value in shard:
-            name, transposed = hf_tensor_name(cfg.family, param)
-            array = np.asarray(value)
-            tensors[name] = np.ascontiguousarray(array.T if transposed else array)
-            weight_map[name] = file
+            names, transposed = hf_tensor_names(cfg.family, param, cfg.num_layers)
+            arrays = np.asarray(value) if is_stacked(param) else [np.asarray(value)]
+            for name, array in zip(names, arrays, strict=True):
+                tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+                weight_map[name] = file
         save_file(tensors, str(path / file), metadata={"format": "pt"})
     if len(shards) > 1:
         (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))

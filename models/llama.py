@@ -1,6 +1,6 @@
 """Llama-family decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU) on a paged KV cache.
 
-The model never owns the cache: each call takes the per-layer pages and returns them
+The model never owns the cache: each call takes the pages of every layer and returns them
 updated, so the runner can donate them to its jit step and XLA updates them in place.
 Attention is injected (`AttentionFn`) so the runner picks the Pallas kernel or its jnp
 reference without the model knowing.
@@ -18,7 +18,7 @@ from flax import nnx
 
 from jserve.models.config import ModelConfig
 from jserve.models.gguf_loader import LlamaLayerWeights, LlamaWeights
-from jserve.models.paged import AttentionFn, KVCache, run_blocks
+from jserve.models.paged import AttentionFn, KVCache, run_blocks, stacked_blocks
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.hidden_attention import KVProjection
 from jserve.pallas_kernels.rope import rope
@@ -85,7 +85,7 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                rngs=rngs)
-        self.layers = nnx.List([LlamaBlock(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_blocks(lambda r: LlamaBlock(cfg, dtype, r), cfg.num_layers, rngs)
         self.final_norm = nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.norm_eps, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg.hidden_size, cfg.vocab_size,
@@ -115,9 +115,9 @@ def llama_weights_of(model: LlamaForCausalLM) -> LlamaWeights:
         final_norm=np.asarray(model.final_norm.scale.get_value()),
         lm_head=None if model.lm_head is None else np.asarray(model.lm_head.kernel.get_value()),
         layers=tuple(
-            LlamaLayerWeights(**{f.name: np.asarray(_param(getattr(block, f.name)).get_value())
+            LlamaLayerWeights(**{f.name: np.asarray(_param(getattr(model.layers, f.name)).get_value()[i])
                                  for f in fields(LlamaLayerWeights)})
-            for block in model.layers
+            for i in range(model.cfg.num_layers)
         ),
     )
 
@@ -131,10 +131,11 @@ def load_llama_weights(model: LlamaForCausalLM, weights: LlamaWeights) -> None:
         if weights.lm_head is None:
             raise ValueError("checkpoint has tied embeddings but the config does not")
         model.lm_head.kernel.set_value(jnp.asarray(weights.lm_head, dtype))
-    for block, layer in zip(model.layers, weights.layers, strict=True):
-        for f in fields(layer):
-            value = jnp.asarray(np.asarray(getattr(layer, f.name)), dtype)
-            param = _param(getattr(block, f.name))
-            if param.get_value().shape != value.shape:
-                raise ValueError(f"{f.name}: checkpoint shape {value.shape} != model {param.get_value().shape}")
-            param.set_value(value)
+    if len(weights.layers) != model.cfg.num_layers:
+        raise ValueError(f"checkpoint has {len(weights.layers)} layers, the model {model.cfg.num_layers}")
+    for f in fields(LlamaLayerWeights):
+        value = jnp.asarray(np.stack([np.asarray(getattr(layer, f.name)) for layer in weights.layers]), dtype)
+        param = _param(getattr(model.layers, f.name))
+        if param.get_value().shape != value.shape:
+            raise ValueError(f"{f.name}: checkpoint shape {value.shape[1:]} != model {param.get_value().shape[1:]}")
+        param.set_value(value)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jserve.models.config import ModelConfig
-from jserve.models.paged import AttentionFn, KVCache, run_blocks
+from jserve.models.paged import AttentionFn, KVCache, run_blocks, stacked_blocks
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.hidden_attention import KVProjection
 
@@ -115,7 +115,7 @@ class OPTForCausalLM(nnx.Module):
                                rngs=rngs)
         self.positions = nnx.Embed(cfg.max_position + POSITION_OFFSET, cfg.hidden_size,
                                    dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([OPTBlock(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_blocks(lambda r: OPTBlock(cfg, dtype, r), cfg.num_layers, rngs)
         self.final_norm = _layer_norm(cfg, dtype, rngs)
 
     def __call__(
@@ -142,8 +142,8 @@ def opt_weights_of(model: OPTForCausalLM) -> OPTWeights:
         positions=np.asarray(model.positions.embedding.get_value()),
         final_norm=_affine_of(model.final_norm),
         layers=tuple(
-            OPTLayerWeights(**{f.name: _affine_of(getattr(block, f.name))
+            OPTLayerWeights(**{f.name: tuple(a[i] for a in _affine_of(getattr(model.layers, f.name)))
                                for f in fields(OPTLayerWeights)})
-            for block in model.layers
+            for i in range(model.cfg.num_layers)
         ),
     )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jserve.models.config import ModelConfig
@@ -34,7 +34,8 @@ class AttentionFn(Protocol):
 
 
 class PagedBlock(Protocol):
-    """A decoder block that attends through one layer's pages and hands them back updated."""
+    """A decoder block that attends through the pages (every layer's, seen flat, which its
+    metadata's tables address) and hands them back updated."""
 
     def __call__(
         self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: AttentionMetadata,
@@ -45,15 +46,18 @@ class PagedBlock(Protocol):
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    """Per-layer K/V pages, each `[num_blocks + 1, block_size, kv_heads, head_dim]`.
+    """Every layer's K and V pages, each `[layers, num_blocks + 1, block_size, kv_heads,
+    head_dim]`.
 
-    One array per layer rather than one stacked `[layers, ...]` array: measured here on
-    XLA:CPU, a step that indexes a stacked pool per layer copied the whole pool and ran
-    about 6x slower at batch 64. The extra last block is a scratch slot for padding tokens.
+    One array across the layers, which the model's layer loop (`run_blocks`) carries: seen
+    flat (`[layers * (num_blocks + 1), ...]`), layer `l`'s block `b` is block
+    `l * (num_blocks + 1) + b`, so every layer writes and reads the one pool in place through
+    its own offset tables and no layer's pages are sliced out (slicing them copied them on
+    XLA:CPU). The extra last block of each layer is a scratch slot for padding tokens.
     """
 
-    k: list[jax.Array]
-    v: list[jax.Array]
+    k: jax.Array
+    v: jax.Array
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: jnp.dtype,
@@ -61,45 +65,66 @@ class KVCache:
         """`staging_blocks` more blocks per layer after the engine's `num_blocks`, where a
         runner computes K/V that go straight to host memory (LayerKV's offloaded layers).
         `sharding`: where each page array is made (tensor parallelism: split by KV head)."""
-        shape = (num_blocks + staging_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return cls(
-            k=[jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)],
-            v=[jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)],
-        )
+        shape = (cfg.num_layers, num_blocks + staging_blocks + 1, block_size, cfg.num_kv_heads,
+                 cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding))
+
+    @property
+    def blocks_per_layer(self) -> int:
+        return self.k.shape[1]
 
     @property
     def scratch_block(self) -> int:
-        return self.k[0].shape[0] - 1
+        return self.k.shape[1] - 1
+
+    def flat_ids(self, ids: jax.Array | np.ndarray, layer: int | None = None) -> jax.Array | np.ndarray:
+        """Blocks `ids` as blocks of the pool seen flat (`flat`): layer `layer`'s, or every
+        layer's, layer by layer (`[layers * len(ids)]`)."""
+        if layer is not None:
+            return ids + layer * self.blocks_per_layer
+        first = jnp.arange(self.k.shape[0], dtype=ids.dtype)[:, None] * self.blocks_per_layer
+        return (first + ids[None]).reshape(-1)
+
+    def flat(self) -> tuple[jax.Array, jax.Array]:
+        """The K and V pools as `[layers * (num_blocks + 1), block_size, kv_heads, head_dim]`
+        (a reshape: no copy)."""
+        return (self.k.reshape(-1, *self.k.shape[2:]), self.v.reshape(-1, *self.v.shape[2:]))
+
+    def of_flat(self, k: jax.Array, v: jax.Array) -> KVCache:
+        """A cache of this shape from flat pools (`flat`)."""
+        return KVCache(k.reshape(self.k.shape), v.reshape(self.v.shape))
 
 
-@partial(jax.jit, static_argnums=(0, 6))
-def _run_block(
-    graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, k_pages: jax.Array,
-    v_pages: jax.Array, meta: AttentionMetadata, attention: AttentionFn,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One block as a nested jit. A model's blocks share their structure and shapes, so a
-    traced step traces and lowers the block once instead of once per layer (per-layer
-    tracing was most of the second or so each step bucket took before XLA saw it); XLA
-    inlines the calls again, so the compiled step, and its outputs, are unchanged."""
-    return nnx.merge(graphdef, state)(x, k_pages, v_pages, meta, attention)
+def stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: Any) -> nnx.Module:
+    """`num_layers` blocks as one module whose parameters carry a leading layer axis, the
+    form `run_blocks` loops over; layer `l` is initialised from the `l`-th of `num_layers`
+    keys split from `rngs.params()`."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+    keys = jax.random.split(rngs.params(), num_layers)
+    return nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
 
 
 def run_blocks(
-    blocks: Sequence[PagedBlock], x: jax.Array, cache: KVCache, meta: AttentionMetadata,
+    blocks: nnx.Module, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
     attention: AttentionFn,
 ) -> tuple[jax.Array, KVCache]:
-    """Thread the residual stream through every block, each with its own layer's pages.
+    """Thread the residual stream through every layer of `blocks` (`stacked_blocks`).
 
-    Families differ inside their blocks, not in how the cache is threaded, so they share this.
-    Blocks are stateless nnx Modules, each run as a nested jit (`_run_block`); `attention`
-    is a static argument of it, so it must be hashable. Each layer reads its own tables
-    where the metadata has per-layer ones (`AttentionMetadata.for_layer`).
+    One `lax.scan` over the stacked parameters, so a step program holds one copy of the
+    layer whatever the depth (it compiled in a third of the time of the unrolled layers and
+    stepped as fast: `bench/layer_loop.py`). The pools are carried flat; each layer writes
+    and reads through its own offset tables (`AttentionMetadata.for_layer`), so a block
+    (`PagedBlock`) and the attention backend see one pool and never know the layer.
     """
-    k_out, v_out = [], []
-    for layer, (block, k_pages, v_pages) in enumerate(zip(blocks, cache.k, cache.v, strict=True)):
-        graphdef, state = nnx.split(block)
-        x, k_pages, v_pages = _run_block(graphdef, state, x, k_pages, v_pages, meta.for_layer(layer),
-                                         attention)
-        k_out.append(k_pages)
-        v_out.append(v_pages)
-    return x, KVCache(k=k_out, v=v_out)
+    graphdef, state = nnx.split(blocks)
+    pages = cache.k.shape[1:]
+    meta = jax.tree.map(jnp.asarray, meta)  # host-side metadata, indexed by traced values
+
+    def layer(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[nnx.State, jax.Array]):
+        x, k, v = carry
+        params, index = xs
+        return nnx.merge(graphdef, params)(x, k, v, meta.for_layer(index, pages), attention), None
+
+    num_layers = cache.k.shape[0]
+    (x, k, v), _ = jax.lax.scan(layer, (x, *cache.flat()), (state, jnp.arange(num_layers)))
+    return x, cache.of_flat(k, v)

@@ -9,6 +9,7 @@ tokens of context. Prefill chunks and decodes mix freely; padding tokens sit aft
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,13 +50,25 @@ class AttentionMetadata:
     layer_slot_mapping: jax.Array | None = None
     hidden: HiddenMetadata | None = None  # None: no sequence on the hidden cache
 
-    def for_layer(self, layer: int) -> AttentionMetadata:
-        """The metadata layer `layer` attends and writes through."""
-        if self.layer_block_tables is None:
-            return self
-        return dataclasses.replace(self, block_tables=self.layer_block_tables[layer],
-                                   slot_mapping=self.layer_slot_mapping[layer],
-                                   layer_block_tables=None, layer_slot_mapping=None)
+    def for_layer(self, layer: int | jax.Array, pages: tuple[int, ...]) -> AttentionMetadata:
+        """The metadata layer `layer` attends and writes through, addressing the pool of
+        every layer seen flat, in which the layer's block `b` is `layer * pages[0] + b`
+        (`jserve.models.paged.KVCache`; `pages`: one layer's pool shape `[blocks,
+        block_size, kv_heads, head_dim]`)."""
+        tables, slots = self.block_tables, self.slot_mapping
+        if self.layer_block_tables is not None:
+            tables, slots = self.layer_block_tables[layer], self.layer_slot_mapping[layer]
+        first = layer * pages[0]
+        hidden = self.hidden
+        if hidden is not None:
+            page_size = math.prod(pages[1:])
+            hidden = dataclasses.replace(
+                hidden, block_tables=hidden.block_tables + first,
+                k_offsets=hidden.k_offsets + first * page_size,
+                v_offsets=hidden.v_offsets + first * page_size)
+        return dataclasses.replace(self, block_tables=tables + first,
+                                   slot_mapping=slots + first * pages[1], layer_block_tables=None,
+                                   layer_slot_mapping=None, hidden=hidden)
 
 
 def ragged_metadata(

@@ -5,7 +5,7 @@
 For each tiny checkpoint directory: greedy ids over 4 devices (`tensor_parallel_size=4`,
 KV heads repeated where there are 2), each split parameter's shards as the Megatron specs
 say, and how many of the loader's reads (its callback's, recorded) took a whole tensor: one
-per replicated parameter, and none of a split one. Prints one JSON object; `tests/test_hf_checkpoint.py` asserts on it.
+per replicated tensor (a block parameter holds one a layer), and none of a split one. Prints one JSON object; `tests/test_hf_checkpoint.py` asserts on it.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def check(path: str) -> dict:
                         sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     split, replicated, whole = 0, 0, []
     for param, x in jax.tree_util.tree_flatten_with_path(nnx.state(llm.model.model))[0]:
-        if param_spec(param) == REPLICATED:
-            replicated += 1
+        if param_spec(param) == REPLICATED:  # a block parameter: one stored tensor per layer
+            replicated += x.shape[0] if hf_checkpoint.is_stacked(param) else 1
             continue
         split += 1
         shards = {s.data.shape for s in x.addressable_shards}

@@ -98,11 +98,11 @@ def test_warmup_compiles_every_layer_copy_and_writes_only_the_scratch_block(tiny
                      num_blocks=12, block_size=4, max_model_len=48, warmup=False, swap_space=0.001)
     runner = offloading.runner
     scratch = runner.scratch_block
-    before = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
+    before = [np.asarray(p) for p in (runner.cache.k, runner.cache.v)]
     runner.warmup(shapes=[16])
-    after = [np.asarray(p) for p in runner.cache.k + runner.cache.v]
+    after = [np.asarray(p) for p in (runner.cache.k, runner.cache.v)]
     for b, a in zip(before, after, strict=True):
-        np.testing.assert_array_equal(np.delete(b, scratch, axis=0), np.delete(a, scratch, axis=0))
+        np.testing.assert_array_equal(np.delete(b, scratch, axis=1), np.delete(a, scratch, axis=1))
     pool = layers(runner).pool
     compiled = pool._gather._cache_size(), pool._scatter._cache_size()
     prompts = random_prompts(tiny_loaded.config.vocab_size, [7, 12, 30, 9, 21, 15])

@@ -116,7 +116,7 @@ def test_opt_13b_builds_abstractly_with_the_published_parameter_count() -> None:
     model = abstract_model(cfg)
     assert isinstance(model, OPTForCausalLM)
     assert model.positions.embedding.get_value().shape == (cfg.max_position + 2, cfg.hidden_size)
-    assert model.layers[0].fc1.kernel.get_value().shape == (5120, 20480)
+    assert model.layers.fc1.kernel.get_value().shape == (cfg.num_layers, 5120, 20480)
     count = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == cfg.num_params
     assert cfg.num_params == pytest.approx(12.85e9, rel=0.01)

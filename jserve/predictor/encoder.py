@@ -92,14 +92,15 @@ def truncate_prompt(ids: Sequence[int], max_len: int) -> list[int]:
 
 
 def _first_layers(model: nnx.Module, num_layers: int | None) -> nnx.Module:
-    """`model` cut to its first `num_layers` blocks (its own arrays, not copies), or itself."""
+    """`model` cut to its first `num_layers` blocks (copies of them), or itself."""
     if num_layers is None or num_layers == model.cfg.num_layers:
         return model
     if num_layers > model.cfg.num_layers:
         raise ValueError(f"num_layers={num_layers}, but {model.cfg.name} has "
                          f"{model.cfg.num_layers} layers")
     cut = nnx.merge(*nnx.split(model))
-    cut.layers = nnx.List(list(cut.layers)[:num_layers])
+    graphdef, blocks = nnx.split(cut.layers)
+    cut.layers = nnx.merge(graphdef, jax.tree.map(lambda x: x[:num_layers], blocks))
     cut.cfg = dataclasses.replace(cut.cfg, num_layers=num_layers)
     return cut
 

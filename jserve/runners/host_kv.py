@@ -26,12 +26,15 @@ class HostKVStore:
                  buffer_sharding: jax.sharding.Sharding | None = None) -> None:
         """`buffer_sharding`: how a gathered swap buffer is laid out on the devices."""
         def gather(cache: KVCache, ids: jax.Array) -> jax.Array:
-            return jnp.stack([gather_blocks(p, ids) for p in cache.k + cache.v])
+            every = cache.flat_ids(ids)
+            blocks = jnp.stack([gather_blocks(pool, every) for pool in cache.flat()])
+            return blocks.reshape(2 * cache.k.shape[0], len(ids), *cache.k.shape[2:])
 
         def scatter(cache: KVCache, ids: jax.Array, blocks: jax.Array) -> KVCache:
-            layers = len(cache.k)
-            pools = [scatter_blocks(p, ids, blocks[i]) for i, p in enumerate(cache.k + cache.v)]
-            return KVCache(k=pools[:layers], v=pools[layers:])
+            every, layers = cache.flat_ids(ids), cache.k.shape[0]
+            k, v = (scatter_blocks(pool, every, part.reshape(-1, *part.shape[2:]))
+                    for pool, part in zip(cache.flat(), (blocks[:layers], blocks[layers:])))
+            return cache.of_flat(k, v)
 
         self._gather = jax.jit(gather)
         self._scatter = jax.jit(scatter, donate_argnums=0)

@@ -362,7 +362,7 @@ class JaxRunner:
             self.buckets.max_seqs, attention_fn, np.dtype(dtype), tp and tp.pages), **feature_options)
         self.cache = KVCache.zeros(cfg, num_blocks, block_size, dtype,
                                    staging_blocks=sum(f.extra_blocks() for f in self.features),
-                                   sharding=tp and tp.pages)
+                                   sharding=tp and tp.cache)
         self.scratch_block = self.cache.scratch_block
         for feature in self.features:
             feature.bind(self.scratch_block)

@@ -32,6 +32,7 @@ KV_PROJECTIONS = frozenset({"wk", "wv", "k_proj", "v_proj"})
 
 HEADS = P(None, AXIS, None)  # [T, heads, head_dim]
 PAGES = P(None, None, AXIS, None)  # [blocks, block_size, kv_heads, head_dim]
+LAYER_PAGES = P(None, *PAGES)  # KVCache's [layers, blocks, block_size, kv_heads, head_dim]
 REPLICATED = P()
 
 
@@ -63,25 +64,27 @@ def sharded_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
 
 
 def _names(path: tuple) -> list[str]:
-    """A parameter's path as names: `layers/0/wq/kernel/value` -> `[layers, wq, kernel]`."""
+    """A parameter's path as names: `layers/wq/kernel/value` -> `[layers, wq, kernel]`."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     return [n for n in names if isinstance(n, str) and n != "value"]
 
 
 def _layer_name(path: tuple) -> str:
-    """The module a parameter belongs to (`wq` for `layers/0/wq/kernel`); '' at top level."""
+    """The module a parameter belongs to (`wq` for `layers/wq/kernel`); '' at top level."""
     names = _names(path)
     return names[-2] if len(names) >= 2 else ""
 
 
 def param_spec(path: tuple) -> P:
-    """Megatron-style spec of one parameter, by its path in the model's state."""
+    """Megatron-style spec of one parameter, by its path in the model's state (a block
+    parameter's leading layer axis is not split)."""
     layer, param = _layer_name(path), _names(path)[-1]
+    spec = REPLICATED
     if layer in COLUMN_PARALLEL:
-        return P(None, AXIS) if param == "kernel" else P(AXIS)
-    if layer in ROW_PARALLEL and param == "kernel":
-        return P(AXIS, None)
-    return REPLICATED
+        spec = P(None, AXIS) if param == "kernel" else P(AXIS)
+    elif layer in ROW_PARALLEL and param == "kernel":
+        spec = P(AXIS, None)
+    return P(None, *spec) if _names(path)[0] == "layers" and spec != REPLICATED else spec
 
 
 def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
@@ -103,13 +106,13 @@ def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Every layer's K and V pages: split by KV head."""
-    return NamedSharding(mesh, PAGES)
+    """The K and V pages of every layer (`KVCache`): split by KV head."""
+    return NamedSharding(mesh, LAYER_PAGES)
 
 
 def swap_buffer_sharding(mesh: Mesh) -> NamedSharding:
     """A swap's gathered buffer `[2 * layers, n, block_size, kv_heads, head_dim]`."""
-    return NamedSharding(mesh, P(None, *PAGES))
+    return NamedSharding(mesh, LAYER_PAGES)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,11 @@ class TensorParallel:
 
     @property
     def pages(self) -> NamedSharding:
+        """Blocks of one layer (`[blocks, block_size, kv_heads, head_dim]`), as copies gather them."""
+        return NamedSharding(self.mesh, PAGES)
+
+    @property
+    def cache(self) -> NamedSharding:
         return cache_sharding(self.mesh)
 
     @property
@@ -192,7 +200,7 @@ class TensorParallel:
             lambda path, _: self.param_sharding(path), params))
 
     def cache_shardings(self, cache: KVCache) -> KVCache:
-        return jax.tree.map(lambda _: self.pages, cache)
+        return jax.tree.map(lambda _: self.cache, cache)
 
     def attention(self, backend: AttentionBackend) -> ShardedAttention:
         return ShardedAttention(backend, self.mesh)

@@ -17,6 +17,7 @@ from jserve.cache.sizing import hidden_rows_per_page
 from jserve.cache_features.hidden_cache.section import NAME
 from jserve.cache_features.protocol import StepContext, StepFeature
 from jserve.engine.batch import Batch
+from jserve.errors import ConfigError
 from jserve.models.config import ModelConfig
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata, with_hidden
 from jserve.pallas_kernels.backends import AttentionBackend
@@ -104,6 +105,12 @@ class HiddenSteps(StepFeature):
         return self.layout.max_blocks if self.compiled_ahead else 0
 
     def bind(self, scratch_block: int) -> None:
+        """Its rows are addressed by int32 element offsets into the K (or V) pool of every
+        layer seen flat, so a policy on the hidden cache cannot use a pool past 2**31 values."""
+        values = self.ctx.cfg.num_layers * (scratch_block + 1) * self.layout.page_size
+        if self.compiled_ahead and values >= 2**31:
+            raise ConfigError(f"the hidden cache addresses at most 2**31 values of the K pool; "
+                              f"this one holds {values:,} (fewer blocks would do)")
         self.scratch_block = scratch_block
 
     def wrap_attention(self, attention: AttentionBackend) -> HiddenCacheAttention:

@@ -16,13 +16,18 @@ from jserve.models.paged import KVCache
 
 @functools.cache
 def _layer_copies(gather_blocks: Callable, scatter_blocks: Callable) -> tuple[Callable, Callable]:
-    """One layer's (gather, donated scatter) of K and V blocks, made once per backend's
-    copy functions, so an engine built again in the same process reuses the compiled
-    copies."""
-    gather = jax.jit(lambda k, v, ids: (gather_blocks(k, ids), gather_blocks(v, ids)))
-    scatter = jax.jit(lambda k, v, ids, kb, vb: (scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb)),
-                      donate_argnums=(0, 1))
-    return gather, scatter
+    """(gather, donated scatter) of K and V blocks at ids of the pool seen flat
+    (`KVCache.flat_ids`), made once per backend's copy functions, so an engine built again
+    in the same process reuses the compiled copies."""
+    def gather(cache: KVCache, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k, v = cache.flat()
+        return gather_blocks(k, ids), gather_blocks(v, ids)
+
+    def scatter(cache: KVCache, ids: jax.Array, kb: jax.Array, vb: jax.Array) -> KVCache:
+        k, v = cache.flat()
+        return cache.of_flat(scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb))
+
+    return jax.jit(gather), jax.jit(scatter, donate_argnums=0)
 
 
 def _pad_ids(ids: np.ndarray, fill: int) -> np.ndarray:
@@ -83,7 +88,7 @@ class LayerHostPool:
             cache = self.scatter(cache, 0, ids, *self.gather(cache, 0, ids))
             from_host = np.zeros((n, *page), self.k[0].dtype)
             cache = self.scatter(cache, 0, ids, from_host, from_host)
-            if n >= cache.k[0].shape[0]:
+            if n >= cache.blocks_per_layer:
                 return cache
             n *= 2
 
@@ -94,8 +99,8 @@ class LayerHostPool:
 
     def gather(self, cache: KVCache, layer: int, ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
         """Layer `layer`'s device blocks `ids`, padded (the caller keeps `len(ids)`)."""
-        padded = jnp.asarray(_pad_ids(ids, self.scratch_block))
-        return self._gather(cache.k[layer], cache.v[layer], padded)
+        padded = jnp.asarray(cache.flat_ids(_pad_ids(ids, self.scratch_block), layer))
+        return self._gather(cache, padded)
 
     def write_from_device(self, layer: int, host_ids: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """Copy gathered device blocks (the first `len(host_ids)`) to the host pool: issued
@@ -118,10 +123,7 @@ class LayerHostPool:
         (the layer's pools are donated)."""
         padded = _pad_ids(ids, self.scratch_block)
         k, v = self._on_device(k, len(padded)), self._on_device(v, len(padded))
-        new_k, new_v = self._scatter(cache.k[layer], cache.v[layer], jnp.asarray(padded), k, v)
-        ks, vs = list(cache.k), list(cache.v)
-        ks[layer], vs[layer] = new_k, new_v
-        return KVCache(k=ks, v=vs)
+        return self._scatter(cache, jnp.asarray(cache.flat_ids(padded, layer)), k, v)
 
     def _on_device(self, x: np.ndarray | jax.Array, n: int) -> jax.Array:
         """Host blocks padded to `n` and moved to the device; device ones are `gather`'s,
