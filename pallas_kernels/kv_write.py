@@ -22,6 +22,11 @@ def write_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array,
     rows = pages.reshape(pages.shape[0] * pages.shape[1], -1)
     tokens = new.reshape(new.shape[0], -1)
     index = jnp.arange(new.shape[0], dtype=slot_mapping.dtype)
+    if new.shape[0] == 1:
+        # One token written twice: XLA makes a one-row scatter a dynamic-update-slice, and
+        # the attention's read of that row then becomes a select over the pool's old value,
+        # which keeps the old pool alive and copies it whole every layer.
+        index, slot_mapping = jnp.zeros(2, index.dtype), jnp.tile(slot_mapping, 2)
     return copy(tokens, index, rows, slot_mapping).reshape(pages.shape)
 
 
