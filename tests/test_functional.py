@@ -76,3 +76,24 @@ def test_make_batch_pads_sequences_to_min_seqs() -> None:
                                   min_tokens=2, min_seqs=1)
     assert (pad.sample_index.shape, pad.token_ids.shape) == ((8,), (8,))
     assert (exact.sample_index.shape, exact.token_ids.shape) == ((1,), (2,))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decode_step_never_copies_the_pool(batch: int) -> None:
+    """The layer loop carries every layer's pages; a step that copied them would pay the
+    whole cache every layer (a one-token write once did: XLA read the written row back
+    through the pool's old value). The compiled step holds no copy of a pool-sized array."""
+    cfg = get_config("tiny-llama")
+    model, params = functional.init(cfg, attention="reference")
+    cache = functional.KVCache.zeros(cfg, num_blocks=4 * batch, block_size=16, dtype=np.float32)
+    tables = jax.numpy.arange(4 * batch, dtype=np.int32).reshape(batch, 4)
+
+    def step(params, cache, tokens):
+        b = functional.decode_batch(tokens, jax.numpy.full(batch, 20, np.int32), tables, block_size=16)
+        return model(params, cache, b)
+
+    hlo = jax.jit(step, donate_argnums=1).lower(params, cache, np.ones(batch, np.int32)).compile().as_text()
+    pool_rows = cache.k.shape[0] * cache.k.shape[1] * cache.k.shape[2]  # blocks * block_size, seen flat
+    copies = [line for line in hlo.splitlines() if " copy(" in line
+              and (f"[{cache.k.shape[0] * cache.k.shape[1]}," in line or f"[{pool_rows}," in line)]
+    assert copies == [], copies
