@@ -110,15 +110,14 @@ def _param(module: nnx.Module) -> nnx.Param:
 
 def llama_weights_of(model: LlamaForCausalLM) -> LlamaWeights:
     """The module's parameters as plain arrays, e.g. to run the dense oracle on random weights."""
+    stacked = {f.name: np.asarray(_param(getattr(model.layers, f.name)).get_value())
+               for f in fields(LlamaLayerWeights)}
     return LlamaWeights(
         embed=np.asarray(model.embed.embedding.get_value()),
         final_norm=np.asarray(model.final_norm.scale.get_value()),
         lm_head=None if model.lm_head is None else np.asarray(model.lm_head.kernel.get_value()),
-        layers=tuple(
-            LlamaLayerWeights(**{f.name: np.asarray(_param(getattr(model.layers, f.name)).get_value()[i])
-                                 for f in fields(LlamaLayerWeights)})
-            for i in range(model.cfg.num_layers)
-        ),
+        layers=tuple(LlamaLayerWeights(**{name: a[i] for name, a in stacked.items()})
+                     for i in range(model.cfg.num_layers)),
     )
 
 

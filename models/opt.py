@@ -137,13 +137,11 @@ def _affine_of(module: nnx.Linear | nnx.LayerNorm) -> Affine:
 
 def opt_weights_of(model: OPTForCausalLM) -> OPTWeights:
     """The module's parameters as plain arrays, e.g. to run the dense oracle on random weights."""
+    stacked = {f.name: _affine_of(getattr(model.layers, f.name)) for f in fields(OPTLayerWeights)}
     return OPTWeights(
         embed=np.asarray(model.embed.embedding.get_value()),
         positions=np.asarray(model.positions.embedding.get_value()),
         final_norm=_affine_of(model.final_norm),
-        layers=tuple(
-            OPTLayerWeights(**{f.name: tuple(a[i] for a in _affine_of(getattr(model.layers, f.name)))
-                               for f in fields(OPTLayerWeights)})
-            for i in range(model.cfg.num_layers)
-        ),
+        layers=tuple(OPTLayerWeights(**{name: (w[i], b[i]) for name, (w, b) in stacked.items()})
+                     for i in range(model.cfg.num_layers)),
     )
