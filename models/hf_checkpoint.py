@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 from jserve.models import llama, opt
 from jserve.models.config import Family, ModelConfig, repeated_kv_columns
+from jserve.models.paged import is_stacked
 from jserve.pallas_kernels.rope import Llama3RopeScaling
 
 log = logging.getLogger(__name__)
@@ -204,11 +205,6 @@ def _keys(path: tuple) -> list[str | int]:
     """A parameter's jax path as keys: `layers/wq/kernel` (the Variable's `value` dropped)."""
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     return [k for k in keys if k is not None and k != "value"]
-
-
-def is_stacked(path: tuple) -> bool:
-    """Whether a parameter is the decoder blocks' (`[layers, ...]`, one tensor per layer)."""
-    return _keys(path)[0] == "layers"
 
 
 def hf_tensor_names(family: Family, path: tuple, num_layers: int) -> tuple[list[str], bool]:

@@ -104,6 +104,13 @@ def stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs
     return nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
 
 
+def is_stacked(path: tuple) -> bool:
+    """Whether the parameter at `path` (in a model's `nnx.State`) is one of the stacked
+    blocks' (`[layers, ...]`): the models keep `stacked_blocks` at their `layers`."""
+    first = path[0]
+    return getattr(first, "key", getattr(first, "name", None)) == "layers"
+
+
 def run_blocks(
     blocks: nnx.Module, x: jax.Array, cache: KVCache, meta: AttentionMetadata,
     attention: AttentionFn,

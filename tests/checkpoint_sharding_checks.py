@@ -25,6 +25,7 @@ from tiny_checkpoints import NEW_TOKENS, prompts
 
 from jserve import LLM, SamplingParams
 from jserve.models import hf_checkpoint
+from jserve.models.paged import is_stacked
 from jserve.runners.sharding import REPLICATED, param_spec
 
 READS: list[bool] = []  # per read the loader made: whether it read the whole stored tensor
@@ -47,7 +48,7 @@ def check(path: str) -> dict:
     split, replicated, whole = 0, 0, []
     for param, x in jax.tree_util.tree_flatten_with_path(nnx.state(llm.model.model))[0]:
         if param_spec(param) == REPLICATED:  # a block parameter: one stored tensor per layer
-            replicated += x.shape[0] if hf_checkpoint.is_stacked(param) else 1
+            replicated += x.shape[0] if is_stacked(param) else 1
             continue
         split += 1
         shards = {s.data.shape for s in x.addressable_shards}

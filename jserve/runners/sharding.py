@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jserve.errors import ConfigError
 from jserve.models.config import ModelConfig, repeated_kv_columns
 from jserve.models.loading import CausalLM, abstract_model
-from jserve.models.paged import KVCache
+from jserve.models.paged import KVCache, is_stacked
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.backends import AttentionBackend
 
@@ -84,7 +84,7 @@ def param_spec(path: tuple) -> P:
         spec = P(None, AXIS) if param == "kernel" else P(AXIS)
     elif layer in ROW_PARALLEL and param == "kernel":
         spec = P(AXIS, None)
-    return P(None, *spec) if _names(path)[0] == "layers" and spec != REPLICATED else spec
+    return P(None, *spec) if is_stacked(path) and spec != REPLICATED else spec
 
 
 def replicate_kv_heads(model: CausalLM, tensor_parallel_size: int) -> CausalLM:
