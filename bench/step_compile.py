@@ -6,6 +6,11 @@ alone. For the step as it is it also prints the cores a compile keeps busy, its 
 size and the resident memory loading that serialized program adds.
 
     python bench/step_compile.py [--model tiny-llama] [--tokens 16] [--sampler-rows 16]
+    python bench/step_compile.py --options --model smollm2-135m --tokens 16 64 512
+
+`--options`: instead, the step as it is compiled under each set of XLA:CPU compiler options
+in `OPTION_SETS`, three rounds turn about, with its compile time and the median of its runs
+(an all-padding batch of the bucket: the model's full work at that shape).
 
 The figures and what they say: bench/results/issue42_engine.md ("Where a step program's
 compile goes", "What a compiled step's 55-90 MB is").
@@ -77,7 +82,7 @@ def step_variants(model: str, tokens: int) -> None:
         llm = LLM(model, num_blocks=64, warmup=False)
         lowered = llm.runner._step.lower(*_step_args(llm.runner, tokens))
         t0, c0 = time.perf_counter(), _cpu_s()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=llm.runner._compile_options)
         wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
         print(f"  {name:34s} {wall:6.2f}", flush=True)
         if name == "the step as it is":
@@ -85,6 +90,43 @@ def step_variants(model: str, tokens: int) -> None:
         del llm, lowered, compiled
     jax_runner.sample_tokens, jax_runner._top, TokenCounts.counted = originals
     jax_runner._shared_step.cache_clear()
+
+
+# XLA:CPU debug options a step may be compiled with (`jax.stages.Lowered.compile`'s
+# `compiler_options`); the tests compile with these and `--xla_backend_optimization_level=0`.
+OPTION_SETS: dict[str, dict[str, Any]] = {
+    "XLA's defaults": {},
+    "no fusion emitters (the runner's)": {"xla_cpu_use_fusion_emitters": False},
+    "no expensive LLVM passes": {"xla_llvm_disable_expensive_passes": True},
+    "both": {"xla_cpu_use_fusion_emitters": False, "xla_llvm_disable_expensive_passes": True},
+}
+
+
+def option_sets(model: str, buckets: list[int], rounds: int = 3, runs: int = 7) -> None:
+    llm = LLM(model, num_blocks=64, warmup=False)
+    r = llm.runner
+    print(f"{model}: compile s / run ms (median of {runs}) per bucket, persistent cache off")
+    for round_ in range(1, rounds + 1):
+        for name, options in OPTION_SETS.items():
+            cells = []
+            for t in buckets:
+                jax.clear_caches()  # else the round after the first finds its programs in memory
+                x = r._padding_inputs(t, False, None)
+                lowered = r._step.lower(*_step_args(r, t))
+                t0 = time.perf_counter()
+                exe = lowered.compile(compiler_options=options)
+                compile_s = time.perf_counter() - t0
+                s = x.temperature.shape[0]
+                allowed = (r._unmasked(s), np.bool_(False), r._rules)
+                times = []
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    out, r.cache, r._fed, r._counts = exe(r._weights, r.cache, r._fed, r._counts, Packed.of(x),
+                                                          allowed)
+                    jax.block_until_ready(out)
+                    times.append(time.perf_counter() - t0)
+                cells.append(f"T{t} {compile_s:5.2f} / {1e3 * float(np.median(times)):7.1f}")
+            print(f"  round {round_} {name:34s} " + " | ".join(cells), flush=True)
 
 
 def _program_memory(compiled: Any, wall: float, cpu: float) -> None:
@@ -135,7 +177,7 @@ def sampler_variants(rows: int, vocab: int, slots: int = 64) -> None:
 
         lowered = jax.jit(sample).lower(*args)
         t0 = time.perf_counter()
-        lowered.compile()
+        lowered.compile(compiler_options=jax_runner.compile_options(jax.default_backend()))
         print(f"  {name:34s} {time.perf_counter() - t0:6.2f}", flush=True)
     for attr, part in originals.items():
         setattr(sampling, attr, part)
@@ -144,12 +186,16 @@ def sampler_variants(rows: int, vocab: int, slots: int = 64) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--tokens", type=int, default=16, help="the bucket's token count")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16],
+                    help="the bucket's token count (with --options, one or more)")
     ap.add_argument("--sampler-rows", type=int, default=16)
     ap.add_argument("--sampler-vocab", type=int, default=49152, help="SmolLM2's vocabulary by default")
+    ap.add_argument("--options", action="store_true", help="compare OPTION_SETS instead")
     a = ap.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
-    step_variants(a.model, a.tokens)
+    if a.options:
+        return option_sets(a.model, a.tokens)
+    step_variants(a.model, a.tokens[0])
     sampler_variants(a.sampler_rows, a.sampler_vocab)
 
 
