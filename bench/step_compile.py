@@ -82,7 +82,7 @@ def step_variants(model: str, tokens: int) -> None:
         llm = LLM(model, num_blocks=64, warmup=False)
         lowered = llm.runner._step.lower(*_step_args(llm.runner, tokens))
         t0, c0 = time.perf_counter(), _cpu_s()
-        compiled = lowered.compile(compiler_options=llm.runner._compile_options)
+        compiled = lowered.compile()
         wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
         print(f"  {name:34s} {wall:6.2f}", flush=True)
         if name == "the step as it is":
@@ -93,10 +93,11 @@ def step_variants(model: str, tokens: int) -> None:
 
 
 # XLA:CPU debug options a step may be compiled with (`jax.stages.Lowered.compile`'s
-# `compiler_options`); the tests compile with these and `--xla_backend_optimization_level=0`.
+# `compiler_options`). The runner compiles with XLA's defaults; the tests set both of the
+# others and `--xla_backend_optimization_level=0` (tests/conftest.py).
 OPTION_SETS: dict[str, dict[str, Any]] = {
     "XLA's defaults": {},
-    "no fusion emitters (the runner's)": {"xla_cpu_use_fusion_emitters": False},
+    "no fusion emitters": {"xla_cpu_use_fusion_emitters": False},
     "no expensive LLVM passes": {"xla_llvm_disable_expensive_passes": True},
     "both": {"xla_cpu_use_fusion_emitters": False, "xla_llvm_disable_expensive_passes": True},
 }
@@ -177,7 +178,7 @@ def sampler_variants(rows: int, vocab: int, slots: int = 64) -> None:
 
         lowered = jax.jit(sample).lower(*args)
         t0 = time.perf_counter()
-        lowered.compile(compiler_options=jax_runner.compile_options(jax.default_backend()))
+        lowered.compile()
         print(f"  {name:34s} {time.perf_counter() - t0:6.2f}", flush=True)
     for attr, part in originals.items():
         setattr(sampling, attr, part)

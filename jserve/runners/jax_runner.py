@@ -103,18 +103,6 @@ class StepResult:
 CPU_ROWS_PER_PASS = 2
 
 
-# XLA:CPU compiles a step about a third faster with its older elemental emitters for fusions
-# instead of its fusion emitters; decode steps run as fast, 512-token prefills ~10% slower
-# (bench/step_compile.py --options; results/issue42_engine.md). A CPU serves development and
-# tests, where the compiles are most of the wait. Other platforms compile with their defaults.
-CPU_COMPILE_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
-
-
-def compile_options(platform: str) -> dict[str, Any] | None:
-    """The XLA options a step is compiled with on `platform`."""
-    return CPU_COMPILE_OPTIONS if platform == "cpu" else None
-
-
 def rows_per_pass(platform: str) -> int | None:
     """Rows a bisection passes over at once on `platform` (None: the whole batch)."""
     return CPU_ROWS_PER_PASS if platform == "cpu" else None
@@ -409,7 +397,6 @@ class JaxRunner:
                 (([w.sharding for w in self._weights], cache_at, tp.replicated, tp.replicated,
                   tp.replicated, tp.replicated),
                  (tp.replicated, cache_at, tp.replicated, tp.replicated)))
-        self._compile_options = compile_options(platform)
         self._executables = Executables()
         # What the step is lowered for: the cache's shapes, not its arrays, which the engine
         # thread donates to each step while a background compile lowers other buckets.
@@ -499,7 +486,7 @@ class JaxRunner:
                    np.bool_(False), spec(self._rules))
         counts = spec(self._counts)
         return self._step.lower(self._weights, self._cache_spec, self._fed_spec, counts, Packed.of(x),
-                                allowed).compile(compiler_options=self._compile_options)
+                                allowed).compile()
 
     def _allowed(self, batch: Batch, s: int) -> tuple[Any, np.bool_, SlotRules]:
         """The step's grammar bitmask padded to its `s` rows, whether to apply it, and the
