@@ -2,12 +2,12 @@
 # The tests CI leaves out (marked `slow`: the HTTP load test, 500 streaming requests through
 # `jserve serve`; SmolLM2 through its GGUF and its Hugging Face checkpoint; SmolLM2 against the
 # dense oracle, on the hidden cache, with layers offloaded and under LayerKV; the MHA models
-# all hidden, and tiny-opt's mixed hidden-cache run on the interpreted kernels; tensor
-# parallelism on tiny-llama-mha and tiny-opt; the golden decisions of the
-# second seed's open traces; reproduce_tlru.py's stages), for a nightly job or before a
-# release. Each has a faster test in CI over the same property. Then guidellm and
-# lm-evaluation-harness against `jserve serve` (bench/clients.sh). Run from anywhere in the
-# checkout.
+# all hidden, their mixed runs on the jnp reference without a warm-up, and tiny-opt's mixed
+# hidden-cache run on the interpreted kernels; tensor parallelism on tiny-llama-mha and
+# tiny-opt; the golden decisions of the second seed's open traces; reproduce_tlru.py's
+# stages), for a nightly job or before a release. Each has a faster test in CI over the same
+# property. Then guidellm and lm-evaluation-harness against `jserve serve`
+# (bench/clients.sh). Run from anywhere in the checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pytest -q -m slow "$@"

@@ -64,9 +64,11 @@ def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[lis
 # token (so half decode on the hidden cache to the end); "all hidden" (no KV request in any
 # batch) runs in nightly, as does tiny-opt on the interpreted kernels (CI: tiny-llama-mha's
 # run on them, and the hidden-attention kernel against the reference with OPT's biases and
-# no rotary embedding among its cases in test_pallas_kernels.py).
+# no rotary embedding among its cases in test_pallas_kernels.py). The mixed runs on the jnp
+# reference are in CI as `test_warmup_compiles_the_hidden_steps_a_run_uses`, after a warm-up.
 @pytest.mark.parametrize(("model", "attention"), [
-    ("tiny-llama-mha", "reference"), ("tiny-llama-mha", "pallas-interpret"), ("tiny-opt", "reference"),
+    pytest.param("tiny-llama-mha", "reference", marks=pytest.mark.slow), ("tiny-llama-mha", "pallas-interpret"),
+    pytest.param("tiny-opt", "reference", marks=pytest.mark.slow),
     pytest.param("tiny-opt", "pallas-interpret", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", [
     pytest.param(ForcedHiddenCache(all_hidden), id="all hidden", marks=pytest.mark.slow),
@@ -92,7 +94,7 @@ def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel
 def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
                                                      tiny_loaded: LoadedModel) -> None:
     """A hidden-cache run after warm-up compiles no step (they used to compile on first use,
-    mid-run), and stays identical; warm-up adds hidden variants only where a policy may use
+    mid-run), and stays identical (mixed and switching, on the jnp reference); warm-up adds hidden variants only where a policy may use
     the hidden cache and the model's blocks hold more hidden rows than KV tokens."""
     llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **LIMITS)
     llm.runner.warmup()
@@ -104,6 +106,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
     expected = [e[: cap - len(p)] for e, p in zip(greedy_ids(roomy, prompts, 16), prompts, strict=True)]
     got, hidden = _run(llm, prompts, 16)
     assert hidden and got == expected
+    assert llm.engine.state.blocks.num_free == LIMITS["num_blocks"] and not llm.engine.state.requests
     assert set(llm.runner._executables) == warmed
     for policy, loaded in (("vllm", mha_loaded), ("apt-serve", tiny_loaded)):
         other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
