@@ -195,9 +195,10 @@ def main() -> None:
     a = ap.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
     if a.options:
-        return option_sets(a.model, a.tokens)
-    step_variants(a.model, a.tokens[0])
-    sampler_variants(a.sampler_rows, a.sampler_vocab)
+        option_sets(a.model, a.tokens)
+    else:
+        step_variants(a.model, a.tokens[0])
+        sampler_variants(a.sampler_rows, a.sampler_vocab)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,9 @@ def test_smollm2_identical_with_every_request_hidden(smollm2_loaded: LoadedModel
 def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
                                                      tiny_loaded: LoadedModel) -> None:
     """A hidden-cache run after warm-up compiles no step (they used to compile on first use,
-    mid-run), and stays identical (mixed and switching, on the jnp reference); warm-up adds hidden variants only where a policy may use
-    the hidden cache and the model's blocks hold more hidden rows than KV tokens."""
+    mid-run), and stays identical (mixed and switching, on the jnp reference); warm-up adds
+    hidden variants only where a policy may use the hidden cache and the model's blocks hold
+    more hidden rows than KV tokens."""
     llm = LLM(mha_loaded, policy=ForcedHiddenCache(every_other, switch=True), warmup=False, **LIMITS)
     llm.runner.warmup()
     warmed = set(llm.runner._executables)
