@@ -193,6 +193,8 @@ def main() -> None:
     ap.add_argument("--sampler-vocab", type=int, default=49152, help="SmolLM2's vocabulary by default")
     ap.add_argument("--options", action="store_true", help="compare OPTION_SETS instead")
     a = ap.parse_args()
+    if len(a.tokens) > 1 and not a.options:
+        ap.error("several --tokens need --options (the ablation compiles one bucket)")
     jax.config.update("jax_enable_compilation_cache", False)
     if a.options:
         option_sets(a.model, a.tokens)

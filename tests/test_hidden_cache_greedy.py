@@ -47,6 +47,12 @@ def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list
     return greedy_ids(llm, prompts, max_tokens), hidden
 
 
+def _all_freed(llm: LLM) -> bool:
+    """No request left and every block back in the free pool."""
+    state = llm.engine.state
+    return state.blocks.num_free == state.blocks.num_blocks and not state.requests
+
+
 def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[list[int]],
                max_tokens: int, **kw) -> int:
     llm = LLM(loaded, policy=policy, warmup=False, **kw)
@@ -56,7 +62,7 @@ def _identical(loaded: LoadedModel, policy: ForcedHiddenCache, prompts: list[lis
     expected = [e[: cap - len(p)] for e, p in zip(greedy_ids(roomy, prompts, max_tokens), prompts)]
     got, hidden = _run(llm, prompts, max_tokens)
     assert got == expected
-    assert state.blocks.num_free == state.blocks.num_blocks and not state.requests
+    assert _all_freed(llm)
     return hidden
 
 
@@ -107,7 +113,7 @@ def test_warmup_compiles_the_hidden_steps_a_run_uses(mha_loaded: LoadedModel,
     expected = [e[: cap - len(p)] for e, p in zip(greedy_ids(roomy, prompts, 16), prompts, strict=True)]
     got, hidden = _run(llm, prompts, 16)
     assert hidden and got == expected
-    assert llm.engine.state.blocks.num_free == LIMITS["num_blocks"] and not llm.engine.state.requests
+    assert _all_freed(llm)
     assert set(llm.runner._executables) == warmed
     for policy, loaded in (("vllm", mha_loaded), ("apt-serve", tiny_loaded)):
         other = LLM(loaded, policy=policy, warmup=False, **LIMITS)
