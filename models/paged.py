@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,7 +83,8 @@ class KVCache:
         layer's, layer by layer (`[layers * len(ids)]`)."""
         if layer is not None:
             return ids + layer * self.blocks_per_layer
-        first = jnp.arange(self.k.shape[0], dtype=ids.dtype)[:, None] * self.blocks_per_layer
+        xp = np if isinstance(ids, np.ndarray) else jnp
+        first = xp.arange(self.k.shape[0], dtype=ids.dtype)[:, None] * self.blocks_per_layer
         return (first + ids[None]).reshape(-1)
 
     def flat(self) -> tuple[jax.Array, jax.Array]:
@@ -93,6 +95,24 @@ class KVCache:
     def of_flat(self, k: jax.Array, v: jax.Array) -> KVCache:
         """A cache of this shape from flat pools (`flat`)."""
         return KVCache(k.reshape(self.k.shape), v.reshape(self.v.shape))
+
+
+@functools.cache
+def block_copies(gather_blocks: Callable, scatter_blocks: Callable) -> tuple[Callable, Callable]:
+    """(gather, donated scatter) of K and V blocks at ids of the pool seen flat (`flat_ids`):
+    `gather(cache, ids) -> (k, v)`, `scatter(cache, ids, k, v) -> cache`, writing only those
+    blocks. Swaps pass every layer's ids of a request, LayerKV's offloads one layer's; made
+    once per backend's copy functions, so engines built again in a process reuse the
+    compiled copies."""
+    def gather(cache: KVCache, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k, v = cache.flat()
+        return gather_blocks(k, ids), gather_blocks(v, ids)
+
+    def scatter(cache: KVCache, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        flat_k, flat_v = cache.flat()
+        return cache.of_flat(scatter_blocks(flat_k, ids, k), scatter_blocks(flat_v, ids, v))
+
+    return jax.jit(gather), jax.jit(scatter, donate_argnums=0)
 
 
 def stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: Any) -> nnx.Module:

@@ -35,7 +35,7 @@ from jserve.runners.penalties import Penalties, TokenCounts, reset_rows
 from jserve.runners.sampling import sample_tokens
 from jserve.runners.slot_rows import grown_rows
 from jserve.runners.token_rules import SlotRules, TokenRules, set_rows
-from jserve.runners.sharding import TensorParallel, swap_buffer_sharding
+from jserve.runners.sharding import TensorParallel
 from jserve.structured import bitmask_words
 from jserve.models.functional import PagedBatch, PagedModel, paged_batch, pow2_at_least
 from jserve.models.loading import CausalLM
@@ -372,8 +372,7 @@ class JaxRunner:
         # change shape, and the steps compile again, only when preempted sequences pile up.
         self.held = PersistentBatch(width, self.scratch_block, max(INITIAL_SLOTS, self.buckets.max_seqs))
         self.mark_decode = attention_fn.specialises_decode
-        self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks,
-                                   tp and swap_buffer_sharding(tp.mesh))
+        self.host_kv = HostKVStore(attention_fn.gather_blocks, attention_fn.scatter_blocks, tp and tp.pages)
         # The step takes the weights as a flat list: flattening the nnx.State tree on every
         # call cost ~0.25 ms. The model runs through `jserve.models.functional`, as a JAX
         # user's own jit would.

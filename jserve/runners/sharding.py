@@ -110,11 +110,6 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, LAYER_PAGES)
 
 
-def swap_buffer_sharding(mesh: Mesh) -> NamedSharding:
-    """A swap's gathered buffer `[2 * layers, n, block_size, kv_heads, head_dim]`."""
-    return NamedSharding(mesh, LAYER_PAGES)
-
-
 @dataclass(frozen=True)
 class ShardedAttention:
     """An attention backend run per shard: a `shard_map` over the head axis, so each device

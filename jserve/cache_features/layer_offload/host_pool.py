@@ -3,7 +3,6 @@ jitted per-layer copies between it and the device pages."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -11,23 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.cache.host_memory import memory_shardings
-from jserve.models.paged import KVCache
-
-
-@functools.cache
-def _layer_copies(gather_blocks: Callable, scatter_blocks: Callable) -> tuple[Callable, Callable]:
-    """(gather, donated scatter) of K and V blocks at ids of the pool seen flat
-    (`KVCache.flat_ids`), made once per backend's copy functions, so an engine built again
-    in the same process reuses the compiled copies."""
-    def gather(cache: KVCache, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        k, v = cache.flat()
-        return gather_blocks(k, ids), gather_blocks(v, ids)
-
-    def scatter(cache: KVCache, ids: jax.Array, kb: jax.Array, vb: jax.Array) -> KVCache:
-        k, v = cache.flat()
-        return cache.of_flat(scatter_blocks(k, ids, kb), scatter_blocks(v, ids, vb))
-
-    return jax.jit(gather), jax.jit(scatter, donate_argnums=0)
+from jserve.models.paged import KVCache, block_copies
 
 
 def _pad_ids(ids: np.ndarray, fill: int) -> np.ndarray:
@@ -73,7 +56,7 @@ class LayerHostPool:
         self.k = [mapped_zeros(shape, dtype) for _ in range(num_layers)]
         self.v = [mapped_zeros(shape, dtype) for _ in range(num_layers)]
         self.scratch_block = scratch_block
-        self._gather, self._scatter = _layer_copies(gather_blocks, scatter_blocks)
+        self._gather, self._scatter = block_copies(gather_blocks, scatter_blocks)
         self._host, self._device = memory_shardings(pages_sharding)
         self._pending: list[tuple[int, np.ndarray, jax.Array, jax.Array]] = []
 
