@@ -5,16 +5,22 @@ adds per step (planning, the batch, metadata, reading tokens back) is what a use
 floor is the model's own step with no host work: greedy decodes over `functional.decode_batch`
 and the model, either `lax.fori_loop` inside one jit ("jit loop") or one jitted step per call
 with the tokens staying on the device ("jit step"; on XLA:CPU a loop carrying a large cache
-can cost more than the calls), whichever is faster. The engine's figure is the
-median wall time of `Engine.step()` with every request decoding (prompts done, nothing
-finishing, the `vllm` policy), over the same model, batch and context. The ratio is the
+can cost more than the calls), whichever is faster. The engine's figure is the wall time per
+`Engine.step()` with every request decoding (prompts done, nothing finishing, the `vllm`
+policy), over the same model and batch.
+
+The two are measured turn about, in rounds: a block of `--steps` engine steps, then the
+floor's loop and its steps over the same positions the engine's block decoded (attention
+walks the context, so a floor that restarts at the prompt is cheaper than an engine whose
+sequences grew). Each round's ratio compares figures taken seconds apart, so this machine's
+drift between runs cancels; the median round is printed, with the range. That ratio is the
 figure of merit (issue 42's goals: within 1.25x on tiny-llama at batch 32, 1.05x on
 SmolLM2). The engine pads a step's tokens to its bucket (at least 16: `MIN_TOKENS`), so
 where the bucket is larger than the batch, the floor is also taken at the bucket's batch
 ("jit @bucket", the faster of loop and step) and the engine's step set against it.
 
     python bench/engine_vs_jit.py [--models tiny-llama,smollm2-135m] [--batches 1,32,128]
-                                  [--steps 64] [--repeats 3] [--output FILE]
+                                  [--steps 16] [--rounds 9] [--output FILE]
 """
 
 from __future__ import annotations
@@ -32,44 +38,83 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.builder import build_engine
+from jserve.builder import BuiltEngine, build_engine
 from jserve.config import EngineConfig
+from jserve.engine.loop import Engine
 from jserve.engine.sampling_params import SamplingParams
 from jserve.models import functional
 
-PROMPT = 32  # tokens of each prompt: the context every step starts from
+PROMPT = 32  # tokens of each prompt: the context the first round starts from
 BLOCK = 16
 
 
 @dataclass(frozen=True)
 class Row:
+    """One model and batch: per round, ms per step of each side."""
+
     model: str
     batch: int
-    engine_ms: float
-    jit_loop_ms: float
-    jit_step_ms: float
     bucket: int
-    jit_bucket_ms: float
+    engine_ms: list[float]
+    jit_loop_ms: list[float]
+    jit_step_ms: list[float]
+    jit_bucket_ms: list[float]
 
     @property
-    def jit_ms(self) -> float:
-        return min(self.jit_loop_ms, self.jit_step_ms)
+    def ratios(self) -> list[float]:
+        return [e / min(lo, st) for e, lo, st in zip(self.engine_ms, self.jit_loop_ms, self.jit_step_ms)]
 
     @property
-    def ratio(self) -> float:
-        return self.engine_ms / self.jit_ms
-
-    @property
-    def bucket_ratio(self) -> float:
-        return self.engine_ms / self.jit_bucket_ms
+    def bucket_ratios(self) -> list[float]:
+        return [e / b for e, b in zip(self.engine_ms, self.jit_bucket_ms)]
 
 
-def engine_step_ms(model: str, batch: int, steps: int,
-                   repeats: int) -> tuple[float, int, tuple[functional.PagedModel, object]]:
-    """Median `Engine.step()` of `batch` decoding requests (best of `repeats` runs of
-    `steps`), the token bucket its steps run in, and the engine's model as (PagedModel,
-    params) for the jitted loop."""
-    max_len = PROMPT + (repeats + 1) * steps + 8
+def median_and_range(xs: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+class Floor:
+    """The model's own greedy decode of `batch` sequences from a given position, no host
+    work: `block(start)` is ms per step over `steps` steps of the jitted loop and of the
+    jitted step called once per step."""
+
+    def __init__(self, paged: functional.PagedModel, params: object, batch: int, steps: int, max_len: int):
+        per_seq = -(-max_len // BLOCK)
+        cfg = paged.bind(params).cfg
+        tables = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
+        decode_only = paged.attention.specialises_decode
+
+        def one(params, cache, tokens, position):
+            b = functional.decode_batch(tokens, jnp.full((batch,), position, jnp.int32), tables,
+                                        block_size=BLOCK, decode_only=decode_only)
+            logits, cache = paged(params, cache, b)
+            return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+        @functools.partial(jax.jit, donate_argnums=1)
+        def loop(params, cache, tokens, start):
+            return jax.lax.fori_loop(0, steps, lambda i, c: one(params, *c, start + i), (cache, tokens))
+
+        self._loop, self._step = loop, jax.jit(one, donate_argnums=1)
+        self._params, self._steps = params, steps
+        self._tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, batch), jnp.int32)
+        dtype = jax.tree.leaves(params)[0].dtype
+        self._cache = functional.KVCache.zeros(cfg, num_blocks=batch * per_seq, block_size=BLOCK, dtype=dtype)
+        self.block(PROMPT)  # compile both
+
+    def block(self, start: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self._cache, out = self._loop(self._params, self._cache, self._tokens, np.int32(start))
+        out.block_until_ready()
+        t1 = time.perf_counter()
+        for i in range(self._steps):
+            self._cache, out = self._step(self._params, self._cache, self._tokens, np.int32(start + i))
+        out.block_until_ready()
+        t2 = time.perf_counter()
+        return 1e3 * (t1 - t0) / self._steps, 1e3 * (t2 - t1) / self._steps
+
+
+def decoding_engine(model: str, batch: int, max_len: int) -> tuple[Engine, BuiltEngine]:
+    """An engine whose `batch` requests have their prompts done and decode to `max_len`."""
     built = build_engine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=max_len,
                                       num_blocks=batch * -(-max_len // BLOCK) + 8, block_size=BLOCK))
     engine = built.engine
@@ -80,88 +125,59 @@ def engine_step_ms(model: str, batch: int, steps: int,
         engine.add_request(str(i), rng.integers(1, vocab, PROMPT).tolist(), params)
     while any(not r.output_token_ids for r in engine.state.live.requests.values()):
         engine.step()
-    best = []
-    for _ in range(repeats):
-        times = []
+    return engine, built
+
+
+def measure(model: str, batch: int, steps: int, rounds: int) -> Row:
+    max_len = PROMPT + (rounds + 2) * steps + 8
+    engine, built = decoding_engine(model, batch, max_len)
+    paged, params = functional.split(built.loaded.model)
+    bucket = engine.runner.buckets.tokens(batch)
+    floor = Floor(paged, params, batch, steps, max_len)
+    at_bucket = Floor(paged, params, bucket, steps, max_len) if bucket != batch else None
+    for _ in range(4):  # past the first pipelined steps
+        engine.step()
+    engine_ms, loop_ms, step_ms, bucket_ms = [], [], [], []
+    for _ in range(rounds):
+        start = PROMPT + len(next(iter(engine.state.live.requests.values())).output_token_ids)
+        t0 = time.perf_counter()
         for _ in range(steps):
-            t0 = time.perf_counter()
             engine.step()
-            times.append(time.perf_counter() - t0)
-        best.append(statistics.median(times))
-    return 1e3 * min(best), engine.runner.buckets.tokens(batch), functional.split(built.loaded.model)
-
-
-def jit_step_ms(paged: functional.PagedModel, params: object, batch: int, steps: int,
-                repeats: int, vocab: int) -> tuple[float, float]:
-    """One decode step of the model's own greedy decode, no host work: (a `fori_loop` of
-    `steps` steps in one jit, one jitted step per call with the tokens on the device)."""
-    per_seq = -(-(PROMPT + (repeats + 2) * steps + 1) // BLOCK)
-    dtype = jax.tree.leaves(params)[0].dtype
-    cfg = paged.bind(params).cfg
-    tables = jnp.arange(batch * per_seq, dtype=jnp.int32).reshape(batch, per_seq)
-    decode_only = paged.attention.specialises_decode
-
-    def one(params, cache, tokens, i):
-        positions = jnp.full((batch,), PROMPT, jnp.int32) + i
-        b = functional.decode_batch(tokens, positions, tables, block_size=BLOCK, decode_only=decode_only)
-        logits, cache = paged(params, cache, b)
-        return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def loop(params, cache, tokens):
-        return jax.lax.fori_loop(0, steps, lambda i, c: one(params, *c, i), (cache, tokens))
-
-    step = jax.jit(one, donate_argnums=1)
-    tokens0 = jnp.asarray(np.random.default_rng(0).integers(1, vocab, batch), jnp.int32)
-
-    def timed(run) -> float:
-        cache = functional.KVCache.zeros(cfg, num_blocks=batch * per_seq, block_size=BLOCK, dtype=dtype)
-        cache, out = run(cache)  # compile
-        out.block_until_ready()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            cache, out = run(cache)
-            out.block_until_ready()
-            best = min(best, (time.perf_counter() - t0) / steps)
-        return 1e3 * best
-
-    def stepped(cache):
-        tokens = tokens0
-        for i in range(steps):
-            cache, tokens = step(params, cache, tokens, jnp.int32(i))
-        return cache, tokens
-
-    return timed(lambda cache: loop(params, cache, tokens0)), timed(stepped)
+        engine_ms.append(1e3 * (time.perf_counter() - t0) / steps)
+        lo, st = floor.block(start)
+        loop_ms.append(lo)
+        step_ms.append(st)
+        bucket_ms.append(min(at_bucket.block(start)) if at_bucket else min(lo, st))
+    return Row(model, batch, bucket, engine_ms, loop_ms, step_ms, bucket_ms)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny-llama,smollm2-135m")
     ap.add_argument("--batches", default="1,32,128")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per block")
+    ap.add_argument("--rounds", type=int, default=9, help="engine and floor blocks, turn about")
     ap.add_argument("--output", help="write the rows as JSON here")
     args = ap.parse_args()
     rows = []
-    print(f"{'model':14} {'batch':>5} {'engine ms':>10} {'jit loop':>9} {'jit step':>9} {'ratio':>6} "
-          f"{'bucket':>6} {'jit @bucket':>11} {'ratio':>6}")
+    print(f"ms per step, median of the rounds (range); ratio: engine / floor, round by round; "
+          f"contexts {PROMPT + 5}-{PROMPT + 5 + args.rounds * args.steps} tokens")
+    print(f"{'model':14} {'batch':>5} {'engine':>21} {'jit loop':>21} {'jit step':>21} "
+          f"{'ratio':>18} {'bucket':>6} {'jit @bucket':>21} {'ratio':>18}")
     for model in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
-            engine_ms, bucket, (paged, params) = engine_step_ms(model, batch, args.steps, args.repeats)
-            vocab = paged.bind(params).cfg.vocab_size
-            loop_ms, step_ms = jit_step_ms(paged, params, batch, args.steps, args.repeats, vocab)
-            at_bucket = (min(jit_step_ms(paged, params, bucket, args.steps, args.repeats, vocab))
-                         if bucket != batch else min(loop_ms, step_ms))
-            row = Row(model, batch, engine_ms, loop_ms, step_ms, bucket, at_bucket)
+            row = measure(model, batch, args.steps, args.rounds)
             rows.append(row)
-            print(f"{model:14} {batch:5d} {engine_ms:10.3f} {loop_ms:9.3f} {step_ms:9.3f} "
-                  f"{row.ratio:6.2f}x {bucket:6d} {at_bucket:11.3f} {row.bucket_ratio:6.2f}x", flush=True)
+            r = functools.partial(median_and_range, fmt="{:.2f}x")
+            print(f"{model:14} {batch:5d} {median_and_range(row.engine_ms):>21} "
+                  f"{median_and_range(row.jit_loop_ms):>21} {median_and_range(row.jit_step_ms):>21} "
+                  f"{r(row.ratios):>18} {row.bucket:6d} {median_and_range(row.jit_bucket_ms):>21} "
+                  f"{r(row.bucket_ratios):>18}", flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-                       "backend": jax.default_backend(), "steps": args.steps, "repeats": args.repeats,
-                       "rows": [asdict(r) | {"jit_ms": r.jit_ms, "ratio": r.ratio, "bucket_ratio": r.bucket_ratio}
+                       "backend": jax.default_backend(), "steps": args.steps, "rounds": args.rounds,
+                       "rows": [asdict(r) | {"ratios": r.ratios, "bucket_ratios": r.bucket_ratios}
                                 for r in rows]}, f, indent=1)
 
 
