@@ -20,11 +20,11 @@ where the bucket is larger than the batch, the floor is also taken at the bucket
 ("jit @bucket", the faster of loop and step) and the engine's step set against it.
 
     python bench/engine_vs_jit.py [--models tiny-llama,smollm2-135m] [--batches 1,32,128]
-                                  [--steps 16] [--rounds 9] [--xla-cores N] [--output FILE]
+                                  [--steps 16] [--rounds 9] [--xla-cpu-cores N] [--output FILE]
 
 On a CPU the step the engine dispatches and the host work meant to hide behind it share the
-cores. `--xla-cores N` starts JAX's CPU backend on the first N cores only, so XLA sizes its
-thread pools to N and keeps them there, and leaves the Python thread free on every core: the
+cores. `--xla-cpu-cores N` starts XLA's CPU thread pools on the first N cores and leaves the
+Python thread on all (`jserve.runners.cpu_threads`, the server's `--xla-cpu-cores`): the
 trial behind bench/results/issue42_engine.md's "Where the engine's step waits on two cores".
 """
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform
 import statistics
 import time
@@ -49,6 +48,7 @@ from jserve.config import EngineConfig
 from jserve.engine.loop import Engine
 from jserve.engine.sampling_params import SamplingParams
 from jserve.models import functional
+from jserve.runners.cpu_threads import start_xla_on
 
 PROMPT = 32  # tokens of each prompt: the context the first round starts from
 BLOCK = 16
@@ -158,28 +158,20 @@ def measure(model: str, batch: int, steps: int, rounds: int) -> Row:
     return Row(model, batch, bucket, engine_ms, loop_ms, step_ms, bucket_ms)
 
 
-def start_backend_on(cores: int) -> None:
-    """Start JAX's backend with this process limited to its first `cores` CPUs, then give the
-    calling thread all of them back: the threads XLA made keep the limit."""
-    every = os.sched_getaffinity(0)
-    if not 0 < cores < len(every):
-        raise SystemExit(f"--xla-cores must be between 1 and {len(every) - 1} on this machine, got {cores}")
-    os.sched_setaffinity(0, sorted(every)[:cores])
-    jax.devices()
-    os.sched_setaffinity(0, every)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny-llama,smollm2-135m")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per block")
     ap.add_argument("--rounds", type=int, default=9, help="engine and floor blocks, turn about")
-    ap.add_argument("--xla-cores", type=int, help="start XLA's CPU thread pools on this many cores (default: all)")
+    ap.add_argument("--xla-cpu-cores", type=int, help="start XLA's CPU thread pools on this many cores (default: all)")
     ap.add_argument("--output", help="write the rows as JSON here")
     args = ap.parse_args()
-    if args.xla_cores is not None:
-        start_backend_on(args.xla_cores)
+    if args.xla_cpu_cores is not None:
+        try:
+            start_xla_on(args.xla_cpu_cores)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     rows = []
     print(f"ms per step, median of the rounds (range); ratio: engine / floor, round by round; "
           f"contexts {PROMPT + 5}-{PROMPT + 5 + args.rounds * args.steps} tokens")
@@ -198,7 +190,7 @@ def main() -> None:
         with open(args.output, "w") as f:
             json.dump({"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                        "backend": jax.default_backend(), "steps": args.steps, "rounds": args.rounds,
-                       "xla_cores": args.xla_cores,
+                       "xla_cpu_cores": args.xla_cpu_cores,
                        "rows": [asdict(r) | {"ratios": r.ratios, "bucket_ratios": r.bucket_ratios}
                                 for r in rows]}, f, indent=1)
 

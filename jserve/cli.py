@@ -46,6 +46,7 @@ from jserve.config import (
 )
 from jserve.errors import ConfigError
 from jserve.models.hf_checkpoint import CheckpointError
+from jserve.runners.cpu_threads import start_xla_on
 from jserve.serving.vllm_flags import add_vllm_serve_args
 
 
@@ -353,6 +354,15 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def add_xla_cpu_cores_arg(parser: argparse.ArgumentParser) -> None:
+    """A process's option, not an engine's: it acts when JAX's backend starts."""
+    parser.add_argument("--xla-cpu-cores", type=int, default=None, metavar="N",
+                        help="start XLA's CPU thread pools on N of this process's cores and leave "
+                             "the engine's host thread on all: on a CPU a small model's step is "
+                             "faster when the host has a core of its own, a larger model's slower "
+                             "(default: all cores)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="jserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -367,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     add_engine_args(g)
+    add_xla_cpu_cores_arg(g)
     g.set_defaults(func=_generate, warmup=False)  # one prompt compiles only the shapes it meets
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
@@ -374,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     add_vllm_serve_args(s)
+    add_xla_cpu_cores_arg(s)
     s.set_defaults(func=_serve, background_compile=True)  # answer early (README, "Start-up")
 
     b = sub.add_parser("bench", help="replay a workload through the real engine, the simulator "
@@ -435,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "xla_cpu_cores", None) is not None:
+            _checked(lambda: start_xla_on(args.xla_cpu_cores))
         return args.func(args)
     except (BadArguments, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -106,6 +106,7 @@ def test_chat_with_a_malformed_message_names_messages(tiny_smollm2_vocab: Loaded
         (["bench", "--max-num-seqs", "0"], "error: max_num_seqs must be an int >= 1"),
         (["bench", "--slo-scale", "2", "1"], "error: slo_scale must satisfy"),
         (["sweep", "--rates", "1,0"], "error: rate must be > 0"),
+        (["generate", "hi", "--xla-cpu-cores", "0"], "error: --xla-cpu-cores must be between 1 and"),
     ],
 )
 def test_cli_reports_bad_arguments_in_one_line(argv: list[str], message: str,
