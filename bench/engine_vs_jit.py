@@ -164,7 +164,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per block")
     ap.add_argument("--rounds", type=int, default=9, help="engine and floor blocks, turn about")
-    ap.add_argument("--xla-cpu-cores", type=int, help="start XLA's CPU thread pools on this many cores (default: all)")
+    ap.add_argument("--xla-cpu-cores", type=int,
+                    help="start XLA's CPU thread pools on this many cores (default: all)")
     ap.add_argument("--output", help="write the rows as JSON here")
     args = ap.parse_args()
     if args.xla_cpu_cores is not None:

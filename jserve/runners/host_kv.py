@@ -11,7 +11,7 @@ state accounts for host blocks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ class HostKVStore:
     def swap_out(self, cache: KVCache, move: BlockMove) -> None:
         if move.seq_id in self._held:
             raise RuntimeError(f"seq {move.seq_id} is already swapped out")
-        blocks = self._gather(cache, jnp.asarray(cache.flat_ids(np.asarray(move.device_blocks, np.int32))))
+        blocks = self._gather(cache, _every_layer(cache, move.device_blocks))
         self._held[move.seq_id] = (tuple(np.asarray(b) for b in blocks) if self._host is None
                                    else jax.device_put(blocks, self._host))
 
@@ -49,16 +49,20 @@ class HostKVStore:
         if len(held[0]) != layers * len(move.device_blocks):
             raise RuntimeError(f"seq {move.seq_id}: {len(held[0]) // layers} blocks swapped out, "
                                f"{len(move.device_blocks)} to swap in")
-        blocks = jax.device_put(held, self._device) if self._device is not None else tuple(map(jnp.asarray, held))
-        ids = cache.flat_ids(np.asarray(move.device_blocks, np.int32))
-        return self._scatter(cache, jnp.asarray(ids), *blocks)
+        blocks = (jax.device_put(held, self._device) if self._device is not None
+                  else tuple(map(jnp.asarray, held)))
+        return self._scatter(cache, _every_layer(cache, move.device_blocks), *blocks)
 
     def copy(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
         """Device blocks `src` copied onto `dst`, every layer (a forked sequence's copy of
         the block it writes next), with the swaps' gather and scatter."""
-        flat = cache.flat_ids
-        return self._scatter(cache, jnp.asarray(flat(dst)), *self._gather(cache, jnp.asarray(flat(src))))
+        return self._scatter(cache, _every_layer(cache, dst), *self._gather(cache, _every_layer(cache, src)))
 
     def drop(self, seq_id: int) -> None:
         """Forget a request that ended while swapped out."""
         self._held.pop(seq_id, None)
+
+
+def _every_layer(cache: KVCache, blocks: Sequence[int] | np.ndarray) -> jax.Array:
+    """Device blocks `blocks` of every layer, as ids of the pool seen flat (`KVCache.flat_ids`)."""
+    return jnp.asarray(cache.flat_ids(np.asarray(blocks, np.int32)))
