@@ -332,6 +332,10 @@ def test_http_load_script_passes(tmp_path: pathlib.Path) -> None:
 
 # ------------------------------------------------------------------ logprobs
 
+# Two runs of one request may take different step programs (token buckets, batch rows), whose
+# float32 sums round apart in the last bits: 1.2e-6 at a log-probability of -2.58 was seen.
+LOGPROB_TOL = 1e-5
+
 
 def test_completion_logprobs_and_echo_in_openais_shape(tiny: Served) -> None:
     prompt = [5, 6, 7, 8]
@@ -345,13 +349,13 @@ def test_completion_logprobs_and_echo_in_openais_shape(tiny: Served) -> None:
     assert lp.tokens == [f"token_id:{t}" for t in prompt + ref.token_ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     expected = [ref.prompt_logprobs[p][t] for p, t in enumerate(prompt) if p] + ref.logprobs
-    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=LOGPROB_TOL)
     assert all(3 <= len(top) <= 4 for top in lp.top_logprobs[1:])
     assert lp.text_offset == [0] * len(lp.tokens)  # no tokenizer: the tokens have no text
 
     chunks = list(tiny.client.completions.create(**kw, stream=True))
     streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
-    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=1e-6)
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected, abs=LOGPROB_TOL)
     plain = tiny.client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, extra_body=NO_EOS)
     assert plain.choices[0].logprobs is None
     wait_until_idle(tiny)
@@ -367,7 +371,7 @@ def test_chat_logprobs_and_top_logprobs(smol: Served) -> None:
                and c.bytes == list(c.token.encode()) for c in content)
     streamed = [c for chunk in smol.client.chat.completions.create(**kw, stream=True)
                 for c in chunk.choices[0].logprobs.content]
-    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=LOGPROB_TOL)
     r = httpx.post(f"{smol.url}/v1/chat/completions", json=kw | {"logprobs": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     wait_until_idle(smol)
