@@ -26,6 +26,10 @@ On a CPU the step the engine dispatches and the host work meant to hide behind i
 cores. `--xla-cpu-cores N` starts XLA's CPU thread pools on the first N cores and leaves the
 Python thread on all (`jserve.runners.cpu_threads`, the server's `--xla-cpu-cores`): the
 trial behind bench/results/issue42_engine.md's "Where the engine's step waits on two cores".
+A second table gives each side's CPU time per step (every thread of the process) and the
+least ratio it allows: the engine's CPU time spread over the cores, against the floor. Where
+the measured ratio is near that bound, the cores were busy all step, and only less work, not
+more overlap, can shorten it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -56,19 +61,31 @@ BLOCK = 16
 
 @dataclass(frozen=True)
 class Row:
-    """One model and batch: per round, ms per step of each side."""
+    """One model and batch: per round, ms per step of each side, in wall time and in the
+    process's CPU time (all its threads: XLA's pools and the Python thread)."""
 
     model: str
     batch: int
     bucket: int
+    cores: int
     engine_ms: list[float]
     jit_loop_ms: list[float]
     jit_step_ms: list[float]
     jit_bucket_ms: list[float]
+    engine_cpu_ms: list[float]
+    jit_cpu_ms: list[float]  # of the faster of loop and step
 
     @property
     def ratios(self) -> list[float]:
         return [e / min(lo, st) for e, lo, st in zip(self.engine_ms, self.jit_loop_ms, self.jit_step_ms)]
+
+    @property
+    def cpu_bound_ratios(self) -> list[float]:
+        """The ratio the engine's CPU time allows at best: its CPU seconds spread evenly over
+        the process's cores, against the floor. Where the engine's ratio is near it, the
+        cores are busy all step and only less work (host or device) shortens the step."""
+        return [c / self.cores / min(lo, st)
+                for c, lo, st in zip(self.engine_cpu_ms, self.jit_loop_ms, self.jit_step_ms)]
 
     @property
     def bucket_ratios(self) -> list[float]:
@@ -107,17 +124,20 @@ class Floor:
         self._cache = functional.KVCache.zeros(cfg, num_blocks=batch * per_seq, block_size=BLOCK, dtype=dtype)
         self.block(PROMPT)  # compile both
 
-    def block(self, start: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def block(self, start: int) -> tuple[float, float, float]:
+        """ms per step of the loop and of the steps, and the CPU ms per step of the faster."""
+        c0, t0 = time.process_time(), time.perf_counter()
         self._cache, out = self._loop(self._params, self._cache, self._tokens, np.int32(start))
         out.block_until_ready()
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         out = self._tokens
         for i in range(self._steps):  # each step fed the last one's tokens, as a greedy decode
             self._cache, out = self._step(self._params, self._cache, out, np.int32(start + i))
         out.block_until_ready()
-        t2 = time.perf_counter()
-        return 1e3 * (t1 - t0) / self._steps, 1e3 * (t2 - t1) / self._steps
+        c2, t2 = time.process_time(), time.perf_counter()
+        loop, step = (t1 - t0), (t2 - t1)
+        cpu = (c1 - c0) if loop <= step else (c2 - c1)
+        return 1e3 * loop / self._steps, 1e3 * step / self._steps, 1e3 * cpu / self._steps
 
 
 def decoding_engine(model: str, batch: int, max_len: int) -> tuple[Engine, BuiltEngine]:
@@ -144,18 +164,21 @@ def measure(model: str, batch: int, steps: int, rounds: int) -> Row:
     at_bucket = Floor(paged, params, bucket, steps, max_len) if bucket != batch else None
     for _ in range(4):  # past the first pipelined steps
         engine.step()
-    engine_ms, loop_ms, step_ms, bucket_ms = [], [], [], []
+    engine_ms, loop_ms, step_ms, bucket_ms, engine_cpu, floor_cpu = [], [], [], [], [], []
     for _ in range(rounds):
         start = PROMPT + len(next(iter(engine.state.live.requests.values())).output_token_ids)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             engine.step()
         engine_ms.append(1e3 * (time.perf_counter() - t0) / steps)
-        lo, st = floor.block(start)
+        engine_cpu.append(1e3 * (time.process_time() - c0) / steps)
+        lo, st, cpu = floor.block(start)
         loop_ms.append(lo)
         step_ms.append(st)
-        bucket_ms.append(min(at_bucket.block(start)) if at_bucket else min(lo, st))
-    return Row(model, batch, bucket, engine_ms, loop_ms, step_ms, bucket_ms)
+        floor_cpu.append(cpu)
+        bucket_ms.append(min(at_bucket.block(start)[:2]) if at_bucket else min(lo, st))
+    return Row(model, batch, bucket, len(os.sched_getaffinity(0)), engine_ms, loop_ms, step_ms,
+               bucket_ms, engine_cpu, floor_cpu)
 
 
 def main() -> None:
@@ -187,12 +210,20 @@ def main() -> None:
                   f"{median_and_range(row.jit_loop_ms):>21} {median_and_range(row.jit_step_ms):>21} "
                   f"{r(row.ratios):>18} {row.bucket:6d} {median_and_range(row.jit_bucket_ms):>21} "
                   f"{r(row.bucket_ratios):>18}", flush=True)
+    print("\nCPU ms per step (the process's threads together); bound: the engine's CPU time over "
+          "its cores against the floor's wall time, the least ratio that CPU time allows")
+    print(f"{'model':14} {'batch':>5} {'cores':>5} {'engine cpu':>21} {'jit cpu':>21} {'bound':>18} {'ratio':>18}")
+    for row in rows:
+        r = functools.partial(median_and_range, fmt="{:.2f}x")
+        print(f"{row.model:14} {row.batch:5d} {row.cores:5d} {median_and_range(row.engine_cpu_ms):>21} "
+              f"{median_and_range(row.jit_cpu_ms):>21} {r(row.cpu_bound_ratios):>18} {r(row.ratios):>18}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
                        "backend": jax.default_backend(), "steps": args.steps, "rounds": args.rounds,
                        "xla_cpu_cores": args.xla_cpu_cores,
-                       "rows": [asdict(r) | {"ratios": r.ratios, "bucket_ratios": r.bucket_ratios}
+                       "rows": [asdict(r) | {"ratios": r.ratios, "bucket_ratios": r.bucket_ratios,
+                                             "cpu_bound_ratios": r.cpu_bound_ratios}
                                 for r in rows]}, f, indent=1)
 
 
