@@ -74,6 +74,35 @@ def test_pipelined_outputs_equal_synchronous(tiny_smollm2_vocab: LoadedModel, ca
         assert piped.num_preemptions > 0
 
 
+class CountingPolicy:
+    """A policy's plans, counted."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def schedule(self, view: object) -> object:
+        self.calls += 1
+        return self.inner.schedule(view)
+
+
+def test_repeating_plans_skip_the_policy_and_change_no_token(tiny_smollm2_vocab: LoadedModel) -> None:
+    """A decode plan that repeats (`Plan.repeat`) is applied again by the pipelined engine
+    without asking the policy (`EngineState.apply_repeat`) until a request ends: most steps
+    skip the policy, and the tokens are those of the policy asked every step."""
+    model = tiny_smollm2_vocab
+    prompts = _prompts(model.config.vocab_size, 6)
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 4 * i, ignore_eos=True) for i in range(6)]
+    asked, reused = (LLM(model, warmup=False, num_blocks=256) for _ in range(2))
+    asked.engine.state.apply_repeat = lambda now: None
+    counted = reused.engine.policy = CountingPolicy(reused.engine.policy)
+    assert _outputs(reused, prompts, params) == _outputs(asked, prompts, params)
+    assert reused.engine.pipelined and counted.calls * 2 < reused.engine.stats.num_steps, (
+        counted.calls, reused.engine.stats.num_steps)
+
+
 def test_abort_while_a_step_is_in_flight(tiny_smollm2_vocab: LoadedModel) -> None:
     """An abort between steps drops the request whose token is still on the device; the
     others go on as before and the state's bookkeeping holds after every step."""

@@ -108,7 +108,9 @@ class TokenRunner:
 
 
 class Recorder:
-    """Wraps the policy and the eviction rule, hashing every decision they hand back."""
+    """Wraps the policy and the eviction rule, hashing every decision they hand back, and
+    every later step of a repeating plan the engine applies without asking the policy
+    (`EngineState.apply_repeat`): the hash is of the plans carried out."""
 
     def __init__(self, engine: Engine) -> None:
         self.digest = hashlib.sha256()
@@ -118,18 +120,29 @@ class Recorder:
         engine.policy = self
         if self._rule is not None:
             engine.eviction = _RecordingRule(self)
+        self._apply_repeat = engine.state.apply_repeat
+        engine.state.apply_repeat = self.apply_repeat
 
     def schedule(self, view) -> Plan:
         plan = self._policy.schedule(view)
         r = view.requests
         remaining = dict(zip(r.seq_id.tolist(), (r.num_tokens - r.num_computed).tolist()))
         self.partial_chunks += sum(n < remaining[s] for s, n in plan.run.items())
+        self._record(plan)
+        return plan
+
+    def apply_repeat(self, now: float) -> Plan | None:
+        plan = self._apply_repeat(now)
+        if plan is not None:  # one-token decodes: no partial chunks
+            self._record(plan)
+        return plan
+
+    def _record(self, plan: Plan) -> None:
         self.digest.update(repr((
             list(plan.run.items()), sorted(plan.allocate.items()),
             sorted((s, m.value) for s, m in preempt_modes(plan).items()), sorted(swaps(plan).back),
             sorted(plan.reserve.items()), sorted(plan.evict),
         )).encode())
-        return plan
 
 
 class _RecordingRule:

@@ -2,7 +2,8 @@
 
 A trace replayed in the simulator with repeats (each request ended where the trace ends it,
 by `TraceEnds`) must give exactly what it gives one
-`step()` at a time: every request's tokens, token times, first-token and finish times,
+`step()` at a time, and that what it gives with the policy asked every step (not only where
+its plan stops repeating): every request's tokens, token times, first-token and finish times,
 preemptions, the engine's totals, the clock and the blocks each request ended up with.
 Traces are random (hypothesis), with caches tight enough that a repeat meets the point
 where the free blocks run out and the policy preempts.
@@ -49,13 +50,18 @@ def _trace(seed: int, n: int, rate: float) -> Trace:
     return Trace("random", reqs, seed, rate, 1.0)
 
 
-def _run(policy: str, trace: Trace, num_blocks: int, repeats: bool):
+def _run(policy: str, trace: Trace, num_blocks: int, repeats: bool, ask_every_step: bool = False):
+    """`repeats`: the simulator runs a repeating plan's steps at once; `ask_every_step`:
+    the policy plans every step, where the engine would apply a repeating plan's later
+    steps itself (`EngineState.apply_repeat`)."""
     built = build_engine(EngineConfig(runner="sim", policy=policy, model="opt-13b",
                                       hardware="a100-80g", num_blocks=num_blocks,
                                       max_model_len=512, max_num_seqs=16, swap_space=0.3))
     engine = built.engine
     if not repeats:
         engine.runner = OneStepAtATime(engine.runner)
+    if ask_every_step:
+        engine.state.apply_repeat = lambda now: None
     records = replay(engine, trace, built.clock, lambda r: [7] * r.prompt_len)
     return sorted(records, key=lambda r: r.request_id), engine.stats, built.clock.now()
 
@@ -67,9 +73,11 @@ def _run(policy: str, trace: Trace, num_blocks: int, repeats: bool):
 def test_repeats_replay_exactly_like_single_steps(policy: str, seed: int, rate: float,
                                                   num_blocks: int) -> None:
     trace = _trace(seed, 40, rate)
+    asked = _run(policy, trace, num_blocks, repeats=False, ask_every_step=True)
     one = _run(policy, trace, num_blocks, repeats=False)
     many = _run(policy, trace, num_blocks, repeats=True)
-    assert many == one
+    assert one == asked
+    assert many == asked
 
 
 def test_repeats_save_steps_of_python() -> None:

@@ -143,6 +143,9 @@ class Engine:
     def step(self, until: float | None = None) -> list[Request]:
         """Run one iteration; returns the requests that produced a token (or finished).
 
+        The iteration's plan is the policy's, or the next step of the last plan that
+        repeats (`Plan.repeat`) where nothing has changed since (`EngineState.apply_repeat`).
+
         `until`: the time the next request arrives, where the caller knows it (a trace
         replay). Given it, a plan that repeats (`Plan.repeat`) on a runner that can run
         repeated decodes at once (the simulator's) runs its later steps in one go: those
@@ -156,26 +159,20 @@ class Engine:
         if self._in_flight is not None and not self.pipelined:
             return self._read_in_flight()
         now = self.clock()
-        if self.eviction is not None:
-            self._trim_to_capacity(now)
-        view = self.state.snapshot(now)
-        plan = self.policy.schedule(view)
-        if self.eviction is not None:
-            plan = self._with_evictions(plan, view.now)
-        self.state.apply(plan, view.now)
+        plan = self.state.apply_repeat(now) or self._plan(now)
         self.stats.num_preemptions += len(plan.preempt)
         batch = self.state.batch(with_inputs=self.runner.needs_inputs)
         self.stats.num_swaps += batch.num_swapped_out
         if batch.num_seqs == 0:
             if batch.updates_runner:
                 self.runner.execute(batch)
-            if (not plan.preempt and not plan.features and len(view.requests)
+            if (not plan.preempt and not plan.features and self.state.has_unfinished
                     and self._in_flight is None):
                 raise PlanError(
-                    f"policy {self.policy.name!r} scheduled nothing with {len(view.requests)} "
+                    f"policy {self.policy.name!r} scheduled nothing with {len(self.state.requests)} "
                     "requests unfinished: the engine would stall"
                 )
-            self.state.commit(batch, StepOutput.empty(), view.now)
+            self.state.commit(batch, StepOutput.empty(), now)
             return self._read_in_flight()
         if self.pipelined:
             return self._pipeline(batch)
@@ -186,6 +183,17 @@ class Engine:
         if plan.repeat > 1 and until is not None and self._repeats:
             return self._repeat(batch, plan.repeat - 1, until) or gained
         return gained
+
+    def _plan(self, now: float) -> Plan:
+        """The policy's plan for the state now, with the eviction rule's picks, applied."""
+        if self.eviction is not None:
+            self._trim_to_capacity(now)
+        view = self.state.snapshot(now)
+        plan = self.policy.schedule(view)
+        if self.eviction is not None:
+            plan = self._with_evictions(plan, view.now)
+        self.state.apply(plan, view.now)
+        return plan
 
     def _pipeline(self, batch: Batch) -> list[Request]:
         """Dispatch `batch`, read the step before it while the device computes, book it."""

@@ -57,9 +57,11 @@ class Plan:
     decodes: every request in `run` computes its one new token, growing its table by a
     block when it fills one. It is a promise about the policy's own next plans (that the
     free blocks cover the growth, and that nothing else would be admitted, swapped in or
-    preempted), valid while no request arrives, finishes or is aborted; the engine checks
-    those events and may run fewer (see `Engine.step`). Only a plan that runs nothing but
-    one-token decodes, and preempts and evicts nothing, may repeat.
+    preempted), valid while no request arrives, finishes or is aborted: the engine applies
+    the later steps without asking the policy while none of those happens
+    (`EngineState.apply_repeat`), and the simulator books several at once (`Engine.step`).
+    Only a plan that runs nothing but one-token decodes, and preempts and evicts nothing,
+    may repeat.
     """
 
     run: Mapping[int, int] = field(default_factory=dict)

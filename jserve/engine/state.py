@@ -23,6 +23,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Unpack
 
+import numpy as np
+
 from jserve.cache.blocks import BlockManager
 from jserve.cache.prefix import CacheSnapshot, PrefixCacheSize, PrefixIndex
 from jserve.cache_features.protocol import CacheFeature, StateParts
@@ -115,6 +117,8 @@ class EngineState:
                             limits.max_num_seqs, int(feature_options.get("num_layers", 1)), share_forks)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse, self._forks)
         self._applied: CheckedPlan | None = None
+        # The last applied plan that repeats (`Plan.repeat`), and how many more steps it promised.
+        self._repeating: tuple[CheckedPlan, int] | None = None
         self._moves: Moves = NO_MOVES
         self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
         self._applied_at = 0.0
@@ -221,6 +225,38 @@ class EngineState:
             self._trim_moves = []
         self._applied = checked
         self._applied_at = now
+        self._repeating = (checked, plan.repeat - 1) if plan.repeat > 1 else None
+
+    def apply_repeat(self, now: float) -> Plan | None:
+        """Apply the next step of the last plan that repeats, as it promised (`Plan.repeat`)
+        and without asking the policy: the same one-token decodes, each request taking a block
+        where it fills one. None, with nothing changed, where the promise no longer holds (a
+        request arrived, ended or was aborted since, or the free blocks fall short) or the
+        state cannot repeat (`repeat_room`'s reasons). The policy's call, the snapshot and the
+        plan's check are the host's work per decode step this saves (bench/host_step.py)."""
+        if self._repeating is None:
+            return None
+        checked, left = self._repeating
+        self._repeating = None
+        run = checked.plan.run
+        if (left < 1 or self._reuse is not None or self._forks.forked or self._trim_moves
+                or len(self.live.requests) != len(run)):
+            return None
+        rows = self.live.rows(run)
+        if not np.array_equal(rows, checked.run_rows):
+            return None
+        counts = self._applier.decode_growth(rows, 1)[0]
+        if int(counts.sum()) > self.blocks.num_free:
+            return None
+        grows = np.flatnonzero(counts)
+        seq_ids = np.fromiter(run, np.int64, len(run))
+        plan = dataclasses.replace(
+            checked.plan, allocate=dict(zip(seq_ids[grows].tolist(), counts[grows].tolist())), repeat=left)
+        again = dataclasses.replace(checked, plan=plan, allocate_rows=rows[grows], allocate_counts=counts[grows])
+        self._moves = self._applier.apply(again, now)
+        self._applied, self._applied_at = again, now
+        self._repeating = (again, left - 1)
+        return plan
 
     def eviction_request(self, plan: Plan, now: float) -> tuple[int, CacheSnapshot] | None:
         """How many cached blocks must go for `plan` to fit (and for the cache to stay
@@ -242,6 +278,9 @@ class EngineState:
         if self._reuse is not None:
             dropped += self._reuse.take_dropped_moves()
         batch = self._batches.build(self._applied, self._moves, tuple(dropped), with_inputs)
+        if self._repeating is not None and (
+                batch.moves_blocks or not all(f.allows_repeat(batch) for f in self.features)):
+            self._repeating = None
         copies = self._forks.take_copies()
         return dataclasses.replace(batch, block_copies=copies) if copies else batch
 
@@ -300,6 +339,7 @@ class EngineState:
         which started at `started`: blocks, tokens, step times and the requests they end."""
         seq_ids = batch.seq_ids.tolist()
         rows = self.live.rows(seq_ids)
+        self._repeating = None  # its steps ran here
         self._applier.grow_decodes(seq_ids, rows, steps.num_steps)
         for t in steps.end_times:
             self.load.record_step(t - started)
