@@ -118,3 +118,31 @@ def test_only_plain_decode_plans_repeat() -> None:
         engine.state.apply(Plan(run={seq: 20}, allocate={seq: 2}, repeat=3), 0.0)
     with pytest.raises(PlanError, match="at least once"):
         engine.state.apply(Plan(run={seq: 20}, allocate={seq: 2}, repeat=0), 0.0)
+
+
+def test_the_engine_applies_a_repeat_until_a_request_arrives_or_ends() -> None:
+    """A repeating plan's later steps are applied without the policy
+    (`EngineState.apply_repeat`) while requests wait (decodes only take blocks, so the
+    promise covers them), and no longer once a request arrives or is aborted."""
+    built = build_engine(EngineConfig(runner="sim", model="opt-13b", hardware="a100-80g",
+                                      num_blocks=64, max_num_seqs=2))
+    engine = built.engine
+    for i in range(3):  # the third waits: two sequences at most
+        engine.add_request(f"r{i}", [7] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    repeated = []
+    apply_repeat = engine.state.apply_repeat
+
+    def recorded(now: float) -> Plan | None:
+        plan = apply_repeat(now)
+        repeated.append(plan is not None)
+        return plan
+
+    engine.state.apply_repeat = recorded
+    for _ in range(4):  # the prompts, the policy's decode plan, two repeats of it
+        engine.step()
+    engine.add_request("r3", [7] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # the policy again: an arrival
+    engine.step()  # a repeat of its plan
+    engine.abort("r0")
+    engine.step()  # the policy again: an abort
+    assert repeated == [False, False, True, True, False, True, False]

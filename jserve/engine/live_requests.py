@@ -44,6 +44,11 @@ class LiveRequests:
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def membership(self) -> tuple[int, int]:
+        """Changes whenever a request is added or removed: seq ids are never reused."""
+        return self._next_seq_id, len(self.requests)
+
     def new_seq_id(self) -> int:
         seq_id = self._next_seq_id
         self._next_seq_id += 1

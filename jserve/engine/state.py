@@ -117,8 +117,9 @@ class EngineState:
                             limits.max_num_seqs, int(feature_options.get("num_layers", 1)), share_forks)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse, self._forks)
         self._applied: CheckedPlan | None = None
-        # The last applied plan that repeats (`Plan.repeat`), and how many more steps it promised.
-        self._repeating: tuple[CheckedPlan, int] | None = None
+        # The last applied plan that repeats (`Plan.repeat`), how many more steps it promised,
+        # and the live requests' membership it was planned for.
+        self._repeating: tuple[CheckedPlan, int, tuple[int, int]] | None = None
         self._moves: Moves = NO_MOVES
         self._trim_moves: list[BlockMove] = []  # host-tier copies of blocks `trim` evicted
         self._applied_at = 0.0
@@ -225,7 +226,7 @@ class EngineState:
             self._trim_moves = []
         self._applied = checked
         self._applied_at = now
-        self._repeating = (checked, plan.repeat - 1) if plan.repeat > 1 else None
+        self._repeating = (checked, plan.repeat - 1, self.live.membership) if plan.repeat > 1 else None
 
     def apply_repeat(self, now: float) -> Plan | None:
         """Apply the next step of the last plan that repeats, as it promised (`Plan.repeat`)
@@ -236,26 +237,23 @@ class EngineState:
         plan's check are the host's work per decode step this saves (bench/host_step.py)."""
         if self._repeating is None:
             return None
-        checked, left = self._repeating
+        checked, left, membership = self._repeating
         self._repeating = None
-        run = checked.plan.run
-        if (left < 1 or self._reuse is not None or self._forks.forked or self._trim_moves
-                or len(self.live.requests) != len(run)):
+        if (left < 1 or membership != self.live.membership or self._reuse is not None
+                or self._forks.forked or self._trim_moves):
             return None
-        rows = self.live.rows(run)
-        if not np.array_equal(rows, checked.run_rows):
-            return None
+        rows = checked.run_rows  # nobody added or removed: the rows stand
         counts = self._applier.decode_growth(rows, 1)[0]
         if int(counts.sum()) > self.blocks.num_free:
             return None
         grows = np.flatnonzero(counts)
-        seq_ids = np.fromiter(run, np.int64, len(run))
+        seq_ids = np.fromiter(checked.plan.run, np.int64, len(rows))
         plan = dataclasses.replace(
             checked.plan, allocate=dict(zip(seq_ids[grows].tolist(), counts[grows].tolist())), repeat=left)
         again = dataclasses.replace(checked, plan=plan, allocate_rows=rows[grows], allocate_counts=counts[grows])
         self._moves = self._applier.apply(again, now)
         self._applied, self._applied_at = again, now
-        self._repeating = (again, left - 1)
+        self._repeating = (again, left - 1, membership)
         return plan
 
     def eviction_request(self, plan: Plan, now: float) -> tuple[int, CacheSnapshot] | None:
