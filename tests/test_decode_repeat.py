@@ -2,8 +2,8 @@
 
 A trace replayed in the simulator with repeats (each request ended where the trace ends it,
 by `TraceEnds`) must give exactly what it gives one
-`step()` at a time, and that what it gives with the policy asked every step (not only where
-its plan stops repeating): every request's tokens, token times, first-token and finish times,
+`step()` at a time, and both what the engine gives when its policy plans every step (not
+only where its plan stops repeating): every request's tokens, token times, first-token and finish times,
 preemptions, the engine's totals, the clock and the blocks each request ended up with.
 Traces are random (hypothesis), with caches tight enough that a repeat meets the point
 where the free blocks run out and the policy preempts.
