@@ -233,14 +233,14 @@ class EngineState:
         and without asking the policy: the same one-token decodes, each request taking a block
         where it fills one. None, with nothing changed, where the promise no longer holds (a
         request arrived, ended or was aborted since, or the free blocks fall short) or the
-        state cannot repeat (`repeat_room`'s reasons). The policy's call, the snapshot and the
+        state does not repeat (a prefix cache, forks, or a last step that moved blocks or
+        that a cache feature keeps from repeating). The policy's call, the snapshot and the
         plan's check are the host's work per decode step this saves (bench/host_step.py)."""
         if self._repeating is None:
             return None
         checked, left, membership = self._repeating
         self._repeating = None
-        if (left < 1 or membership != self.live.membership or self._reuse is not None
-                or self._forks.forked or self._trim_moves):
+        if membership != self.live.membership or self._reuse is not None or self._forks.forked:
             return None
         rows = checked.run_rows  # nobody added or removed: the rows stand
         counts = self._applier.decode_growth(rows, 1)[0]
@@ -253,7 +253,7 @@ class EngineState:
         again = dataclasses.replace(checked, plan=plan, allocate_rows=rows[grows], allocate_counts=counts[grows])
         self._moves = self._applier.apply(again, now)
         self._applied, self._applied_at = again, now
-        self._repeating = (again, left - 1, membership)
+        self._repeating = (again, left - 1, membership) if left > 1 else None
         return plan
 
     def eviction_request(self, plan: Plan, now: float) -> tuple[int, CacheSnapshot] | None:
