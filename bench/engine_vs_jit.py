@@ -48,15 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.builder import BuiltEngine, build_engine
-from jserve.config import EngineConfig
-from jserve.engine.loop import Engine
-from jserve.engine.sampling_params import SamplingParams
+from decoding_engine import BLOCK, PROMPT, decoding_engine
 from jserve.models import functional
 from jserve.runners.cpu_threads import start_xla_on
-
-PROMPT = 32  # tokens of each prompt: the context the first round starts from
-BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -140,24 +134,10 @@ class Floor:
         return 1e3 * loop / self._steps, 1e3 * step / self._steps, 1e3 * cpu / self._steps
 
 
-def decoding_engine(model: str, batch: int, max_len: int) -> tuple[Engine, BuiltEngine]:
-    """An engine whose `batch` requests have their prompts done and decode to `max_len`."""
-    built = build_engine(EngineConfig(model=model, max_num_seqs=batch, max_model_len=max_len,
-                                      num_blocks=batch * -(-max_len // BLOCK) + 8, block_size=BLOCK))
-    engine = built.engine
-    rng = np.random.default_rng(0)
-    vocab = built.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_len - PROMPT, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), rng.integers(1, vocab, PROMPT).tolist(), params)
-    while any(not r.output_token_ids for r in engine.state.live.requests.values()):
-        engine.step()
-    return engine, built
-
-
 def measure(model: str, batch: int, steps: int, rounds: int) -> Row:
     max_len = PROMPT + (rounds + 2) * steps + 8
-    engine, built = decoding_engine(model, batch, max_len)
+    built = decoding_engine(model, batch, max_len)
+    engine = built.engine
     paged, params = functional.split(built.loaded.model)
     bucket = engine.runner.buckets.tokens(batch)
     floor = Floor(paged, params, batch, steps, max_len)

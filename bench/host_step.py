@@ -23,27 +23,16 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROMPT, BLOCK, STEPS = 32, 16, 200
+STEPS = 200
 
 
 def measure(batch: int) -> float:
     """Median microseconds of `Engine.step()` over `STEPS` decode steps of `batch` requests."""
-    import numpy as np
+    from decoding_engine import PROMPT, decoding_engine
 
-    from jserve import SamplingParams
-    from jserve.builder import build_engine
-    from jserve.config import EngineConfig
-
-    max_len = PROMPT + STEPS + 64
-    built = build_engine(EngineConfig(model="tiny-llama", max_num_seqs=batch, max_model_len=max_len,
-                                      num_blocks=batch * -(-max_len // BLOCK) + 8, block_size=BLOCK))
-    engine, runner = built.engine, built.engine.runner
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_len - PROMPT, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), rng.integers(1, built.model_config.vocab_size, PROMPT).tolist(), params)
-    while any(not r.output_token_ids for r in engine.state.live.requests.values()):
-        engine.step()
+    built = decoding_engine("tiny-llama", batch, PROMPT + STEPS + 64)
+    runner = built.engine.runner
+    engine = built.engine
     real = runner._executable
     outputs = {}
 
