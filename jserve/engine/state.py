@@ -226,7 +226,9 @@ class EngineState:
             self._trim_moves = []
         self._applied = checked
         self._applied_at = now
-        self._repeating = (checked, plan.repeat - 1, self.live.membership) if plan.repeat > 1 else None
+        # With a prefix cache the eviction rule chooses step by step: the policy plans each.
+        repeats = plan.repeat > 1 and self._reuse is None
+        self._repeating = (checked, plan.repeat - 1, self.live.membership) if repeats else None
 
     def apply_repeat(self, now: float) -> Plan | None:
         """Apply the next step of the last plan that repeats, as it promised (`Plan.repeat`)
@@ -240,7 +242,7 @@ class EngineState:
             return None
         checked, left, membership = self._repeating
         self._repeating = None
-        if membership != self.live.membership or self._reuse is not None or self._forks.forked:
+        if membership != self.live.membership or self._forks.forked:
             return None
         rows = checked.run_rows  # nobody added or removed: the rows stand
         counts = self._applier.decode_growth(rows, 1)[0]
