@@ -70,16 +70,20 @@ class Row:
     jit_cpu_ms: list[float]  # of the faster of loop and step
 
     @property
+    def floor_ms(self) -> list[float]:
+        """Per round, the faster of the jitted loop and the jitted steps."""
+        return [min(lo, st) for lo, st in zip(self.jit_loop_ms, self.jit_step_ms)]
+
+    @property
     def ratios(self) -> list[float]:
-        return [e / min(lo, st) for e, lo, st in zip(self.engine_ms, self.jit_loop_ms, self.jit_step_ms)]
+        return [e / f for e, f in zip(self.engine_ms, self.floor_ms)]
 
     @property
     def cpu_bound_ratios(self) -> list[float]:
         """The ratio the engine's CPU time allows at best: its CPU seconds spread evenly over
         the process's cores, against the floor. Where the engine's ratio is near it, the
         cores are busy all step and only less work (host or device) shortens the step."""
-        return [c / self.cores / min(lo, st)
-                for c, lo, st in zip(self.engine_cpu_ms, self.jit_loop_ms, self.jit_step_ms)]
+        return [c / self.cores / f for c, f in zip(self.engine_cpu_ms, self.floor_ms)]
 
     @property
     def bucket_ratios(self) -> list[float]:
@@ -88,6 +92,9 @@ class Row:
 
 def median_and_range(xs: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+ratio_cell = functools.partial(median_and_range, fmt="{:.2f}x")
 
 
 class Floor:
@@ -185,18 +192,16 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             row = measure(model, batch, args.steps, args.rounds)
             rows.append(row)
-            r = functools.partial(median_and_range, fmt="{:.2f}x")
             print(f"{model:14} {batch:5d} {median_and_range(row.engine_ms):>21} "
                   f"{median_and_range(row.jit_loop_ms):>21} {median_and_range(row.jit_step_ms):>21} "
-                  f"{r(row.ratios):>18} {row.bucket:6d} {median_and_range(row.jit_bucket_ms):>21} "
-                  f"{r(row.bucket_ratios):>18}", flush=True)
+                  f"{ratio_cell(row.ratios):>18} {row.bucket:6d} {median_and_range(row.jit_bucket_ms):>21} "
+                  f"{ratio_cell(row.bucket_ratios):>18}", flush=True)
     print("\nCPU ms per step (the process's threads together); bound: the engine's CPU time over "
           "its cores against the floor's wall time, the least ratio that CPU time allows")
     print(f"{'model':14} {'batch':>5} {'cores':>5} {'engine cpu':>21} {'jit cpu':>21} {'bound':>18} {'ratio':>18}")
     for row in rows:
-        r = functools.partial(median_and_range, fmt="{:.2f}x")
         print(f"{row.model:14} {row.batch:5d} {row.cores:5d} {median_and_range(row.engine_cpu_ms):>21} "
-              f"{median_and_range(row.jit_cpu_ms):>21} {r(row.cpu_bound_ratios):>18} {r(row.ratios):>18}")
+              f"{median_and_range(row.jit_cpu_ms):>21} {ratio_cell(row.cpu_bound_ratios):>18} {ratio_cell(row.ratios):>18}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
