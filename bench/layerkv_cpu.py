@@ -10,7 +10,7 @@ The layer copies are timed by wrapping, in this script only, the runner's layer 
 each waited on until its copies are done; bytes = layer blocks moved to and from the host
 x K and V x one layer's block (the per-layer jit dispatches and the padded gathers/scatters
 included; the copies are compiled, and the host pool mapped, before the run starts).
-Device -> device slot copies (`layers_copy`) run inside the same paths: their blocks are
+Device -> device slot copies (`LayerBatch.copies`) run inside the same paths: their blocks are
 counted apart, and their time is in the copy time.
 
 LayerKV's Eq. 3-4 costs come from `--profile` (default: the committed CPU profile of
@@ -36,6 +36,7 @@ from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.benchmarking.tables import markdown_head, markdown_row
 from jserve.config import EngineConfig
 from jserve.cache.host_memory import memory_shardings
+from jserve.cache_features.layer_offload.batch import layer_work
 from jserve.cache_features.layer_offload.host_pool import LayerHostPool
 from jserve.cache_features.layer_offload.steps import LayerSteps
 from jserve.runners.jax_runner import JaxRunner
@@ -94,13 +95,13 @@ class LayerCopyMeter:
             return
         k = steps[0].pool.k[0]
         self.block_bytes = 2 * k[0].nbytes  # one layer's block, K and V
-        tables = batch.inputs.layer_tables if batch.inputs is not None else {}
-        for i, t in tables.items():
+        work = layer_work(batch)
+        for i, t in work.tables.items():
             self.offloaded_prefills.add(int(batch.seq_ids[i]))
             self.blocks_to_host += sum(len(h) for h in t.host)
-        self.blocks_to_host += sum(len(m.src) for m in batch.layers_to_host)
-        self.blocks_to_device += sum(len(m.src) for m in batch.layers_to_device)
-        self.blocks_copied += sum(len(m.src) for m in batch.layers_copy)
+        self.blocks_to_host += sum(len(m.src) for m in work.to_host)
+        self.blocks_to_device += sum(len(m.src) for m in work.to_device)
+        self.blocks_copied += sum(len(m.src) for m in work.copies)
 
 
 def plain_device_put(nbytes: int) -> dict:

@@ -47,7 +47,8 @@ from jserve.benchmarking.sweep import run_points
 from jserve.benchmarking.tables import cell, markdown_table
 from jserve.builder import sim_cost_model
 from jserve.config import EngineConfig
-from jserve.runners.cost_model import LayerTransfers, RooflineCostModel, StepShape
+from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
 from jserve.models.registry import get_config
 

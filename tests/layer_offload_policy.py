@@ -21,6 +21,7 @@ import numpy as np
 
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
+from jserve.cache_features.layer_offload.batch import layer_work
 from jserve.cache_features.layer_offload.section import layer_view, section
 from jserve.cache_features.swap_tier.section import swaps
 from jserve.engine.plan import Plan
@@ -239,12 +240,13 @@ def identical_to_roomy_run(llm: LLM, loaded: LoadedModel, prompts: list[list[int
     execute = llm.runner.execute
 
     def counting(batch):
-        starts = [int(batch.start[i]) for i in batch.inputs.layer_tables]
+        work = layer_work(batch)
+        starts = [int(batch.start[i]) for i in work.tables]
         seen["prefills"] += sum(s == 0 for s in starts)
         seen["host_decodes"] += sum(s > 0 for s in starts)
-        seen["to_host"] += len(batch.layers_to_host)
-        seen["to_device"] += len(batch.layers_to_device)
-        seen["copies"] += len(batch.layers_copy)
+        seen["to_host"] += len(work.to_host)
+        seen["to_device"] += len(work.to_device)
+        seen["copies"] += len(work.copies)
         return execute(batch)
 
     llm.runner.execute = counting

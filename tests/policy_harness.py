@@ -30,9 +30,11 @@ from hypothesis import strategies as st
 
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
+from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types
 from jserve.cache_features.layer_offload.section import kept, layer_view, num_free_layer_blocks
-from jserve.engine.batch import Batch, LayerMove, StepOutput
+from jserve.cache_features.layer_offload.batch import LayerMove, layer_work
+from jserve.engine.batch import Batch, StepOutput
 from jserve.cache_features.swap_tier.section import swaps
 from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy
@@ -77,7 +79,7 @@ class FakeRunner:
         read blocks another sequence wrote: then the KV it reads must hold its own tokens
         at the right positions, whoever wrote them. `kept(blocks)`: which of a swapped-out
         request's blocks stay valid on the device (shared or cached) rather than free.
-        `hidden_block_tokens`: tokens a block of a hidden-cache sequence (`Batch.hidden`)
+        `hidden_block_tokens`: tokens a block of a hidden-cache sequence (`hidden_mask`)
         holds, which a block's slots are laid out by for it."""
         self.context_of = context_of
         self.kept = kept
@@ -137,8 +139,9 @@ class FakeRunner:
     def _read_layers(self, batch: Batch) -> list[tuple[np.ndarray, LayerMove, np.ndarray]]:
         """Every layer copy's source read, then poisoned: (destination pool, move, data)."""
         kv, host = self.kv, self.host_kv
-        moves = ([(kv, host, m) for m in batch.layers_to_host] + [(kv, kv, m) for m in batch.layers_copy]
-                 + [(host, kv, m) for m in batch.layers_to_device])
+        work = layer_work(batch)
+        moves = ([(kv, host, m) for m in work.to_host] + [(kv, kv, m) for m in work.copies]
+                 + [(host, kv, m) for m in work.to_device])
         reads = [(dst, m, src[:, m.layer, m.src].copy()) for src, dst, m in moves]
         for src, _, m in moves:
             assert len(m.src) == len(m.dst)
@@ -147,7 +150,7 @@ class FakeRunner:
 
     def _places(self, batch: Batch, i: int) -> list[tuple[np.ndarray, int, np.ndarray]]:
         """(pool, layer, block table) of every layer of batch sequence `i`."""
-        tables = batch.inputs.layer_tables.get(i)
+        tables = layer_work(batch).tables.get(i)
         if tables is None:
             return [(self.kv, layer, self.tables.get(int(batch.seq_ids[i]), NO_BLOCKS))
                     for layer in range(self.kv.shape[1])]
@@ -182,11 +185,12 @@ class FakeRunner:
                 assert len(held) == len(set(held)), "two sequences in one batch share a KV block"
         held = [b for t in tables for b in t.tolist()]
         per_block = np.full(s, self.block_size)
-        if batch.hidden is not None:
-            assert self.hidden_block_tokens > 0 and len(batch.hidden) == s
-            assert not batch.inputs.layer_tables, "a hidden sequence with layers on the host"
-            per_block[batch.hidden] = self.hidden_block_tokens
-            self.num_hidden_runs += int(batch.hidden.sum())
+        hidden = hidden_mask(batch)
+        if hidden is not None:
+            assert self.hidden_block_tokens > 0 and len(hidden) == s
+            assert not layer_work(batch).tables, "a hidden sequence with layers on the host"
+            per_block[hidden] = self.hidden_block_tokens
+            self.num_hidden_runs += int(hidden.sum())
         written = [set(t[int(s0) // int(bs):].tolist())
                    for t, s0, bs in zip(tables, batch.start, per_block)]
         shared = [b for b, n in zip(*np.unique(held, return_counts=True)) if n > 1]
@@ -199,7 +203,7 @@ class FakeRunner:
             chunk = batch.inputs.token_ids[offset : offset + q]
             offset += q
             places = self._places(batch, i)
-            if i in batch.inputs.layer_tables:  # a prefill, or a run reading host layers
+            if i in layer_work(batch).tables:  # a prefill, or a run reading host layers
                 self.num_partial_prefills += start == 0
                 self.num_host_decodes += start > 0
             ps = np.arange(end)

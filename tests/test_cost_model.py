@@ -8,13 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jserve.cache_features.layer_offload.batch import LayerTransfers
 from jserve.engine.batch import Batch
 from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
 from jserve.runners.cost_model import (
     FEATURES,
     JAX_PUT_LATENCY,
     CalibratedCostModel,
-    LayerTransfers,
     RooflineCostModel,
     StepShape,
     SwapPath,

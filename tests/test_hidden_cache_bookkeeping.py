@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from property_examples import examples
 from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 
+from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.engine.batch import StepOutput
 from jserve.cache_features.hidden_cache.section import (
     CacheType,
@@ -51,7 +52,8 @@ def test_random_traces_with_both_types(name: str, data: st.DataObject) -> None:
 
     def watching(batch):
         nonlocal changes
-        hidden = np.zeros(batch.num_seqs, bool) if batch.hidden is None else batch.hidden
+        mask = hidden_mask(batch)
+        hidden = np.zeros(batch.num_seqs, bool) if mask is None else mask
         for seq, kind in zip(batch.seq_ids.tolist(), hidden.tolist()):
             changes += kinds.setdefault(seq, kind) != kind
             kinds[seq] = kind
@@ -111,7 +113,7 @@ def test_switch_discards_and_recomputes_in_the_same_plan() -> None:
     # Its hidden block is released first and the 18 tokens recomputed into 2 KV blocks.
     state.apply(Plan(run={0: 18}, allocate={0: 2}, features=section({0: CacheType.KV})), h.clock())
     batch = state.batch()
-    assert batch.hidden is None and int(batch.start[0]) == 0 and int(batch.query_lens[0]) == 18
+    assert hidden_mask(batch) is None and int(batch.start[0]) == 0 and int(batch.query_lens[0]) == 18
     state.commit(batch, h.runner.execute(batch), h.clock())
     state.check_invariants()
     assert state.blocks.num_free == 6

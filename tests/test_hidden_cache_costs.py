@@ -13,7 +13,8 @@ import pytest
 from hidden_cache_policy import ForcedHiddenCache, all_hidden
 
 from jserve.builder import build_engine
-from jserve.cache_features.hidden_cache.section import hidden_view
+from jserve.cache_features.hidden_cache.batch import HiddenBatch
+from jserve.cache_features.hidden_cache.section import NAME, hidden_view
 from jserve.config import EngineConfig
 from jserve.engine.batch import Batch
 from jserve.engine.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ OPT13B, A100 = get_config("opt-13b"), get_hardware("a100-80g")
 def _batch(hidden: np.ndarray | None) -> Batch:
     start, q = np.array([99, 0, 10]), np.array([1, 20, 1])
     return Batch(seq_ids=np.arange(3), start=start.astype(np.int32), query_lens=q.astype(np.int32),
-                 sample=np.ones(3, bool), hidden=hidden)
+                 sample=np.ones(3, bool), features={} if hidden is None else {NAME: HiddenBatch(hidden)})
 
 
 def test_hidden_sequences_recompute_over_their_past_tokens() -> None:

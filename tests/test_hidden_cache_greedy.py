@@ -15,6 +15,7 @@ from hidden_cache_policy import ForcedHiddenCache, all_hidden, every_other
 from layer_offload_policy import greedy_ids, random_prompts
 
 from jserve import LLM
+from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.models.loading import LoadedModel, load_model
 
 
@@ -40,7 +41,8 @@ def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list
 
     def counting(batch):
         nonlocal hidden
-        hidden += 0 if batch.hidden is None else int(batch.hidden.sum())
+        mask = hidden_mask(batch)
+        hidden += 0 if mask is None else int(mask.sum())
         return execute(batch)
 
     llm.runner.execute = counting

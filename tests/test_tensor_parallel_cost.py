@@ -13,7 +13,8 @@ from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.builder import build_engine, sim_cost_model
 from jserve.cache.sizing import block_bytes
 from jserve.config import EngineConfig
-from jserve.runners.cost_model import ALLREDUCES_PER_LAYER, LayerTransfers, RooflineCostModel, StepShape, overlap_layers
+from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.runners.cost_model import ALLREDUCES_PER_LAYER, RooflineCostModel, StepShape, overlap_layers
 from jserve.runners.engine_overhead import KERNELS_ONLY
 from jserve.runners.hardware import NVLINK3, PCIE4, Interconnect, get_hardware, kv_capacity_blocks
 from jserve.models.registry import get_config

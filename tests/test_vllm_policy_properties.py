@@ -299,8 +299,8 @@ def test_schedule_is_pure_and_state_accepts_plan(data: st.DataObject) -> None:
     plan = policy.schedule(view)
     assert_view_unchanged(view, before, scalars)
     again = policy.schedule(view)
-    assert (dict(again.run), dict(again.allocate), dict(again.preempt)) == (
-        dict(plan.run), dict(plan.allocate), dict(plan.preempt)
+    assert (dict(again.run), dict(again.allocate), again.preempt) == (
+        dict(plan.run), dict(plan.allocate), plan.preempt
     )
     assert list(again.run) == list(plan.run)
     check_vllm_plan(view, plan)

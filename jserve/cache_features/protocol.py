@@ -6,14 +6,14 @@ that does nothing, so a feature writes only the stages it uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
-from jserve.engine.batch import Batch
+from jserve.engine.batch import Batch, BatchSection, BlockMove
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan import Plan
 from jserve.engine.prefix_reuse import PrefixReuse
@@ -61,6 +61,17 @@ class SectionCheck:
 
 
 NOTHING = SectionCheck()
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The applied plan's runs as its batch lists them: seq ids, their rows in the live
+    columns, the tokens each has cached and computes now."""
+
+    seq_ids: np.ndarray  # [S] int64
+    rows: np.ndarray  # [S] int64
+    start: np.ndarray  # [S] int32
+    query_lens: np.ndarray  # [S] int32
 
 
 class CacheFeature:
@@ -122,10 +133,16 @@ class CacheFeature:
     def after_runs(self, checked: SectionCheck, run_rows: np.ndarray) -> None:
         """Set what the core's booking of the plan's runs does not know (a status)."""
 
-    def moves(self, checked: SectionCheck) -> Mapping[str, object]:
-        """The copies its booking makes before the step's compute (`plan_apply.Moves`
-        fields)."""
-        return {}
+    def moves(self, checked: SectionCheck) -> tuple[Sequence[BlockMove], Sequence[BlockMove]]:
+        """The whole requests its booking moves before the step's compute: device blocks to
+        the host, and back."""
+        return (), ()
+
+    # ------------------------------------------------------------------ the runner's work
+    def batch_section(self, checked: SectionCheck, runs: Runs, with_inputs: bool) -> BatchSection | None:
+        """Its part of the applied plan's `Batch` (`Batch.features[name]`), or None where the
+        step has none of its sequences or copies; `with_inputs`: the batch is a real runner's."""
+        return None
 
     # ------------------------------------------------------------------ after the step
     def allows_repeat(self, batch: Batch) -> bool:
@@ -166,12 +183,6 @@ class StepFeature:
 
     name: str = ""
     compiled_ahead: bool = True  # whether warm-up compiles its variant of every step
-
-    @staticmethod
-    def in_batch(batch: Batch) -> bool:
-        """Whether `batch` has this feature's sequences (a runner without the feature refuses
-        such a batch)."""
-        return False
 
     # ------------------------------------------------------------------ build
     def extra_blocks(self) -> int:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -99,9 +100,6 @@ class BatchInputs:
     token_ids: np.ndarray  # [T] int32, flat
     output_index: np.ndarray  # [S] int32: index of the token being sampled (for the RNG)
     delta: BatchDelta
-    # Sequences that keep only some layers on the device (LayerKV), by batch index: their
-    # blocks per layer. Their block table is empty.
-    layer_tables: dict[int, LayerTables] = field(default_factory=dict)
     # Only when a request asks (`SamplingParams.logprobs` / `prompt_logprobs`): the
     # runner then also returns the top log-probabilities of sampled tokens, and with
     # `next_token_ids` ([T] int32, the token after each flat position; 0 past the known
@@ -124,49 +122,24 @@ class BlockMove:
     device_blocks: np.ndarray  # int32
 
 
-@dataclass(frozen=True)
-class LayerMove:
-    """One layer of a request's K/V copied block by block, in table order, from `src` to
-    `dst` block ids of that layer's pools (device -> host, host -> device, or device ->
-    device, as the `Batch` field it is in says)."""
+class BatchSection(Protocol):
+    """A cache feature's part of a `Batch` (`Batch.features[name]`, e.g.
+    `jserve.cache_features.layer_offload.batch.LayerBatch`): what its sequences and copies
+    ask of a runner, and what they add to the step's cost."""
 
-    seq_id: int
-    layer: int
-    src: np.ndarray  # int32
-    dst: np.ndarray  # int32
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether it moves blocks (before the compute, or the step's own host traffic)."""
+        ...
 
+    def sliced(self, lo: int, hi: int) -> BatchSection | None:
+        """Its part for the batch's sequences `lo:hi` once the step's copies are done (a
+        runner running the batch in groups); None: none of them is its."""
+        ...
 
-@dataclass(frozen=True)
-class LayerTables:
-    """Where a partly offloaded request's K/V lives, per layer: `device[l]` its blocks in
-    layer `l`'s device pool (empty for an offloaded layer), `host[l]` its blocks in layer
-    `l`'s host pool (empty for a kept layer)."""
-
-    seq_id: int
-    device: tuple[np.ndarray, ...]
-    host: tuple[np.ndarray, ...]
-
-
-@dataclass(frozen=True)
-class LayerTraffic:
-    """Layer blocks (one block of one layer's K and V) a step moves, per layer `[L]`, the
-    cost model's input for LayerKV:
-
-    - `prefill_to_host`: the new K/V this step computes in offloaded layers (a prefill's
-      every block, a decode's block its token lands in), written to the host as each layer
-      computes (the paper overlaps each with the following layers);
-    - `to_host`: retained layers offloaded before the step (device slots freed);
-    - `to_device`: offloaded layers' blocks brought to the device before the layer
-      computes: those brought back to stay, and the context a partly offloaded request
-      that runs reads from the host for this step (LayerKV Section 4: "during the decode
-      stage, KV cache is transferred layer-by-layer from host memory to GPU memory");
-    - `device_copy`: kept layers' slots copied into whole blocks when a request gets every
-      layer back (device memory to device memory)."""
-
-    prefill_to_host: np.ndarray
-    to_host: np.ndarray
-    to_device: np.ndarray
-    device_copy: np.ndarray
+    def shape_terms(self, batch: Batch, bytes_per_block: int) -> Mapping[str, object]:
+        """What it adds to the step's `jserve.runners.cost_model.StepShape`, by field."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -190,24 +163,14 @@ class Batch:
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
     host_dropped: tuple[int, ...] = ()  # seq ids that ended while swapped out
-    # Layer residency changes (LayerKV), done before the step's compute after the swaps,
-    # every source read before any destination is written: device -> host, host -> device,
-    # and device slots -> whole blocks. The step's own host traffic is not a copy list: a
-    # runner reads the offloaded layers' context of the sequences in `inputs.layer_tables`
-    # for the step and writes their new K/V back to the host.
-    layers_to_host: tuple[LayerMove, ...] = ()
-    layers_to_device: tuple[LayerMove, ...] = ()
-    layers_copy: tuple[LayerMove, ...] = ()
-    layer_traffic: LayerTraffic | None = None  # None: no layer moves this step
-    # [S] bool: which sequences hold Apt-Serve's hidden cache (their blocks hold each
-    # layer's attention input rows, K page then V page; K/V recomputed every step);
-    # None when none does.
-    hidden: np.ndarray | None = None
+    # Each cache feature's part, by feature name, where the step has its sequences or
+    # copies (`jserve.cache_features`; the runner's side of a feature reads its own).
+    features: Mapping[str, BatchSection] = field(default_factory=dict)
 
     @property
     def moves_blocks(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.host_dropped or self.block_copies
-                    or self.layer_traffic is not None)
+                    or any(f.moves_blocks for f in self.features.values()))
 
     @property
     def updates_runner(self) -> bool:

@@ -1,6 +1,7 @@
 """The runner's work list for an applied plan: which sequences compute which tokens, which
-of them yield a token, the block copies to make first, and (for a runner that runs a
-model) the token ids and what changed in the sequences it keeps (`batch_delta`)."""
+of them yield a token, the block copies to make first, each cache feature's part, and (for
+a runner that runs a model) the token ids and what changed in the sequences it keeps
+(`batch_delta`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.cache.blocks import BlockManager
-from jserve.cache_features.hidden_cache.section import CacheType
-from jserve.engine.batch import Batch, BatchInputs, LayerMove, LayerTraffic
+from jserve.cache_features.protocol import CacheFeature, Runs
+from jserve.engine.batch import Batch, BatchInputs
 from jserve.engine.batch_delta import DeltaTracker
-from jserve.cache_features.layer_offload.residency import LayerResidency
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.plan_apply import Moves
 from jserve.engine.plan_check import CheckedPlan
@@ -23,67 +22,31 @@ from jserve.structured import bitmask_words, fill_bitmasks
 @dataclass(frozen=True)
 class BatchBuilder:
     live: LiveRequests
-    blocks: BlockManager
-    residency: LayerResidency
+    features: tuple[CacheFeature, ...]
     deltas: DeltaTracker
 
     def build(self, checked: CheckedPlan, moves: Moves, host_dropped: tuple[int, ...],
               with_inputs: bool) -> Batch:
-        """The plan's runs in plan order; `with_inputs` adds what a real runner reads."""
+        """The plan's runs in plan order, each cache feature's part of the step; `with_inputs`
+        adds what a real runner reads."""
         cols, run = self.live.cols, checked.plan.run
         seq_ids = np.fromiter(run.keys(), np.int64, len(run))
         query_lens = checked.run_lens.astype(np.int32)
         start = cols.num_computed[checked.run_rows].astype(np.int32)
         sample = (start + query_lens) == cols.num_tokens[checked.run_rows]
-        hidden = cols.cache_type[checked.run_rows] == CacheType.HIDDEN
-        partial = self._partial_runs(seq_ids) if self.residency.partial else {}
         if with_inputs:
-            inputs = self._inputs(seq_ids, start, query_lens, partial)
+            inputs = self._inputs(seq_ids, start, query_lens)
         else:
             inputs = None
             self.deltas.discard()
-        layers = moves.layers
-        layer_moves = {} if layers is None else dict(
-            layers_to_host=tuple(layers.to_host), layers_to_device=tuple(layers.to_device),
-            layers_copy=tuple(layers.device_copies))
-        traffic = self._traffic(layer_moves, partial, start, query_lens) if layer_moves or partial else None
+        runs = Runs(seq_ids, checked.run_rows, start, query_lens)
+        found = ((f.name, f.batch_section(section, runs, with_inputs))
+                 for f, section in zip(self.features, checked.sections))
         return Batch(seq_ids=seq_ids, start=start, query_lens=query_lens, sample=sample,
                      inputs=inputs, swap_out=moves.swap_out, swap_in=moves.swap_in,
-                     host_dropped=host_dropped, layer_traffic=traffic,
-                     hidden=hidden if hidden.any() else None, **layer_moves)
+                     host_dropped=host_dropped, features={n: s for n, s in found if s is not None})
 
-    def _partial_runs(self, seq_ids: np.ndarray) -> dict[int, int]:
-        """Batch index -> seq id of the sequences that run with layers on the host."""
-        partial = self.residency.partial
-        found = np.flatnonzero(np.isin(seq_ids, np.fromiter(partial, np.int64, len(partial))))
-        return dict(zip(found.tolist(), seq_ids[found].tolist()))
-
-    def _traffic(self, layer_moves: dict[str, tuple[LayerMove, ...]], partial: dict[int, int],
-                 start: np.ndarray, query_lens: np.ndarray) -> LayerTraffic:
-        """Layer blocks moved per layer. A partly offloaded request that runs reads each host
-        layer's blocks holding its context (the blocks before `start`, the last partly filled
-        one included) to the device for the step, and writes the blocks its new tokens fill
-        back to the host (a prefill: every block)."""
-        L, bs = self.residency.num_layers, self.blocks.block_size
-
-        def per_layer(moves: tuple[LayerMove, ...]) -> np.ndarray:
-            out = np.zeros(L, np.int64)
-            for m in moves:
-                out[m.layer] += len(m.src)
-            return out
-
-        written, read = np.zeros(L, np.int64), np.zeros(L, np.int64)
-        for i, seq_id in partial.items():
-            host = list(self.residency.partial[seq_id].host)
-            s, end = int(start[i]), int(start[i] + query_lens[i])
-            read[host] += -(-s // bs)
-            written[host] += -(-end // bs) - s // bs
-        to_host, to_device, copies = (per_layer(layer_moves.get(k, ()))
-                                      for k in ("layers_to_host", "layers_to_device", "layers_copy"))
-        return LayerTraffic(written, to_host, to_device + read, copies)
-
-    def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray,
-                partial: dict[int, int]) -> BatchInputs:
+    def _inputs(self, seq_ids: np.ndarray, start: np.ndarray, query_lens: np.ndarray) -> BatchInputs:
         reqs = [self.live.requests[s] for s in seq_ids.tolist()]
         starts, lens = start.tolist(), query_lens.tolist()
         tokens = [_slice(r, b, q) for r, b, q in zip(reqs, starts, lens)]
@@ -97,7 +60,6 @@ class BatchBuilder:
             output_index=np.fromiter((len(r.output_token_ids) + r.pending_tokens for r in reqs),
                                      np.int32, len(reqs)),
             delta=self.deltas.take(seq_ids),
-            layer_tables={i: self.residency.tables(s) for i, s in partial.items()},
             logprobs=any(r.params.logprobs is not None for r in reqs) or next_ids is not None,
             next_token_ids=next_ids,
             token_mask=_token_mask(reqs) if self.live.constrained else None,

@@ -15,6 +15,7 @@ What comes out is the block copies the runner must make before the step's comput
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,16 +38,13 @@ class Moves:
 
     swap_out: tuple[BlockMove, ...] = ()
     swap_in: tuple[BlockMove, ...] = ()
-    layers: object = None  # layer residency's copies (`LayerMoves`); None: no change
 
     @classmethod
-    def joined(cls, features: list[dict[str, object]], swap_out: list[BlockMove],
-               swap_in: list[BlockMove]) -> Moves:
+    def joined(cls, features: list[tuple[Sequence[BlockMove], Sequence[BlockMove]]],
+               swap_out: list[BlockMove], swap_in: list[BlockMove]) -> Moves:
         """The features' copies, then the core's (prefix-cache demotions and loads)."""
-        own = {k: v for moves in features for k, v in moves.items() if k not in ("swap_out", "swap_in")}
-        out = [m for moves in features for m in moves.get("swap_out", ())]
-        back = [m for moves in features for m in moves.get("swap_in", ())]
-        return cls(tuple(out + swap_out), tuple(back + swap_in), **own)
+        return cls(tuple(m for out, _ in features for m in out) + tuple(swap_out),
+                   tuple(m for _, back in features for m in back) + tuple(swap_in))
 
 
 NO_MOVES = Moves()

@@ -108,10 +108,7 @@ class EngineState:
                                        **feature_options)
         self._checker = PlanChecker(self.live, self.blocks, limits, self._reuse, self.features)
         self._applier = PlanApplier(self.live, self.blocks, self._reuse, self.features)
-        # The batch builder (runner side, being reworked) still reads partly offloaded
-        # requests' slots itself, from the layer feature's residency.
-        self._batches = BatchBuilder(self.live, self.blocks, self.feature("layer_offload").residency,
-                                     DeltaTracker(self.live, self.blocks))
+        self._batches = BatchBuilder(self.live, self.features, DeltaTracker(self.live, self.blocks))
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
         self._forks = Forks(self.live, self.blocks, eos_token_id, self._admission.detokenizer,
                             limits.max_num_seqs, int(feature_options.get("num_layers", 1)), share_forks)

@@ -29,40 +29,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from jserve.cache_features.layer_offload.batch import LayerTransfers
 from jserve.models.config import ModelConfig
 from jserve.runners.engine_overhead import FLAT_2MS, EngineOverhead, FitRange, FitRangeWatch
 from jserve.runners.hardware import Hardware
 
 if TYPE_CHECKING:
-    from jserve.engine.batch import Batch, LayerTraffic
+    from jserve.engine.batch import Batch
 
 # ---------------------------------------------------------------------------------------
 # Step shape
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LayerTransfers:
-    """Bytes a step moves per layer under layer-wise residency (LayerKV), each `[L]`, from
-    the batch's `LayerTraffic` (whole blocks of one layer's K and V):
-
-    - `prefill_to_host`: this step's prefills' new K/V of offloaded layers, device -> host,
-      each layer's copy able to start once that layer has computed;
-    - `to_host`: retained layers offloaded before the step (device -> host);
-    - `to_device`: offloaded layers brought back before the step (host -> device);
-    - `device_copy`: kept layers' slots copied into whole blocks (device memory)."""
-
-    prefill_to_host: tuple[int, ...]
-    to_host: tuple[int, ...]
-    to_device: tuple[int, ...]
-    device_copy: tuple[int, ...]
-
-    @classmethod
-    def of(cls, traffic: LayerTraffic, bytes_per_block: int) -> LayerTransfers:
-        """`bytes_per_block`: one block of every layer's K and V."""
-        per_layer = bytes_per_block // len(traffic.to_host)
-        return cls(*(tuple((getattr(traffic, f.name) * per_layer).tolist())
-                     for f in dataclasses.fields(cls)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +133,8 @@ class StepShape:
            bytes_per_block: int = 0) -> StepShape:
         """Shape of a runner's `Batch` (a few numpy reductions: called every simulated step);
         `pad` maps a token count to the runner's bucket when padding is modelled;
-        `bytes_per_block` prices the batch's swapped blocks (all layers' K and V), out and in."""
+        `bytes_per_block` prices the batch's swapped blocks (all layers' K and V), out and in,
+        and whatever the cache features' parts of the batch move."""
         shape = cls.from_lens(batch.start, batch.query_lens)
         if batch.num_swapped_blocks:
             blocks = batch.num_swapped_blocks
@@ -164,11 +142,8 @@ class StepShape:
                                         swap_moves=len(batch.swap_out) + len(batch.swap_in))
         if batch.block_copies:
             shape = dataclasses.replace(shape, copy_bytes=len(batch.block_copies) * bytes_per_block)
-        if batch.hidden is not None:  # Apt-Serve: their K/V recomputed over every past row
-            shape = dataclasses.replace(shape, hidden_tokens=int(batch.start[batch.hidden].sum()))
-        if batch.layer_traffic is not None:
-            shape = dataclasses.replace(shape, layer_bytes=LayerTransfers.of(batch.layer_traffic,
-                                                                               bytes_per_block))
+        for section in batch.features.values():  # the cache features' own terms
+            shape = dataclasses.replace(shape, **section.shape_terms(batch, bytes_per_block))
         if pad is None or batch.num_seqs == 0:
             return shape
         padded = pad(shape.num_tokens)

@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ from flax import nnx
 
 from jserve.cache_features.protocol import StepContext, StepFeature
 from jserve.cache_features.registry import build_step_features, refuse_unknown_steps
-from jserve.engine.batch import Batch, BatchDelta, StepOutput, TopLogprobs
+from jserve.engine.batch import Batch, BatchDelta, BatchSection, StepOutput, TopLogprobs
 from jserve.engine.request import PLACEHOLDER
 from jserve.engine.sampling_params import MAX_LOGPROBS
 from jserve.engine.view import SchedulerLimits
@@ -216,12 +216,16 @@ def _sub_batch(batch: Batch, rows: np.ndarray) -> Batch:
     t0, t1 = int(offsets[lo]), int(offsets[hi])
     inputs = dataclasses.replace(
         x, token_ids=x.token_ids[t0:t1], output_index=x.output_index[lo:hi],
-        layer_tables={i - lo: t for i, t in x.layer_tables.items() if lo <= i < hi},
         next_token_ids=None if x.next_token_ids is None else x.next_token_ids[t0:t1],
         token_mask=None if x.token_mask is None else x.token_mask[lo:hi])
     return Batch(seq_ids=batch.seq_ids[lo:hi], start=batch.start[lo:hi], query_lens=batch.query_lens[lo:hi],
-                 sample=batch.sample[lo:hi], inputs=inputs,
-                 hidden=None if batch.hidden is None else batch.hidden[lo:hi])
+                 sample=batch.sample[lo:hi], inputs=inputs, features=_sliced(batch.features, lo, hi))
+
+
+def _sliced(features: Mapping[str, BatchSection], lo: int, hi: int) -> dict[str, BatchSection]:
+    """The cache features' parts for sequences `lo:hi`."""
+    parts = ((name, section.sliced(lo, hi)) for name, section in features.items())
+    return {name: part for name, part in parts if part is not None}
 
 
 def _concat_outputs(outs: list[StepOutput]) -> StepOutput:

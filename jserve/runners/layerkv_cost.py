@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.runners.cost_model import CostModel, LayerTransfers, StepShape, nnls
+from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.runners.cost_model import CostModel, StepShape, nnls
 from jserve.runners.hardware import Hardware
 from jserve.models.config import ModelConfig
 

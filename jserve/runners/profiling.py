@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jserve.cache_features.hidden_cache.batch import HiddenBatch
+from jserve.cache_features.hidden_cache.section import NAME
 from jserve.engine.batch import Batch, BatchDelta, BatchInputs, BlockMove
 from jserve.runners.cost_model import CalibratedCostModel, StepShape
 from jserve.runners.jax_runner import JaxRunner
@@ -59,8 +61,8 @@ def _batch(starts: list[int], query_lens: list[int], block_size: int, hidden_blo
     tables = tuple(np.arange(offsets[i], offsets[i + 1], dtype=np.int32) for i in range(n))
     z = np.zeros
     inputs = BatchInputs(z(int(q.sum()), np.int32), z(n, np.int32), BatchDelta.of_sequences(range(n), tables))
-    hidden = np.ones(n, bool) if hidden_block_tokens else None
-    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs, hidden=hidden)
+    hidden = {NAME: HiddenBatch(np.ones(n, bool))} if hidden_block_tokens else {}
+    return Batch(np.arange(n), start, q, np.ones(n, bool), inputs, features=hidden)
 
 
 def measure(runner: JaxRunner, shapes: list[tuple[list[int], list[int]]], repeats: int = 3

@@ -9,8 +9,9 @@ from typing import ClassVar
 
 import numpy as np
 
+from jserve.cache_features.hidden_cache.batch import HiddenBatch
 from jserve.cache_features.hidden_cache.section import NAME, CacheType, HiddenView, cache_types
-from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
+from jserve.cache_features.protocol import NOTHING, CacheFeature, Runs, SectionCheck, StateParts
 from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first
@@ -121,7 +122,12 @@ class HiddenCache(CacheFeature):
         cols.cache_type[changes.rows] = changes.types
 
     def allows_repeat(self, batch: Batch) -> bool:
-        return batch.hidden is None
+        return NAME not in batch.features
+
+    # ------------------------------------------------------------------ the runner's work
+    def batch_section(self, checked: SectionCheck, runs: Runs, with_inputs: bool) -> HiddenBatch | None:
+        mask = self.parts.live.cols.cache_type[runs.rows] == CacheType.HIDDEN
+        return HiddenBatch(mask) if mask.any() else None
 
     def check_invariants(self, prefix_cache: bool) -> None:
         """Hidden requests exist only on a model that can hold them, without a prefix

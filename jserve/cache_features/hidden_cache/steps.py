@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.cache.sizing import hidden_rows_per_page
+from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.cache_features.hidden_cache.section import NAME
 from jserve.cache_features.protocol import StepContext, StepFeature
 from jserve.engine.batch import Batch
@@ -97,10 +98,6 @@ class HiddenSteps(StepFeature):
         layout = HiddenLayout.of(ctx.cfg, ctx.block_size, ctx.max_model_len)
         return None if layout is None else cls(ctx, layout, hidden_steps)
 
-    @staticmethod
-    def in_batch(batch: Batch) -> bool:
-        return batch.hidden is not None
-
     def table_width(self) -> int:
         return self.layout.max_blocks if self.compiled_ahead else 0
 
@@ -118,15 +115,17 @@ class HiddenSteps(StepFeature):
 
     def tables(self, batch: Batch, tables: np.ndarray) -> np.ndarray:
         """Its sequences attend to no paged K/V but their own step's."""
-        if batch.hidden is not None:
-            tables[batch.hidden] = self.scratch_block
+        hidden = hidden_mask(batch)
+        if hidden is not None:
+            tables[hidden] = self.scratch_block
         return tables
 
     def metadata(self, batch: Batch, meta: AttentionMetadata,
                  table_of: Callable[[int], np.ndarray], step: object) -> AttentionMetadata:
-        if batch.hidden is None:
+        hidden = hidden_mask(batch)
+        if hidden is None:
             return meta
-        return self._with_hidden(meta, batch.hidden, [table_of(i) for i in range(batch.num_seqs)])
+        return self._with_hidden(meta, hidden, [table_of(i) for i in range(batch.num_seqs)])
 
     def padding_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return self._with_hidden(meta, np.zeros(0, bool), [])

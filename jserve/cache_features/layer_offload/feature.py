@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jserve.cache.layers import kept_layers, layer_shortfall
+from jserve.cache_features.layer_offload.batch import LayerBatch, LayerMove, LayerTraffic
 from jserve.cache_features.layer_offload.residency import LayerChange, LayerMoves, LayerResidency
 from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
-from jserve.cache_features.protocol import NOTHING, CacheFeature, SectionCheck, StateParts
+from jserve.cache_features.protocol import NOTHING, CacheFeature, Runs, SectionCheck, StateParts
 from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first, values
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED, WAITING
@@ -198,9 +199,50 @@ class LayerOffload(CacheFeature):
         cols.status[rows[partial]] = OFFLOADED
         cols.status[rows[~partial & (cols.status[rows] == OFFLOADED)]] = RUNNING
 
-    def moves(self, checked: SectionCheck) -> Mapping[str, object]:
+    # ------------------------------------------------------------------ the runner's work
+    def batch_section(self, checked: SectionCheck, runs: Runs, with_inputs: bool) -> LayerBatch | None:
+        """The booking's copies and the partly offloaded runs' tables (a real runner's
+        batch), with the traffic of both; None when the plan changed no residency and no
+        partly offloaded request runs."""
         booking: LayerBooking | None = checked.booking
-        return {} if booking is None or booking.moves is None else {"layers": booking.moves}
+        moves = None if booking is None else booking.moves
+        partial = self._partial_runs(runs.seq_ids)
+        if moves is None and not partial:
+            return None
+        moves = moves or LayerMoves()
+        tables = {i: self.residency.tables(s) for i, s in partial.items()} if with_inputs else {}
+        return LayerBatch(tuple(moves.to_host), tuple(moves.to_device), tuple(moves.device_copies),
+                          tables, self._traffic(moves, partial, runs))
+
+    def _partial_runs(self, seq_ids: np.ndarray) -> dict[int, int]:
+        """Batch index -> seq id of the sequences that run with layers on the host."""
+        partial = self.residency.partial
+        if not partial:
+            return {}
+        found = np.flatnonzero(np.isin(seq_ids, np.fromiter(partial, np.int64, len(partial))))
+        return dict(zip(found.tolist(), seq_ids[found].tolist()))
+
+    def _traffic(self, moves: LayerMoves, partial: dict[int, int], runs: Runs) -> LayerTraffic:
+        """Layer blocks moved per layer. A partly offloaded request that runs reads each host
+        layer's blocks holding its context (the blocks before `start`, the last partly filled
+        one included) to the device for the step, and writes the blocks its new tokens fill
+        back to the host (a prefill: every block)."""
+        L, bs = self.residency.num_layers, self.parts.blocks.block_size
+
+        def per_layer(moved: list[LayerMove]) -> np.ndarray:
+            out = np.zeros(L, np.int64)
+            for m in moved:
+                out[m.layer] += len(m.src)
+            return out
+
+        written, read = np.zeros(L, np.int64), np.zeros(L, np.int64)
+        for i, seq_id in partial.items():
+            host = list(self.residency.partial[seq_id].host)
+            s, end = int(runs.start[i]), int(runs.start[i] + runs.query_lens[i])
+            read[host] += -(-s // bs)
+            written[host] += -(-end // bs) - s // bs
+        return LayerTraffic(written, per_layer(moves.to_host), per_layer(moves.to_device) + read,
+                            per_layer(moves.device_copies))
 
     # ------------------------------------------------------------------ between steps
     def own_blocks(self) -> Collection[int]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jserve.cache.blocks import BlockManager
 from jserve.cache.layers import LayerSlab, kept_layers
-from jserve.engine.batch import LayerMove, LayerTables
+from jserve.cache_features.layer_offload.batch import LayerMove, LayerTables
 
 
 @dataclass

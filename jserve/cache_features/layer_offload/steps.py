@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jserve.cache_features.layer_offload.batch import LayerMove, layer_work
 from jserve.cache_features.layer_offload.host_pool import LayerHostPool
 from jserve.cache_features.layer_offload.section import NAME
 from jserve.cache_features.protocol import StepContext, StepFeature
-from jserve.engine.batch import Batch, LayerMove
+from jserve.engine.batch import Batch
 from jserve.models.paged import KVCache
 from jserve.pallas_kernels.attention_metadata import AttentionMetadata, with_layer_tables
 
@@ -48,11 +49,6 @@ class LayerSteps(StepFeature):
         """`layer_staging`: the policy offloads layers; without a host tier none can be."""
         return cls(ctx, num_host_blocks) if layer_staging and num_host_blocks else None
 
-    @staticmethod
-    def in_batch(batch: Batch) -> bool:
-        return bool(batch.layers_to_host or batch.layers_to_device or batch.layers_copy
-                    or (batch.inputs is not None and batch.inputs.layer_tables))
-
     def extra_blocks(self) -> int:
         return -(-self.ctx.max_tokens // self.ctx.block_size) + self.ctx.max_seqs
 
@@ -71,13 +67,13 @@ class LayerSteps(StepFeature):
     def before_moves(self, batch: Batch, cache: KVCache) -> Reads:
         """The residency changes' sources: one host read or device gather per layer and
         kind."""
-        pool = self.pool
+        pool, own = self.pool, layer_work(batch)
         return ([("device", layer, dst, pool.read(layer, src))
-                 for layer, (src, dst) in _by_layer(batch.layers_to_device).items()]
+                 for layer, (src, dst) in _by_layer(own.to_device).items()]
                 + [("host", layer, dst, pool.gather(cache, layer, src))
-                   for layer, (src, dst) in _by_layer(batch.layers_to_host).items()]
+                   for layer, (src, dst) in _by_layer(own.to_host).items()]
                 + [("device", layer, dst, pool.gather(cache, layer, src))
-                   for layer, (src, dst) in _by_layer(batch.layers_copy).items()])
+                   for layer, (src, dst) in _by_layer(own.copies).items()])
 
     def after_moves(self, reads: Reads, cache: KVCache) -> KVCache:
         for kind, layer, dst, (k, v) in reads:
@@ -92,13 +88,13 @@ class LayerSteps(StepFeature):
         """Staging blocks each partly offloaded sequence needs, by batch index: its context
         after the step (each offloaded layer's in that layer's own staging rows)."""
         end = batch.start + batch.query_lens
-        return {i: -(-int(end[i]) // self.ctx.block_size) for i in batch.inputs.layer_tables}
+        return {i: -(-int(end[i]) // self.ctx.block_size) for i in layer_work(batch).tables}
 
     def groups(self, batch: Batch) -> list[np.ndarray] | None:
         """Consecutive groups whose partly offloaded sequences' context fits the staging
         rows: one unless decodes with layers on the host need more (the tokens are the
         same)."""
-        if not batch.inputs.layer_tables:
+        if not layer_work(batch).tables:
             return None
         room = self.scratch_block - self.staging_start
         need = self._staging_need(batch)
@@ -127,10 +123,10 @@ class LayerSteps(StepFeature):
 
     def metadata(self, batch: Batch, meta: AttentionMetadata,
                  table_of: Callable[[int], np.ndarray], step: Staging) -> AttentionMetadata:
-        if not batch.inputs.layer_tables:
+        tables = layer_work(batch).tables
+        if not tables:
             return meta
-        per_layer = {i: [d if len(d) else step[i] for d in tables.device]
-                     for i, tables in batch.inputs.layer_tables.items()}
+        per_layer = {i: [d if len(d) else step[i] for d in t.device] for i, t in tables.items()}
         return with_layer_tables(meta, per_layer, len(next(iter(per_layer.values()))),
                                  self.ctx.block_size)
 
@@ -151,7 +147,7 @@ class LayerSteps(StepFeature):
         staging blocks: `before` the step, those holding its context (host -> staging);
         after it, those its new tokens fill (staging -> host)."""
         bs, moves = self.ctx.block_size, []
-        for i, tables in batch.inputs.layer_tables.items():
+        for i, tables in layer_work(batch).tables.items():
             start = int(batch.start[i])
             lo, hi = (0, -(-start // bs)) if before else (start // bs, len(staging[i]))
             for layer, host in enumerate(tables.host):

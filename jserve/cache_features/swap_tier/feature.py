@@ -5,6 +5,7 @@ the runner's device-host block copies serve it and the prefix cache's host tier 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,11 +128,9 @@ class SwapTier(CacheFeature):
             live.cols.status[row] = RUNNING
             booking.in_moves.append(BlockMove(seq_id, np.asarray(blocks.table(seq_id), np.int32)))
 
-    def moves(self, checked: SectionCheck) -> dict[str, tuple[BlockMove, ...]]:
+    def moves(self, checked: SectionCheck) -> tuple[Sequence[BlockMove], Sequence[BlockMove]]:
         booking: SwapBooking | None = checked.booking
-        if booking is None:
-            return {}
-        return {"swap_out": tuple(booking.out_moves), "swap_in": tuple(booking.in_moves)}
+        return ((), ()) if booking is None else (booking.out_moves, booking.in_moves)
 
     # ------------------------------------------------------------------ between steps
     def check_invariants(self, prefix_cache: bool) -> None:
