@@ -22,7 +22,7 @@ import dataclasses
 
 from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.config import EngineConfig
-from jserve.cache_features.hidden_cache.section import CacheType, cache_types
+from jserve.cache_features.hidden_cache.section import CacheType, cache_types, request_types
 from jserve.engine.plan import Plan
 from jserve.engine.request import RUNNING, WAITING
 from jserve.engine.view import SchedulerView
@@ -44,7 +44,7 @@ class CountedPolicy:
     def schedule(self, view: SchedulerView) -> Plan:
         plan = self.inner.schedule(view)
         r, c = view.requests, self.counts
-        hidden_running = (r.status == RUNNING) & (r.cache_type == CacheType.HIDDEN)
+        hidden_running = (r.status == RUNNING) & (request_types(view) == CacheType.HIDDEN)
         waiting = r.with_status(WAITING)
         kv_by_rule = dict(zip(r.seq_id[waiting].tolist(), refined_to_kv(
             self.inner.candidates(view, waiting, r.num_tokens[waiting]), self.inner.penalty(view)).tolist()))

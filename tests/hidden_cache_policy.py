@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jserve.cache_features.hidden_cache.section import CacheType, blocks_for_type, hidden_view, section
+from jserve.cache_features.hidden_cache.section import CacheType, blocks_for_type, hidden_view, request_types, section
 from jserve.engine.plan import Plan
 from jserve.engine.policy import PolicyCapabilities
 from jserve.engine.request import RUNNING, WAITING
@@ -76,7 +76,7 @@ class ForcedHiddenCache:
         preempt: list[int] = []
 
         def need(i: int) -> int:
-            return blocks_for_type(view, int(r.num_computed[i]) + 1, int(r.cache_type[i])) - int(r.num_blocks[i])
+            return blocks_for_type(view, int(r.num_computed[i]) + 1, int(request_types(view)[i])) - int(r.num_blocks[i])
 
         while running and sum(need(i) for i in running) > free:
             victim = running.pop()
@@ -91,7 +91,7 @@ class ForcedHiddenCache:
                 seq, tokens = int(r.seq_id[i]), int(r.num_tokens[i])
                 if tokens - int(r.prompt_len[i]) != 2 or types:
                     continue
-                new = CacheType(1 - int(r.cache_type[i]))
+                new = CacheType(1 - int(request_types(view)[i]))
                 if new is CacheType.HIDDEN and (hidden_view(view).block_tokens < 1 or blocks_for_type(view,
                         int(r.max_len[i]), 1) > view.num_blocks):
                     continue

@@ -22,7 +22,7 @@ import numpy as np
 from jserve import LLM, SamplingParams
 from jserve.cache.layers import kept_layers
 from jserve.cache_features.layer_offload.batch import layer_work
-from jserve.cache_features.layer_offload.section import layer_view, section
+from jserve.cache_features.layer_offload.section import device_layers, layer_view, section
 from jserve.cache_features.swap_tier.section import swaps
 from jserve.engine.plan import Plan
 from jserve.engine.policy import Policy, PolicyCapabilities
@@ -110,7 +110,7 @@ class ForcedLayerOffload:
         back_run: dict[int, int] = {}
         back_allocate: dict[int, int] = {}
         for i in offloaded:  # every layer back and a decode, oldest first, as blocks allow
-            n, x = int(r.num_blocks[i]), int(r.device_layers[i])
+            n, x = int(r.num_blocks[i]), int(device_layers(view)[i])
             grow = view.blocks_for(int(r.num_computed[i]) + 1) - n
             if n + grow <= room.whole and r.num_computed[i] + 1 == r.num_tokens[i]:
                 before = kept_layers(L, x)
@@ -149,7 +149,7 @@ class ForcedLayerOffload:
         if self.reshuffle and run and int(r.num_tokens.sum()) % 3 == 0:  # every few steps, not by the clock
             for i in offloaded:
                 seq = int(r.seq_id[i])
-                x = int(r.device_layers[i])
+                x = int(device_layers(view)[i])
                 target = (x + seq + 1) % L
                 if seq in layers or seq in allocate or target == x:
                     continue
@@ -177,7 +177,7 @@ class ForcedLayerOffload:
             if seq in layers or r.num_computed[i] + 1 != r.num_tokens[i]:
                 continue
             grow = int(view.blocks_for(int(r.num_computed[i]) + 1)) - int(r.num_blocks[i])
-            kept = set(kept_layers(L, int(r.device_layers[i])))
+            kept = set(kept_layers(L, int(device_layers(view)[i])))
             device, host = _mask(L, kept, grow), _mask(L, set(range(L)) - kept, grow)
             if grow and not room.fits(device, host):
                 continue
@@ -209,7 +209,7 @@ class ForcedLayerOffload:
         preempting the newest, is the caller's)."""
         r, L = view.requests, layer_view(view).num_layers
         for i in offloaded:
-            x = int(r.device_layers[i])
+            x = int(device_layers(view)[i])
             if x == 0:
                 continue
             change = room.change(kept_layers(L, x), 0, int(r.num_blocks[i]))

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from jserve.builder import assemble_engine
 from jserve.cache.prefix import PrefixCacheConfig
 from jserve.cache_features.hidden_cache.batch import hidden_mask
-from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types
-from jserve.cache_features.layer_offload.section import kept, layer_view, num_free_layer_blocks
+from jserve.cache_features.hidden_cache.section import blocks_for_type, cache_types, request_types
+from jserve.cache_features.layer_offload.section import device_layers, kept, layer_view, num_free_layer_blocks
 from jserve.cache_features.layer_offload.batch import LayerMove, layer_work
 from jserve.engine.batch import Batch, StepOutput
 from jserve.cache_features.swap_tier.section import swaps
@@ -276,8 +276,9 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     partial = {int(r.seq_id[i]) for i in r.with_status(RequestStatus.OFFLOADED)}
     layers = kept(plan)
     after = {s: layers.get(s, L - (s in partial)) for s in set(plan.allocate) | set(layers)}
+    types, now = cache_types(plan), request_types(view)
     freed = sum(int(r.num_blocks[row[s]]) for s in set(plan.preempt) | {
-        s for s, t in cache_types(plan).items() if s in running and t != r.cache_type[row[s]]} if s not in partial)
+        s for s, t in types.items() if s in running and t != now[row[s]]} if s not in partial)
     back = sum(int(r.num_host_blocks[row[s]]) for s in moved.back)
     whole = sum(n for s, n in plan.allocate.items() if after[s] == L)
     back_whole = [s for s, x in layers.items() if x == L and s in partial]
@@ -291,10 +292,9 @@ def check_plan(view: SchedulerView, plan: Plan) -> None:
     assert all(n >= 0 for n in plan.allocate.values())
     # Hidden cache (Apt-Serve): a running request whose type changes discards its blocks
     # and recomputes from its first token in this plan.
-    types = cache_types(plan)
-    kind = {s: int(types.get(s, r.cache_type[row[s]])) for s in set(plan.run) | set(plan.allocate)}
+    kind = {s: int(types.get(s, now[row[s]])) for s in set(plan.run) | set(plan.allocate)}
     switched = {s for s, t in types.items()
-                if s in running and s not in plan.preempt and t != r.cache_type[row[s]]}
+                if s in running and s not in plan.preempt and t != now[row[s]]}
     assert switched <= set(plan.run), "a running request switches cache type without running"
     for s, n in plan.run.items():
         i = row[s]
@@ -525,9 +525,10 @@ class Harness:
         if st_.prefix is not None:  # the runner drops replaced prefix copies at the next step
             assert st_.prefix.num_host_entries <= len(self.runner.host) - len(requests_on_host)
         # Per request, read as Python ints once per column (numpy scalars made this loop slow).
-        c = types.SimpleNamespace(**{name: getattr(r, name).tolist() for name in (
-            "seq_id", "num_blocks", "device_layers", "max_len", "status", "num_computed", "num_tokens")})
-        fillable = blocks_for_type(view, r.max_len, r.cache_type).tolist()  # blocks a request can fill
+        c = types.SimpleNamespace(device_layers=device_layers(view).tolist(), **{
+            name: getattr(r, name).tolist()
+            for name in ("seq_id", "num_blocks", "max_len", "status", "num_computed", "num_tokens")})
+        fillable = blocks_for_type(view, r.max_len, request_types(view)).tolist()  # blocks a request can fill
         for i, seq in enumerate(c.seq_id):
             if seq in partial:
                 assert bm.num_held(seq) == 0 and c.device_layers[i] < self.num_layers

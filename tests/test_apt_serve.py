@@ -14,7 +14,7 @@ import pytest
 from policy_harness import Harness, spec
 
 from jserve.builder import build_engine
-from jserve.cache_features.hidden_cache.section import NAME, HiddenView, cache_types
+from jserve.cache_features.hidden_cache.section import NAME, HiddenView, cache_types, request_types
 from jserve.config import EngineConfig
 from jserve.engine.request import RUNNING
 from jserve.engine.sampling_params import SamplingParams
@@ -210,7 +210,7 @@ class _Upgrades:
     def schedule(self, view):
         plan = self.inner.schedule(view)
         r = view.requests
-        hidden = (r.status == RUNNING) & (r.cache_type == HIDDEN)
+        hidden = (r.status == RUNNING) & (request_types(view) == HIDDEN)
         for seq in r.seq_id[hidden].tolist():
             if cache_types(plan).get(seq) == KV:
                 self.in_step += seq in plan.run and seq not in plan.preempt

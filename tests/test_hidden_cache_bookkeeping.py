@@ -18,6 +18,7 @@ from policy_harness import Harness, aborts_strategy, configs, spec, specs_for
 from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.engine.batch import StepOutput
 from jserve.cache_features.hidden_cache.section import (
+    COLUMN,
     CacheType,
     blocks_for_type,
     cache_types,
@@ -133,7 +134,7 @@ def test_hidden_is_refused_where_unnatural() -> None:
     # preempted by recompute, it may come back as KV
     _step(h, Plan(preempt=[0], features=section({0: CacheType.KV})))
     _step(h, Plan(run={0: 18}, allocate={0: 2}))
-    assert h.state.live.cols.cache_type[h.state.live.row(0)] == CacheType.KV
+    assert h.state.live.table.columns[COLUMN][h.state.live.row(0)] == CacheType.KV
 
 
 def test_view_counts_blocks_by_type() -> None:

@@ -18,6 +18,7 @@ from jserve.cache.blocks import BlockManager
 from jserve.cache.layers import LayerSlab, kept_layers, layer_demand, layer_shortfall
 from jserve.cache_features.layer_offload.batch import layer_work
 from jserve.cache_features.layer_offload.section import (
+    device_layers,
     layer_view,
     num_free_host_layer_blocks,
     num_free_layer_blocks,
@@ -102,7 +103,7 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     state = engine.state
     assert req.status is RequestStatus.OFFLOADED or state.table.data.status[state.live.row(s)] == 4
     view = state.snapshot(0.0)
-    assert view.requests.device_layers.tolist() == [2]
+    assert device_layers(view).tolist() == [2]
     assert num_free_layer_blocks(view) == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
     assert num_free_host_layer_blocks(view) == 4 * 8 - 2 * 3
     assert layer_work(batch).traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
@@ -169,7 +170,7 @@ def test_layer_offload_needs_a_host_tier_and_no_swap_of_a_partial_request():
     _apply(engine, Plan(preempt=[s]))
     view = engine.state.snapshot(0.0)
     assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
-    assert view.requests.device_layers.tolist() == [4]
+    assert device_layers(view).tolist() == [4]
 
 
 def _keep_all_offloaded(seq: int, num_layers: int) -> int:

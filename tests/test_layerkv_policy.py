@@ -95,20 +95,23 @@ COSTS = LayerKVCosts(num_params=1e9, hidden_size=1, kv_dim=8, dtype_bytes=2, flo
 
 def make_view(rows: list[dict], *, num_blocks: int = 100, free: int = 0, free_host: int = 1000,
               now: float = 100.0, num_layers: int = L, slots: np.ndarray | None = None) -> SchedulerView:
-    """A view of `rows` (column values; unset ones 0, SLOs and token times nan)."""
+    """A view of `rows` (column values, the layer feature's `device_layers` among them; unset
+    ones 0, SLOs and token times nan, every layer kept)."""
     r = RequestArrays.empty(len(rows))
     for name in ("first_token_time", "last_token_time", "ttft_slo", "tbt_slo"):
         getattr(r, name)[:] = np.nan
-    r.device_layers[:] = num_layers
+    kept = np.full(len(rows), num_layers, np.int16)  # the feature's column, `device_layers`
     r.max_len[:] = 10_000
     for i, row in enumerate(rows):
         r.seq_id[i] = i
+        kept[i] = row.get("device_layers", num_layers)
         for name, value in row.items():
-            getattr(r, name)[i] = value
+            if name != "device_layers":
+                getattr(r, name)[i] = value
     return SchedulerView(now=now, requests=r, block_size=BS, num_blocks=num_blocks, num_free_blocks=free,
                          limits=SchedulerLimits(256, 100_000, 10_000), num_host_blocks=free_host,
                          num_free_host_blocks=free_host,
-                         features={NAME: LayerView(num_layers, slots)})
+                         features={NAME: LayerView(num_layers, slots, device_layers=kept)})
 
 
 def decoding(arrival: float, first: float, generated: int, prompt: int = 32, slo: float = 0.2,

@@ -81,8 +81,10 @@ class CacheFeature:
     name: str = ""
 
     # ------------------------------------------------------------------ snapshot
-    def view_section(self) -> object | None:
-        """Its part of the `SchedulerView` (`SchedulerView.features[name]`), or None."""
+    def view_section(self, rows: np.ndarray) -> object | None:
+        """Its part of the `SchedulerView` (`SchedulerView.features[name]`), or None; `rows`:
+        the request table's rows the view's requests are, in order (its own columns' values
+        for them, `RequestTable.add_column`)."""
         return None
 
     # ------------------------------------------------------------------ check

@@ -80,6 +80,18 @@ def refuse_shared(plan: Plan, features: tuple[CacheFeature, ...], sections: tupl
                                 f"{other.name} cache features cannot both hold it")
 
 
+NO_PLAN = Plan()
+
+
+def held(features: tuple[CacheFeature, ...], seq_ids: list[int]) -> np.ndarray:
+    """Which of `seq_ids` some feature holds in its own state now (their blocks are not
+    plain whole KV blocks on the device)."""
+    found = np.zeros(len(seq_ids), bool)
+    for feature in features:
+        found |= feature.holds_after(seq_ids, NO_PLAN)
+    return found
+
+
 def block_tokens(features: tuple[CacheFeature, ...], block_size: int, rows: np.ndarray,
                  plan: Plan | None = None) -> np.ndarray | int:
     """Tokens one block of each of `rows` holds (after `plan` when given): `block_size`

@@ -85,7 +85,6 @@ class Admission:
     eos_token_id: int | None
     load: LoadMeter
     reuse: PrefixReuse | None
-    num_layers: int = 1  # every request starts with all of them on the device
     predictions: PredictionSource | None = None
     # Admitted requests the source has not been asked about yet (`predict_arrivals`).
     _unpredicted: list[Request] = field(default_factory=list, init=False, repr=False)
@@ -124,7 +123,7 @@ class Admission:
             ttft_slo=math.nan if ttft_slo is None else ttft_slo,
             tbt_slo=math.nan if tbt_slo is None else tbt_slo,
             predicted_len=predicted_len, predicted_dir=predicted_dir, length_known=known,
-            last_token_time=math.nan, device_layers=self.num_layers,
+            last_token_time=math.nan,
         )
         if self.reuse is not None:
             self.reuse.record_arrival(req)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jserve.cache.blocks import BlockManager
+from jserve.cache_features.protocol import CacheFeature
+from jserve.cache_features.registry import held
 from jserve.engine.live_requests import LiveRequests
 from jserve.engine.request import OFFLOADED, RUNNING, WAITING, Request, RequestMetrics
 from jserve.engine.request_table import RequestArrays
@@ -65,7 +67,7 @@ class Forks:
     eos_token_id: int | None
     detokenizer: Callable[[SamplingParams], IncrementalDetokenizer | None]
     max_num_seqs: int  # a child shares only while no more than this many requests run
-    num_layers: int = 1
+    features: tuple[CacheFeature, ...] = ()  # a child shares only blocks none of them holds
     share: bool = True  # False: every child prefills the prompt itself
     # Parents whose first token is not sampled yet (by seq id), and their children's ids,
     # which no other request may take meanwhile.
@@ -125,8 +127,7 @@ class Forks:
         columns = {name: getattr(cols, name)[row] for name in _COLUMNS}
         columns.update(num_tokens=len(parent.prompt_token_ids), num_preemptions=0, num_host_blocks=0,
                        first_token_time=math.nan, last_token_time=math.nan,
-                       status=WAITING, num_computed=0, num_blocks=0, cache_type=0,
-                       device_layers=self.num_layers)
+                       status=WAITING, num_computed=0, num_blocks=0)
         promised = columns["reserved_blocks"]  # the parent's: set below if the child shares
         columns["reserved_blocks"] = 0
         shared = self._shareable(parent, row)
@@ -147,7 +148,7 @@ class Forks:
         is promised the blocks it holds, which must fit the cache's reservations."""
         cols = self.live.cols
         shared = (len(parent.prompt_token_ids) - 1) // self.blocks.block_size
-        if (not self.share or cols.status[row] != RUNNING or cols.cache_type[row] != 0
+        if (not self.share or cols.status[row] != RUNNING or held(self.features, [parent.seq_id])[0]
                 or self.blocks.num_held(parent.seq_id) <= shared):
             return None
         live = self.live.table.live_mask

@@ -28,17 +28,11 @@ class RequestArrays:
     num_tokens: np.ndarray = _col(np.int32)  # prompt + generated so far
     num_computed: np.ndarray = _col(np.int32)  # tokens whose K/V is in the cache
     max_len: np.ndarray = _col(np.int32)  # num_tokens never exceeds this
-    # KV blocks held on the device; for a request keeping only some layers there
-    # (`device_layers` < the model's layers) its logical blocks, each held as one slot per
-    # kept layer on the device and one per offloaded layer on the host.
+    # KV blocks held on the device; for a request a cache feature keeps otherwise (layer
+    # offload: some layers on the host) its logical blocks.
     num_blocks: np.ndarray = _col(np.int32)
     num_host_blocks: np.ndarray = _col(np.int32)  # KV blocks held in host memory (swapped)
     num_preemptions: np.ndarray = _col(np.int32)
-    # How many of the model's layers keep their KV on the device (`kept_layers` says
-    # which): the model's layer count unless a LayerKV plan offloaded some.
-    device_layers: np.ndarray = _col(np.int16)
-    # `CacheType` of the request's blocks: 0 KV, 1 hidden rows (Apt-Serve's hybrid cache).
-    cache_type: np.ndarray = _col(np.int8)
     first_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     last_token_time: np.ndarray = _col(np.float64)  # nan until the first token
     # Blocks a reserving policy has promised the request (its allocation, of which `num_blocks`
@@ -76,12 +70,24 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(RequestArrays))
 
 
 class RequestTable:
-    """Rows of `RequestArrays` handed out to live requests and recycled when they end."""
+    """Rows of `RequestArrays` handed out to live requests and recycled when they end, and
+    the cache features' own columns beside them (`columns`, by name: a feature adds its
+    column when it is built, reads it with its rows, and shows it in its view section)."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.data = RequestArrays.empty(capacity)
+        self.columns: dict[str, np.ndarray] = {}
+        self._defaults: dict[str, float | int] = {}
         self._live = np.zeros(capacity, dtype=bool)
         self._free_rows = list(range(capacity - 1, -1, -1))
+
+    def add_column(self, name: str, dtype: type, default: float | int) -> None:
+        """A cache feature's column, `default` for every request added; re-read it from
+        `columns` after an `add` (the table may have grown into new arrays)."""
+        if name in self.columns or name in _FIELDS:
+            raise ValueError(f"the request table has a column {name!r} already")
+        self.columns[name] = np.full(len(self._live), default, dtype)
+        self._defaults[name] = default
 
     def add(self, **values: float | int) -> int:
         if not self._free_rows:
@@ -90,6 +96,8 @@ class RequestTable:
         self._live[row] = True
         for f in dataclasses.fields(self.data):
             getattr(self.data, f.name)[row] = values.get(f.name, 0)
+        for name, column in self.columns.items():
+            column[row] = self._defaults[name]
         return row
 
     def remove(self, row: int) -> None:
@@ -100,8 +108,8 @@ class RequestTable:
     def live_mask(self) -> np.ndarray:
         return self._live
 
-    def snapshot(self) -> RequestArrays:
-        return self.data.take(np.flatnonzero(self._live))
+    def live_rows(self) -> np.ndarray:
+        return np.flatnonzero(self._live)
 
     def __len__(self) -> int:
         return int(self._live.sum())
@@ -112,5 +120,7 @@ class RequestTable:
         for f in dataclasses.fields(bigger):
             getattr(bigger, f.name)[:old] = getattr(self.data, f.name)
         self.data = bigger
+        for name, column in self.columns.items():
+            self.columns[name] = np.concatenate([column, np.full(old, self._defaults[name], column.dtype)])
         self._live = np.concatenate([self._live, np.zeros(old, dtype=bool)])
         self._free_rows = list(range(2 * old - 1, old - 1, -1))

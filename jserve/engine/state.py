@@ -102,8 +102,7 @@ class EngineState:
                                    count_referenced=cache.count_referenced, min_history=cache.min_history)
                        if cache is not None else None)
         self._admission = Admission(self.live, limits, vocab_size, num_blocks * block_size, tokenizer,
-                                    eos_token_id, self.load, self._reuse,
-                                    int(feature_options.get("num_layers", 1)), predictions)
+                                    eos_token_id, self.load, self._reuse, predictions)
         self.features = build_features(StateParts(self.live, self.blocks, self.host_blocks, self._reuse),
                                        **feature_options)
         self._checker = PlanChecker(self.live, self.blocks, limits, self._reuse, self.features)
@@ -111,7 +110,7 @@ class EngineState:
         self._batches = BatchBuilder(self.live, self.features, DeltaTracker(self.live, self.blocks))
         self._finisher = Finisher(self.live, self.blocks, self.host_blocks, self._reuse, self.features)
         self._forks = Forks(self.live, self.blocks, eos_token_id, self._admission.detokenizer,
-                            limits.max_num_seqs, int(feature_options.get("num_layers", 1)), share_forks)
+                            limits.max_num_seqs, self.features, share_forks)
         self._commit = TokenCommit(self.live, self._finisher, eos_token_id, self._reuse, self._forks)
         self._applied: CheckedPlan | None = None
         # The last applied plan that repeats (`Plan.repeat`), how many more steps it promised,
@@ -184,9 +183,10 @@ class EngineState:
         if self._reuse is not None:
             self._reuse.offer()
         host = self.host_blocks
-        sections = {f.name: f.view_section() for f in self.features}
+        rows = self.live.table.live_rows()
+        sections = {f.name: f.view_section(rows) for f in self.features}
         return SchedulerView(
-            now=now, requests=self.live.table.snapshot(), block_size=self.blocks.block_size,
+            now=now, requests=self.live.cols.take(rows), block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks,
             num_free_blocks=self.blocks.num_blocks - self.blocks.num_table_blocks - self.blocks.num_lent,
             limits=self.limits,

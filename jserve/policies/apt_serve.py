@@ -16,6 +16,7 @@ from jserve.cache_features.hidden_cache.section import (
     blocks_for_type,
     cache_types,
     hidden_view,
+    request_types,
     section,
 )
 from jserve.engine.plan import Plan
@@ -164,7 +165,7 @@ class AptServePolicy:
         held = int(r.num_blocks[running].sum())
         choice = self._choose(view, running, c, Bounds(blocks=view.num_free_blocks + held, tokens=budget,
                                                       seqs=lim.max_num_seqs))
-        keep = (choice != NONE) & (choice == r.cache_type[running])
+        keep = (choice != NONE) & (choice == request_types(view)[running])
         switch = (choice != NONE) & ~keep
         run, allocate, types = {}, {}, {}
         preempt: list[int] = []
@@ -211,12 +212,12 @@ def fcfs_types(view: SchedulerView, rows: np.ndarray, c: Candidates, bounds: Bou
     """FCFS with the hybrid cache (the Table 5 ablation): in arrival order, running requests
     first on their own type, then waiting ones on KV if it fits, else hidden; the first that
     fits neither ends the batch (nobody overtakes it)."""
-    r = view.requests
+    r, types = view.requests, request_types(view)
     choice = np.full(len(rows), NONE, np.int8)
     blocks, tokens, seqs = bounds.blocks, bounds.tokens, bounds.seqs
     is_running = r.status[rows] == RUNNING
     for k in np.flatnonzero(is_running).tolist() + np.flatnonzero(~is_running).tolist():
-        own = int(r.cache_type[rows[k]]) if is_running[k] else None
+        own = int(types[rows[k]]) if is_running[k] else None
         options = [own] if own is not None else ([KV, HIDDEN] if hidden else [KV])
         cost = {KV: int(c.kv_blocks[k]), HIDDEN: int(c.hidden_blocks[k])}
         fit = next((t for t in options if cost[t] <= blocks), None)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jserve.cache.layers import layer_demand, layer_shortfall
 from jserve.cache_features.layer_offload.section import (
+    device_layers,
     kept,
     layer_view,
     num_free_host_layer_blocks,
@@ -178,7 +179,7 @@ class LayerKVPolicy:
         r, L = view.requests, layer_view(view).num_layers
         seqs, context, reads, out = len(batch), int(r.num_tokens[batch].sum()), 0.0, []
         for i in queue:
-            more = float(self.costs.offload_time(int(r.num_tokens[i]), L - int(r.device_layers[i])))
+            more = float(self.costs.offload_time(int(r.num_tokens[i]), L - int(device_layers(view)[i])))
             if reads + more <= self.costs.decode_time(seqs + 1, context + int(r.num_tokens[i])):
                 seqs, context, reads = seqs + 1, context + int(r.num_tokens[i]), reads + more
                 out.append(i)
@@ -191,10 +192,10 @@ class LayerKVPolicy:
         r, L = view.requests, layer_view(view).num_layers
         batch = self.current_batch(view, d)
         t = self.costs.decode_time(len(batch), int(r.num_tokens[batch].sum()))
-        host = batch[r.device_layers[batch] < L]
+        host = batch[device_layers(view)[batch] < L]
         if not len(host):
             return t
-        stream = self.costs.offload_time(r.num_tokens[host], L - r.device_layers[host].astype(np.int64))
+        stream = self.costs.offload_time(r.num_tokens[host], L - device_layers(view)[host].astype(np.int64))
         return max(t, float(np.sum(stream)))
 
     def min_allowed_prefill_time(self, view: SchedulerView) -> float:
@@ -209,7 +210,7 @@ class LayerKVPolicy:
         r, L = view.requests, layer_view(view).num_layers
         run = r.with_status(RUNNING)
         queue = r.with_status(OFFLOADED)
-        kept = r.device_layers[queue].astype(np.int64)
+        kept = device_layers(view)[queue].astype(np.int64)
         if layers:
             kept = np.array([layers.get(int(s), int(k)) for s, k in zip(r.seq_id[queue], kept)], np.int64)
         queue_held = r.num_blocks[queue].astype(np.int64) * kept
@@ -241,7 +242,7 @@ class LayerKVPolicy:
         if layers:
             r = view.requests
             row = {int(s): i for i, s in enumerate(r.seq_id)}
-            freed = sum((int(r.device_layers[row[s]]) - x) * int(r.num_blocks[row[s]]) for s, x in layers.items())
+            freed = sum((int(device_layers(view)[row[s]]) - x) * int(r.num_blocks[row[s]]) for s, x in layers.items())
         avail = forecast_free(num_free_layer_blocks(view) + freed, self.forecast(view, layers), self.horizon,
                               self.threshold_slots(view), joins)
         return int(avail.min()) - self.threshold_slots(view)
@@ -252,7 +253,7 @@ class LayerKVPolicy:
         at or above the threshold; all of them when decoding has stalled."""
         r = view.requests
         queue = r.with_status(OFFLOADED)
-        holding = queue[r.device_layers[queue] > 0]
+        holding = queue[device_layers(view)[queue] > 0]
         if not len(holding):
             return {}
         if not self.decode_from_host and self._stalled(view, queue):
@@ -264,7 +265,7 @@ class LayerKVPolicy:
         host = num_free_host_layer_blocks(view)
         for halve in (True, False):
             for i in newest:
-                seq, x = int(r.seq_id[i]), layers.get(int(r.seq_id[i]), int(r.device_layers[i]))
+                seq, x = int(r.seq_id[i]), layers.get(int(r.seq_id[i]), int(device_layers(view)[i]))
                 target = x // 2 if halve else 0
                 moved = (x - target) * int(r.num_blocks[i])
                 if target == x or moved > host:
@@ -280,7 +281,7 @@ class LayerKVPolicy:
         newest OFFLOADED request is preempted by recompute, as vLLM preempts the newest."""
         r = view.requests
         queue = r.with_status(OFFLOADED)
-        holding = queue[r.device_layers[queue] > 0]
+        holding = queue[device_layers(view)[queue] > 0]
         if len(holding):
             return Plan(features=section({int(s): 0 for s in r.seq_id[holding]}))
         if len(queue):
@@ -390,7 +391,7 @@ class LayerKVPolicy:
         host_whole, host_slots = view.num_free_host_blocks, _slots(layer_view(view).free_host_slots, L)
         batch = np.flatnonzero(np.isin(r.seq_id, np.fromiter(run, np.int64, len(run))))
         for i in self.hidden_reads(view, batch, np.asarray(queue, np.int64)):
-            seq, x = int(r.seq_id[i]), int(r.device_layers[i])
+            seq, x = int(r.seq_id[i]), int(device_layers(view)[i])
             grow = int(view.blocks_for(int(r.num_computed[i]) + 1)) - int(r.num_blocks[i])
             device = layer_demand(L, x, grow)
             host = grow - device

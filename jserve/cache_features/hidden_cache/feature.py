@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from jserve.cache_features.hidden_cache.batch import HiddenBatch
-from jserve.cache_features.hidden_cache.section import NAME, CacheType, HiddenView, cache_types
+from jserve.cache_features.hidden_cache.section import COLUMN, NAME, CacheType, HiddenView, cache_types
 from jserve.cache_features.protocol import NOTHING, CacheFeature, Runs, SectionCheck, StateParts
 from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
@@ -53,10 +53,17 @@ class HiddenCache(CacheFeature):
                              f"{hidden_block_tokens}, {hidden_block_cost}")
         return cls(parts, hidden_block_tokens, hidden_block_cost)
 
-    def view_section(self) -> HiddenView:
+    def __post_init__(self) -> None:
+        self.parts.live.table.add_column(COLUMN, np.int8, CacheType.KV)
+
+    def _types(self) -> np.ndarray:
+        """Every table row's `CacheType`."""
+        return self.parts.live.table.columns[COLUMN]
+
+    def view_section(self, rows: np.ndarray) -> HiddenView:
         # With a prefix cache no request may take the hidden cache, so policies are told
         # it is unavailable.
-        return HiddenView(self.tokens if self.parts.reuse is None else 0, self.cost)
+        return HiddenView(self.tokens if self.parts.reuse is None else 0, self.cost, self._types().take(rows))
 
     def check(self, plan: Plan) -> SectionCheck:
         types = cache_types(plan)
@@ -67,7 +74,7 @@ class HiddenCache(CacheFeature):
         after = np.fromiter(map(int, types.values()), np.int64, len(rows))
         hidden = after == CacheType.HIDDEN
         status = cols.status[rows]
-        changes = after != cols.cache_type[rows]
+        changes = after != self._types()[rows]
         preempted = member(seq_ids, plan.preempt)
         switching = changes & (status == RUNNING) & ~preempted
         refuse_first(seq_ids, [
@@ -94,13 +101,13 @@ class HiddenCache(CacheFeature):
 
     def holds_after(self, seq_ids: list[int], plan: Plan) -> np.ndarray:
         rows = self.parts.live.rows(seq_ids)
-        types = types_after(plan, seq_ids, self.parts.live.cols.cache_type[rows])
+        types = types_after(plan, seq_ids, self._types()[rows])
         return (types == CacheType.HIDDEN) & (rows >= 0)
 
     def block_tokens(self, rows: np.ndarray, plan: Plan | None = None) -> np.ndarray | None:
         if not self.tokens:
             return None
-        types = self.parts.live.cols.cache_type[rows]
+        types = self._types()[rows]
         if plan is not None:
             types = types_after(plan, self.parts.live.cols.seq_id[rows].tolist(), types)
         if not types.any():
@@ -119,14 +126,14 @@ class HiddenCache(CacheFeature):
         cols.num_blocks[rows] = 0
         cols.num_computed[rows] = 0
         cols.reserved_blocks[rows] = 0
-        cols.cache_type[changes.rows] = changes.types
+        self._types()[changes.rows] = changes.types
 
     def allows_repeat(self, batch: Batch) -> bool:
         return NAME not in batch.features
 
     # ------------------------------------------------------------------ the runner's work
     def batch_section(self, checked: SectionCheck, runs: Runs, with_inputs: bool) -> HiddenBatch | None:
-        mask = self.parts.live.cols.cache_type[runs.rows] == CacheType.HIDDEN
+        mask = self._types()[runs.rows] == CacheType.HIDDEN
         return HiddenBatch(mask) if mask.any() else None
 
     def check_invariants(self, prefix_cache: bool) -> None:
@@ -134,7 +141,7 @@ class HiddenCache(CacheFeature):
         cache, never swapped or partly offloaded."""
         live, cols = self.parts.live, self.parts.live.cols
         rows = live.live_rows()
-        types = cols.cache_type[rows]
+        types = self._types()[rows]
         assert np.isin(types, [int(t) for t in CacheType]).all(), "unknown cache type"
         hidden = rows[types == CacheType.HIDDEN]
         if not len(hidden):

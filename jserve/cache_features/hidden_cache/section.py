@@ -13,6 +13,7 @@ from jserve.engine.plan import Plan
 from jserve.engine.view import SchedulerView, Tokens
 
 NAME = "hidden_cache"
+COLUMN = "cache_type"  # its request table column
 
 
 class CacheType(enum.IntEnum):
@@ -60,15 +61,22 @@ def cache_types(plan: Plan) -> Mapping[int, CacheType]:
 @dataclass(frozen=True)
 class HiddenView:
     """The hidden cache's part of the view: tokens one block holds as hidden rows (0: the
-    model cannot use it; requests' `cache_type` column says which hold it), and rho, the
-    seconds a step takes longer per hidden block in the batch (0.0: unknown)."""
+    model cannot use it), rho, the seconds a step takes longer per hidden block in the
+    batch (0.0: unknown), and each of the view's requests' `CacheType` (`request_types`)."""
 
     block_tokens: int = 0
     block_cost: float = 0.0
+    types: np.ndarray | None = None  # [N] int8, aligned with `view.requests`; None: all KV
 
 
 def hidden_view(view: SchedulerView) -> HiddenView:
     return view.features.get(NAME, HiddenView())
+
+
+def request_types(view: SchedulerView) -> np.ndarray:
+    """[N] int8: the `CacheType` of each of the view's requests, aligned with `view.requests`."""
+    types = hidden_view(view).types
+    return np.zeros(len(view.requests), np.int8) if types is None else types
 
 
 def blocks_for_type(view: SchedulerView, num_tokens: Tokens, cache_type: Tokens) -> Tokens:

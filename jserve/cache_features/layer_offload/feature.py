@@ -15,7 +15,7 @@ import numpy as np
 from jserve.cache.layers import kept_layers, layer_shortfall
 from jserve.cache_features.layer_offload.batch import LayerBatch, LayerMove, LayerTraffic
 from jserve.cache_features.layer_offload.residency import LayerChange, LayerMoves, LayerResidency
-from jserve.cache_features.layer_offload.section import NAME, LayerView, kept
+from jserve.cache_features.layer_offload.section import COLUMN, NAME, LayerView, kept
 from jserve.cache_features.protocol import NOTHING, CacheFeature, Runs, SectionCheck, StateParts
 from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first, values
@@ -57,14 +57,19 @@ class LayerOffload(CacheFeature):
     def __init__(self, parts: StateParts, num_layers: int) -> None:
         self.parts = parts
         self.residency = LayerResidency(parts.blocks, parts.host_blocks, num_layers)
+        parts.live.table.add_column(COLUMN, np.int16, num_layers)
 
     @classmethod
     def build(cls, parts: StateParts, *, num_layers: int = 1, **_: object) -> LayerOffload:
         return cls(parts, num_layers)
 
-    def view_section(self) -> LayerView:
+    def _layers(self) -> np.ndarray:
+        """Every table row's count of layers kept on the device."""
+        return self.parts.live.table.columns[COLUMN]
+
+    def view_section(self, rows: np.ndarray) -> LayerView:
         res = self.residency
-        return LayerView(res.num_layers, res.free_slots(), res.free_host_slots())
+        return LayerView(res.num_layers, res.free_slots(), res.free_host_slots(), self._layers().take(rows))
 
     # ------------------------------------------------------------------ check
     def check(self, plan: Plan) -> SectionCheck:
@@ -156,7 +161,7 @@ class LayerOffload(CacheFeature):
     # ------------------------------------------------------------------ apply
     def drop(self, seq_id: int, row: int) -> None:
         if self.residency.release(seq_id):  # partly offloaded: preempted by recompute, or ended
-            self.parts.live.cols.device_layers[row] = self.residency.num_layers
+            self._layers()[row] = self.residency.num_layers
 
     def release(self, checked: SectionCheck) -> None:
         """Residency changes' releases, before any whole-block take."""
@@ -164,7 +169,7 @@ class LayerOffload(CacheFeature):
         if booking is None or not booking.layers:
             return
         changes = [self.residency.release_for(s, x) for s, x in booking.layers.items()]
-        self.parts.live.cols.device_layers[booking.rows] = np.fromiter(
+        self._layers()[booking.rows] = np.fromiter(
             booking.layers.values(), np.int16, len(booking.layers))
         booking.changes = [c for c in changes if c is not None]
         booking.moves = LayerMoves()
@@ -195,7 +200,7 @@ class LayerOffload(CacheFeature):
             return
         cols = self.parts.live.cols
         rows = np.concatenate([run_rows, booking.rows])
-        partial = cols.device_layers[rows] < self.residency.num_layers
+        partial = self._layers()[rows] < self.residency.num_layers
         cols.status[rows[partial]] = OFFLOADED
         cols.status[rows[~partial & (cols.status[rows] == OFFLOADED)]] = RUNNING
 
@@ -255,13 +260,13 @@ class LayerOffload(CacheFeature):
         res.check_invariants(set(live.requests))
         L, rows = res.num_layers, live.live_rows()
         partial = np.isin(cols.seq_id[rows], np.fromiter(res.partial, np.int64, len(res.partial)))
-        assert ((cols.device_layers[rows] == L) == ~partial).all(), "device_layers != residency"
+        assert ((self._layers()[rows] == L) == ~partial).all(), "device_layers != residency"
         assert ((cols.status[rows] == OFFLOADED) == partial).all(), "OFFLOADED != partly offloaded"
         host_blocks = self.parts.host_blocks
         for row in rows[partial].tolist():
             seq_id = int(cols.seq_id[row])
             part = res.partial[seq_id]
-            assert part.kept == kept_layers(L, int(cols.device_layers[row]))
+            assert part.kept == kept_layers(L, int(self._layers()[row]))
             assert int(cols.num_blocks[row]) == part.num_blocks, f"seq {seq_id} layer blocks"
             # 0 between the plan that prefills it keeping some layers and that step's commit
             assert 0 <= int(cols.num_computed[row]) <= part.num_blocks * self.parts.blocks.block_size

@@ -12,6 +12,7 @@ from jserve.engine.plan import Plan
 from jserve.engine.view import SchedulerView
 
 NAME = "layer_offload"
+COLUMN = "device_layers"  # its request table column
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,26 @@ class LayerView:
     """Layer residency's part of the view. The view's `num_free_blocks` counts whole blocks
     (free in every layer); blocks split into per-layer slots for partly offloaded requests
     are not in it, and their free slots are `free_slots[l]` per layer (`free_host_slots`,
-    the host tier's; None: all zero). Requests' `device_layers` column says how many layers
-    each keeps on the device (`num_layers`: all of them)."""
+    the host tier's; None: all zero). `device_layers`: how many layers each of the view's
+    requests keeps on the device (`num_layers`: all of them; read with `device_layers(view)`)."""
 
     num_layers: int = 1
     free_slots: np.ndarray | None = None
     free_host_slots: np.ndarray | None = None
+    device_layers: np.ndarray | None = None  # [N] int16, aligned with `view.requests`; None: all
 
 
 def layer_view(view: SchedulerView) -> LayerView:
     return view.features.get(NAME, LayerView())
+
+
+def device_layers(view: SchedulerView) -> np.ndarray:
+    """[N] int16: how many layers each of the view's requests keeps on the device (which
+    ones: `jserve.cache.layers.kept_layers`), aligned with `view.requests`."""
+    layers = layer_view(view)
+    if layers.device_layers is None:
+        return np.full(len(view.requests), layers.num_layers, np.int16)
+    return layers.device_layers
 
 
 def num_free_layer_blocks(view: SchedulerView) -> int:
