@@ -23,8 +23,8 @@ class AttentionFn(Protocol):
     One call does both so that a backend may fuse the write into its kernel. Returns the
     attention output `[T, heads, d]` and the updated pages. `hidden` (the attention input
     rows `[T, hidden_size]`) and `proj` (the layer's K/V projection) are read only by the
-    hidden cache's wrapper of a backend, for the sequences `meta.hidden` puts on Apt-Serve's
-    hidden cache; a backend of paged KV ignores both.
+    hidden cache's wrapper of a backend, for the sequences the metadata's part
+    (`meta.parts`) puts on Apt-Serve's hidden cache; a backend of paged KV ignores both.
     """
 
     def __call__(

@@ -9,27 +9,21 @@ tokens of context. Prefill chunks and decodes mix freely; padding tokens sit aft
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import jax
 import numpy as np
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class HiddenMetadata:
-    """A step's sequences on Apt-Serve's hidden cache (`with_hidden`): each layer writes
-    their tokens' attention input rows into their blocks, K page then V page, and they
-    attend through K/V projected from those rows. Their K/V writes (`slot_mapping`) go to
-    the scratch block, and the KV path sees them with no cached prefix."""
+class MetadataPart(Protocol):
+    """A cache feature's part of the attention metadata (a pytree)."""
 
-    token_mask: jax.Array  # [T] bool: tokens of hidden sequences
-    k_offsets: jax.Array  # [T] int32: flat element of the K pool where the token's row starts
-    v_offsets: jax.Array  # [T] int32: the same in the V pool (the other one: the scratch block)
-    block_tables: jax.Array  # [S, max_hidden_blocks]: hidden sequences' blocks, others scratch
-    context_lens: jax.Array  # [S]: hidden sequences' contexts; others their query length
+    def for_layer(self, layer: int | jax.Array, pages: tuple[int, ...]) -> MetadataPart:
+        """The part layer `layer` reads, addressing the pool of every layer seen flat (as
+        `AttentionMetadata.for_layer`)."""
+        ...
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +42,10 @@ class AttentionMetadata:
     # layer uses `block_tables` and `slot_mapping`.
     layer_block_tables: jax.Array | None = None
     layer_slot_mapping: jax.Array | None = None
-    hidden: HiddenMetadata | None = None  # None: no sequence on the hidden cache
+    # Cache features' own parts, by feature name, read by their wrappers of the backend
+    # (Apt-Serve's hidden cache, `jserve.cache_features.hidden_cache.metadata`); each a
+    # `MetadataPart`. Empty: plain paged KV, which every backend attends over itself.
+    parts: dict[str, MetadataPart] = field(default_factory=dict)
 
     def for_layer(self, layer: int | jax.Array, pages: tuple[int, ...]) -> AttentionMetadata:
         """The metadata layer `layer` attends and writes through, addressing the pool of
@@ -59,16 +56,10 @@ class AttentionMetadata:
         if self.layer_block_tables is not None:
             tables, slots = self.layer_block_tables[layer], self.layer_slot_mapping[layer]
         first = layer * pages[0]
-        hidden = self.hidden
-        if hidden is not None:
-            page_size = math.prod(pages[1:])
-            hidden = dataclasses.replace(
-                hidden, block_tables=hidden.block_tables + first,
-                k_offsets=hidden.k_offsets + first * page_size,
-                v_offsets=hidden.v_offsets + first * page_size)
+        parts = {name: part.for_layer(layer, pages) for name, part in self.parts.items()}
         return dataclasses.replace(self, block_tables=tables + first,
                                    slot_mapping=slots + first * pages[1], layer_block_tables=None,
-                                   layer_slot_mapping=None, hidden=hidden)
+                                   layer_slot_mapping=None, parts=parts)
 
 
 def ragged_metadata(
@@ -129,44 +120,3 @@ def with_layer_tables(meta: AttentionMetadata, layer_tables: dict[int, Sequence[
         pos = positions[tok]
         slots[:, tok] = tables[:, i, pos // block_size] * block_size + pos % block_size
     return dataclasses.replace(meta, layer_block_tables=tables, layer_slot_mapping=slots)
-
-
-def with_hidden(meta: AttentionMetadata, hidden: np.ndarray, tables: Sequence[np.ndarray], *,
-                rows_per_page: int, row_size: int, page_size: int, max_blocks: int,
-                scratch_block: int, block_size: int) -> AttentionMetadata:
-    """`meta` (host-side, built with empty tables for the hidden sequences) with sequences
-    `hidden` (`[n]` bool) on the hidden cache: token at position `p` of such a sequence keeps
-    its row in logical block `p // (2 * rows_per_page)` of `tables[i]`, in the block's K page
-    for the first `rows_per_page` positions of the block and its V page for the rest, rows of
-    `row_size` values in pages of `page_size` values."""
-    query_start = np.asarray(meta.query_start)
-    positions = np.asarray(meta.positions)
-    n, num_seqs, num_tokens = len(hidden), len(meta.context_lens), len(positions)
-    query_lens = (query_start[1:] - query_start[:-1]).astype(np.int32)
-    is_hidden = np.zeros(num_seqs, bool)
-    is_hidden[:n] = hidden
-    context = np.asarray(meta.context_lens)
-    hidden_context = np.where(is_hidden, context, query_lens).astype(np.int32)
-    kv_context = np.where(is_hidden, query_lens, context).astype(np.int32)
-    block_tables = np.full((num_seqs, max_blocks), scratch_block, np.int32)
-    for i in np.flatnonzero(hidden):
-        block_tables[i, : len(tables[i])] = tables[i]
-    t_real = int(query_start[n])
-    seq_of_token = np.repeat(np.arange(n), query_lens[:n])
-    mask = np.zeros(num_tokens, bool)
-    mask[:t_real] = hidden[seq_of_token]
-    tok = np.flatnonzero(mask)
-    pos = positions[tok]
-    within = pos % (2 * rows_per_page)
-    start = (block_tables[seq_of_token[tok], pos // (2 * rows_per_page)] * page_size
-             + within % rows_per_page * row_size)
-    in_v = within >= rows_per_page
-    k_offsets = np.full(num_tokens, scratch_block * page_size, np.int32)
-    v_offsets = k_offsets.copy()
-    k_offsets[tok[~in_v]] = start[~in_v]
-    v_offsets[tok[in_v]] = start[in_v]
-    slots = np.asarray(meta.slot_mapping).copy()
-    slots[tok] = scratch_block * block_size
-    return dataclasses.replace(
-        meta, slot_mapping=slots, context_lens=kv_context,
-        hidden=HiddenMetadata(mask, k_offsets, v_offsets, block_tables, hidden_context))

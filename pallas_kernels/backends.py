@@ -59,9 +59,9 @@ class AttentionBackend:
         """Write the step's K/V, then attend; `hidden` and `proj` are for a wrapper that
         keeps some sequences' layer inputs instead (Apt-Serve's hidden cache), which a
         backend of paged KV ignores."""
-        if meta.hidden is not None:
+        if meta.parts:
             raise ValueError(f"the {self.name!r} backend attends over paged KV only; a step with "
-                             "hidden-cache sequences runs through the hidden cache's wrapper")
+                             f"{sorted(meta.parts)} parts runs through those features' wrappers")
         k_pages, v_pages = self.write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
         return self.attend(q, k_pages, v_pages, meta, scale=scale), k_pages, v_pages
 

@@ -132,8 +132,8 @@ class ShardedAttention:
         """`hidden` and `proj` (Apt-Serve's rows and K/V projection) are read by a backend only
         for hidden-cache sequences, which a sharded engine never has (a device's page slice
         holds no whole row; the builder offers no hidden cache under tensor parallelism)."""
-        if meta.hidden is not None:
-            raise ValueError("the hidden cache does not run under tensor parallelism")
+        if meta.parts:
+            raise ValueError(f"{sorted(meta.parts)} steps do not run under tensor parallelism")
         per_shard = jax.shard_map(
             partial(self.backend, scale=scale), mesh=self.mesh,
             in_specs=(HEADS, HEADS, HEADS, PAGES, PAGES, REPLICATED),

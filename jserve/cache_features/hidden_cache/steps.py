@@ -15,12 +15,13 @@ import numpy as np
 
 from jserve.cache.sizing import hidden_rows_per_page
 from jserve.cache_features.hidden_cache.batch import hidden_mask
+from jserve.cache_features.hidden_cache.metadata import HiddenMetadata, with_hidden
 from jserve.cache_features.hidden_cache.section import NAME
 from jserve.cache_features.protocol import StepContext, StepFeature
 from jserve.engine.batch import Batch
 from jserve.errors import ConfigError
 from jserve.models.config import ModelConfig
-from jserve.pallas_kernels.attention_metadata import AttentionMetadata, with_hidden
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
 from jserve.pallas_kernels.backends import AttentionBackend
 from jserve.pallas_kernels.hidden_attention import HiddenPool, KVProjection, write_hidden_rows
 
@@ -49,7 +50,7 @@ class HiddenLayout:
 
 @dataclass(frozen=True)
 class HiddenCacheAttention:
-    """`inner` for every sequence but those `meta.hidden` puts on the hidden cache: their
+    """`inner` for every sequence but those the metadata's part puts on the hidden cache: their
     layer input rows go into their blocks (K page, then V page) and they attend through K/V
     projected from those rows, with `inner`'s hidden-row kernel."""
 
@@ -65,7 +66,7 @@ class HiddenCacheAttention:
         meta: AttentionMetadata, *, scale: float, hidden: jax.Array | None = None,
         proj: KVProjection | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        h = meta.hidden
+        h: HiddenMetadata | None = meta.parts.get(NAME)
         if h is None:
             return self.inner(q, k, v, k_pages, v_pages, meta, scale=scale)
         k_pages, v_pages = self.inner.write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
@@ -74,7 +75,7 @@ class HiddenCacheAttention:
         k_pages, v_pages = pool.pages
         out = self.inner.attend(q, k_pages, v_pages, meta, scale=scale)
         rows = dataclasses.replace(meta, block_tables=h.block_tables, context_lens=h.context_lens,
-                                   decode_only=False, hidden=None)
+                                   decode_only=False, parts={})
         out_hidden = self.inner.hidden(q, pool, proj, rows, scale=scale)
         return jnp.where(h.token_mask[:, None, None], out_hidden, out), k_pages, v_pages
 
@@ -131,7 +132,7 @@ class HiddenSteps(StepFeature):
         return self._with_hidden(meta, np.zeros(0, bool), [])
 
     def marks(self, meta: AttentionMetadata) -> bool:
-        return meta.hidden is not None
+        return NAME in meta.parts
 
     def _with_hidden(self, meta: AttentionMetadata, hidden: np.ndarray,
                      tables: list[np.ndarray]) -> AttentionMetadata:
