@@ -5,7 +5,8 @@
 # all hidden, their mixed runs on the jnp reference without a warm-up, and tiny-opt's mixed
 # hidden-cache run on the interpreted kernels; tensor parallelism on tiny-llama-mha and
 # tiny-opt; the golden decisions of the second seed's open traces; reproduce_tlru.py's
-# stages), for a nightly job or before a release. Each has a faster test in CI over the same
+# stages; the sweep on a two-worker Ray cluster; the server's drain on SIGINT), for a nightly
+# job or before a release. Each has a faster test in CI over the same
 # property. Then guidellm and lm-evaluation-harness against `jserve serve`
 # (bench/clients.sh). Run from anywhere in the checkout.
 set -euo pipefail

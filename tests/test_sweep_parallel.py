@@ -40,6 +40,9 @@ def test_seeds_are_sweep_points_too():
 
 
 # Ray starts its raylet with subprocess (fork + exec at once), which JAX's fork warning flags.
+# Slow (17 s, most of it the cluster's start): bench/nightly.sh runs it; CI runs the same
+# sweep over local processes (`test_local_processes_give_the_sequential_results_in_order`).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_a_two_worker_ray_cluster_runs_the_sweep_like_the_sequential_run(tmp_path, capsys):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'jserve[test]')")
