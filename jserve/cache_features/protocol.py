@@ -147,10 +147,6 @@ class CacheFeature:
         return None
 
     # ------------------------------------------------------------------ after the step
-    def allows_repeat(self, batch: Batch) -> bool:
-        """Whether the just-run `batch`'s decodes may repeat (`Plan.repeat`)."""
-        return True
-
     def own_blocks(self) -> Collection[int]:
         """Seq ids whose blocks the feature keeps instead of the `BlockManager`."""
         return ()

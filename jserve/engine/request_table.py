@@ -108,9 +108,6 @@ class RequestTable:
     def live_mask(self) -> np.ndarray:
         return self._live
 
-    def live_rows(self) -> np.ndarray:
-        return np.flatnonzero(self._live)
-
     def __len__(self) -> int:
         return int(self._live.sum())
 

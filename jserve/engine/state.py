@@ -183,7 +183,7 @@ class EngineState:
         if self._reuse is not None:
             self._reuse.offer()
         host = self.host_blocks
-        rows = self.live.table.live_rows()
+        rows = np.flatnonzero(self.live.table.live_mask)  # the view lists requests in row order
         sections = {f.name: f.view_section(rows) for f in self.features}
         return SchedulerView(
             now=now, requests=self.live.cols.take(rows), block_size=self.blocks.block_size,
@@ -233,7 +233,7 @@ class EngineState:
         where it fills one. None, with nothing changed, where the promise no longer holds (a
         request arrived, ended or was aborted since, or the free blocks fall short) or the
         state does not repeat (a prefix cache, forks, or a last step that moved blocks or
-        that a cache feature keeps from repeating). The policy's call, the snapshot and the
+        in which a cache feature has a part). The policy's call, the snapshot and the
         plan's check are the host's work per decode step this saves (bench/host_step.py)."""
         if self._repeating is None:
             return None
@@ -275,8 +275,7 @@ class EngineState:
         if self._reuse is not None:
             dropped += self._reuse.take_dropped_moves()
         batch = self._batches.build(self._applied, self._moves, tuple(dropped), with_inputs)
-        if self._repeating is not None and (
-                batch.moves_blocks or not all(f.allows_repeat(batch) for f in self.features)):
+        if self._repeating is not None and not _repeatable(batch):
             self._repeating = None
         copies = self._forks.take_copies()
         return dataclasses.replace(batch, block_copies=copies) if copies else batch
@@ -314,10 +313,9 @@ class EngineState:
         (`Plan.repeat`) the state lets run at once: up to the step at which the first of
         them reaches its length. None when a request ended or reads its tokens (EOS, stop
         strings, streamed text), when the step moved blocks, forked a request or a cache
-        feature forbids it, or with a prefix cache (whose evictions a rule chooses step by
+        feature has a part in it, or with a prefix cache (whose evictions a rule chooses step by
         step). `PlanError` if the free blocks do not cover the growth the policy promised."""
-        if (wanted < 1 or self._reuse is not None or batch.moves_blocks or self._forks.forked
-                or not all(f.allows_repeat(batch) for f in self.features)):
+        if wanted < 1 or self._reuse is not None or self._forks.forked or not _repeatable(batch):
             return 0
         seq_ids = batch.seq_ids.tolist()
         rows = self.live.rows(seq_ids)
@@ -346,3 +344,10 @@ class EngineState:
     def check_invariants(self) -> None:
         """Bookkeeping that must hold between steps; property tests call this every step."""
         check_invariants(self.live, self.blocks, self.host_blocks, self.prefix, self.features, self._forks)
+
+
+def _repeatable(batch: Batch) -> bool:
+    """Whether `batch`'s decodes may repeat (`Plan.repeat`): it moves no block and no cache
+    feature has a part in it (a partly offloaded run reads host layers every step, a hidden
+    run recomputes its K/V)."""
+    return not batch.moves_blocks and not batch.features

@@ -12,7 +12,6 @@ import numpy as np
 from jserve.cache_features.hidden_cache.batch import HiddenBatch
 from jserve.cache_features.hidden_cache.section import COLUMN, NAME, CacheType, HiddenView, cache_types
 from jserve.cache_features.protocol import NOTHING, CacheFeature, Runs, SectionCheck, StateParts
-from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
 from jserve.engine.refusal import member, not_live, refuse_first
 from jserve.engine.request import OFFLOADED, RUNNING, SWAPPED
@@ -127,9 +126,6 @@ class HiddenCache(CacheFeature):
         cols.num_computed[rows] = 0
         cols.reserved_blocks[rows] = 0
         self._types()[changes.rows] = changes.types
-
-    def allows_repeat(self, batch: Batch) -> bool:
-        return NAME not in batch.features
 
     # ------------------------------------------------------------------ the runner's work
     def batch_section(self, checked: SectionCheck, runs: Runs, with_inputs: bool) -> HiddenBatch | None:
