@@ -1,18 +1,27 @@
 """The cache-feature seam's own rules (`jserve.cache_features`): the core refuses what no
-registered feature owns, and a request is in one feature's own state at a time."""
+registered feature owns, a request is in one feature's own state at a time, and runners and
+backends refuse a feature's part they were not built for."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
-from jserve.cache_features.hidden_cache.section import CacheType
+from jserve.cache_features.hidden_cache.batch import HiddenBatch
+from jserve.cache_features.hidden_cache.section import NAME, CacheType
 from jserve.cache_features.hidden_cache.section import section as hidden_section
 from jserve.cache_features.layer_offload.section import section as layer_section
+from jserve.cache_features.registry import refuse_unknown_steps
+from jserve.engine.batch import Batch
 from jserve.engine.plan import Plan
 from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
+from jserve.pallas_kernels.attention_metadata import ragged_metadata
+from jserve.pallas_kernels.backends import select_attention
 
 
 def _state(**options: object) -> EngineState:
@@ -41,3 +50,20 @@ def test_a_request_is_held_by_one_feature_at_a_time() -> None:
     state.check_invariants()
     view = state.snapshot(0.0)
     assert set(view.features) == {"hidden_cache", "layer_offload"}
+
+
+def test_a_runner_refuses_a_batch_part_of_a_feature_it_was_not_built_with() -> None:
+    batch = Batch(np.arange(1), np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, bool),
+                  features={NAME: HiddenBatch(np.ones(1, bool))})
+    with pytest.raises(RuntimeError, match="hidden_cache sequences.*no hidden_cache steps"):
+        refuse_unknown_steps(batch, ())
+    refuse_unknown_steps(dataclasses.replace(batch, features={}), ())
+
+
+def test_a_paged_backend_refuses_a_step_with_a_features_metadata_part() -> None:
+    meta = ragged_metadata(np.zeros(1, np.int32), np.ones(1, np.int32), [np.zeros(1, np.int32)],
+                           num_tokens=1, num_seqs=1, max_blocks=1, block_size=4, scratch_block=1)
+    x, pages = np.zeros((1, 1, 8), np.float32), np.zeros((2, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=r"paged KV only; a step with \['hidden_cache'\] parts"):
+        select_attention("reference")(x, x, x, pages, pages, dataclasses.replace(meta, parts={NAME: None}),
+                                      scale=1.0)
