@@ -399,7 +399,7 @@ def _add_prefix_cache_args(parser: argparse.ArgumentParser, benchmark: bool) -> 
                              + ("; end-aware-tlru, length-aware-tlru and tbelady read the "
                                 "conversations' future (sharegpt-multiturn only)" if benchmark else ""))
     parser.add_argument("--cache-capacity", type=int, default=None, metavar="TOKENS",
-                        help="most tokens of idle KV the prefix cache holds, trimmed before "
+                        help="most tokens of idle KV the prefix cache holds, trimmed after "
                              "each step (default: every block no request uses)")
     parser.add_argument("--cache-capacity-counts", choices=list(CAPACITY_COUNTS),
                         default=d.capacity_counts,

@@ -494,6 +494,10 @@ class Harness:
         free = list(bm._free)
         cached = set(np.flatnonzero(st_.prefix.cached).tolist()) if st_.prefix is not None else set()
         evictable = cached - set(used)
+        size = self.prefix_cache.in_blocks(self.block_size) if self.prefix_cache else None
+        if size is not None and size.capacity_blocks is not None and not size.count_referenced:
+            # trimmed at the end of every step and abort that released a history
+            assert len(evictable) <= size.capacity_blocks, "the prefix cache is over its capacity"
         if st_.prefix is None:
             assert len(used) == len(set(used)), "a block is held twice"
         else:  # only cached blocks are shared, and never evicted while a request holds them
@@ -522,8 +526,10 @@ class Harness:
         ended = {self.seq_of[rid] for rid in self.final}
         requests_on_host = {k for k in self.runner.host if k >= 0}  # < 0: prefix-cache copies
         assert swapped <= requests_on_host <= swapped | ended, "host copies != swapped set"
-        if st_.prefix is not None:  # the runner drops replaced prefix copies at the next step
-            assert st_.prefix.num_host_entries <= len(self.runner.host) - len(requests_on_host)
+        if st_.prefix is not None:  # the next step's batch drops replaced prefix copies and
+            # makes those of the blocks the last trim demoted
+            pending = len(st_._trim_moves)
+            assert st_.prefix.num_host_entries - pending <= len(self.runner.host) - len(requests_on_host)
         # Per request, read as Python ints once per column (numpy scalars made this loop slow).
         c = types.SimpleNamespace(device_layers=device_layers(view).tolist(), **{
             name: getattr(r, name).tolist()

@@ -4,7 +4,9 @@ Seeded traces run through every registered policy (CacheOpt's ablations included
 every prefix-cache eviction rule in the simulator, on caches tight enough that requests
 are preempted (by recompute and by swap), prompts are chunked and cached blocks evicted.
 What each run decided is compared with outputs recorded at commit 4d77e99, before the
-engine state was split and vectorised: per request its generated tokens, preemptions and
+engine state was split and vectorised (the six capped prefix-cache runs' eviction totals and
+digests re-recorded when the capacity trim moved after the commit: every pick the same, one
+trim more after the last step): per request its generated tokens, preemptions and
 the step numbers of its first token and of its end; the engine's totals; and a digest of
 every plan and every eviction. Steps are counted, never timed, so the comparison is exact
 on any machine.

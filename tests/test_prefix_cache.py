@@ -104,10 +104,20 @@ def test_eviction_frees_what_an_allocation_needs_and_capacity_bounds_the_cache()
     for i, first in enumerate((1, 30, 60)):
         engine.add_request(f"r{i}", list(range(first, first + 10)), GREEDY)
         _drain(engine)
-        assert state.blocks.num_evictable <= 2 + 2  # two more until the next step trims them
+        assert state.blocks.num_evictable <= 2  # trimmed by the step that released them
     engine.add_request("big", list(range(70, 90)), GREEDY)  # 20 tokens: 6 blocks, all of them
     _drain(engine)
     assert engine.stats.num_evicted_blocks > 0
+
+
+def test_an_abort_trims_the_history_it_releases_to_the_capacity() -> None:
+    engine = _engine(num_blocks=8, capacity=8)  # at most two unreferenced blocks cached
+    engine.add_request("a", list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # its 20-token prompt computed: five full blocks
+    engine.abort("a")
+    assert engine.stats.num_evicted_blocks == 3
+    assert engine.state.blocks.num_evictable == 2
+    engine.state.check_invariants()
 
 
 def test_a_plan_may_not_evict_blocks_a_request_it_starts_takes_over() -> None:
@@ -136,15 +146,15 @@ def test_evicting_a_chain_head_orphans_the_rest() -> None:
 
 
 def test_evicted_blocks_are_demoted_to_the_host_tier_and_promoted_on_reuse() -> None:
-    engine = _engine(capacity=0)  # every unreferenced block is evicted at the next step
+    engine = _engine(capacity=0)  # every unreferenced block is evicted when released
     state = engine.state
-    # Room for "a"'s two blocks and "x"'s one, which the next step's trim demotes too.
-    state.prefix.host_capacity_blocks = 3
+    state.prefix.host_capacity_blocks = 3  # room for "a"'s two blocks and "x"'s one
     engine.add_request("a", list(range(1, 11)), GREEDY)  # two full blocks
     _drain(engine)
-    engine.add_request("x", list(range(50, 55)), GREEDY)  # one step in, "a"'s blocks go
+    assert state.prefix.num_host_entries == 2  # demoted by the trim after a's last step
+    engine.add_request("x", list(range(50, 55)), GREEDY)  # its step copies them to the host
     _drain(engine)
-    assert state.prefix.num_host_entries == 2 and "a" not in engine.runner.host
+    assert state.prefix.num_host_entries == 3 and "a" not in engine.runner.host
     engine.add_request("b", list(range(1, 11)), GREEDY)
     assert state.snapshot(0.0).requests.num_computed.tolist() == [8]  # both, from the host
     _drain(engine)

@@ -112,8 +112,8 @@ class PrefixCacheConfig:
     # (the paper's sum_i X_i <= C: its model serves a turn at once, so every cached history
     # is idle); "all": every cached block, those running requests reuse too, which no rule
     # can evict (so a busy server can be over its capacity with nothing left to trim).
-    # Either way the engine trims the cache before each step's snapshot, so a history a
-    # turn just released is cut to the capacity before the next turn can take it over.
+    # Either way the engine trims the cache at the end of the step that released a
+    # history, so it is cut to the capacity before the next turn can take it over.
     capacity_counts: str = "unreferenced"
     # Threshold-LRU: conversations whose history is at most this many tokens are not cached
     # at all (the paper's all-or-nothing rule), unless `threshold_soft`, where they are
@@ -161,7 +161,7 @@ class PrefixCacheSize:
     `isolation`. `capacity_blocks` caps how many unreferenced blocks stay cached (None:
     every block no request uses, as vLLM; the T-LRU paper's sum_i X_i <= C over idle
     histories), or with `count_referenced` how many blocks the cache holds, those running
-    requests reuse included; the engine trims the cache to it before each snapshot. A
+    requests reuse included; the engine trims the cache to it after each step. A
     finished turn whose history is at most `min_history` tokens is not cached at all
     (Threshold-LRU's rule). `host_blocks` adds a host tier that evicted blocks are demoted
     to and promoted back from (0: none)."""

@@ -60,7 +60,7 @@ class EngineStats:
 
 
 class Engine:
-    """`snapshot -> schedule -> evict -> apply -> execute -> commit`, once per `step()`.
+    """`snapshot -> schedule -> evict -> apply -> execute -> commit -> trim`, once per `step()`.
 
     `pipelined` (a `DispatchingRunner`, no prefix cache): asynchronous steps, as vLLM's
     async scheduling and SGLang's overlap scheduler do. Step N is dispatched, then step
@@ -70,10 +70,12 @@ class Engine:
     an EOS or a stop string ends runs one step more, whose token is dropped. The tokens and
     everything a request returns are those of the synchronous loop.
 
-    With a prefix cache, the eviction rule is a second pure function: before the snapshot
-    it trims the cache to its capacity (so no waiting request is offered more than the
-    capacity keeps), and once the policy has planned, the state says how many cached blocks the plan needs freed and hands the rule
-    a snapshot of the candidates; its choice joins the plan, and `apply` checks it too.
+    With a prefix cache, the eviction rule is a second pure function, asked where blocks
+    are needed and where they enter the cache. Once the policy has planned, the state says
+    how many cached blocks the plan needs freed and hands the rule a snapshot of the
+    candidates; its choice joins the plan, and `apply` checks it too. Once a step (or an
+    abort) has released histories, the rule trims the cache back to its capacity, so the
+    next snapshot offers no waiting request more than the capacity keeps.
     """
 
     def __init__(
@@ -113,7 +115,9 @@ class Engine:
                        predicted_dir=predicted_dir, conversation_id=conversation_id)
 
     def abort(self, request_id: str) -> Request | None:
-        return self.state.abort(request_id, self.clock())
+        req = self.state.abort(request_id, self.clock())
+        self._trim_to_capacity()
+        return req
 
     @property
     def runner(self) -> Runner:
@@ -156,6 +160,11 @@ class Engine:
 
         A step left in flight when the loop stops pipelining (a request with a grammar
         arrived) is read by a call of its own, which plans nothing."""
+        gained = self._step(until)
+        self._trim_to_capacity()
+        return gained
+
+    def _step(self, until: float | None) -> list[Request]:
         if self._in_flight is not None and not self.pipelined:
             return self._read_in_flight()
         now = self.clock()
@@ -186,8 +195,6 @@ class Engine:
 
     def _plan(self, now: float) -> Plan:
         """The policy's plan for the state now, with the eviction rule's picks, applied."""
-        if self.eviction is not None:
-            self._trim_to_capacity(now)
         view = self.state.snapshot(now)
         plan = self.policy.schedule(view)
         if self.eviction is not None:
@@ -222,15 +229,14 @@ class Engine:
         self.stats.num_batched_tokens += batch.num_tokens * done.num_steps
         return self.state.commit_repeated(batch, done, started)
 
-    def _trim_to_capacity(self, now: float) -> None:
-        """Bring the prefix cache within its capacity before the snapshot offers waiting
-        requests their hits: a history a turn released in the last step is trimmed by the
-        eviction rule first, so no turn can take over more than the capacity keeps. (Left
-        to the pass after the policy, the turns take those histories over: the golden
-        capped-cache runs then compute fewer tokens and evict fewer blocks.)"""
-        evict = self._rule_picks(self.state.capacity_request(now))
-        if evict:
-            self.state.trim(evict)
+    def _trim_to_capacity(self) -> None:
+        """Bring the prefix cache back within its capacity once a step or an abort has
+        released histories into it: T-LRU's Algorithm 1 caches a served turn's history,
+        then trims to the capacity, before the next turn is offered a hit."""
+        if self.eviction is not None:
+            evict = self._rule_picks(self.state.capacity_request(self.clock()))
+            if evict:
+                self.state.trim(evict)
 
     def _with_evictions(self, plan: Plan, now: float) -> Plan:
         evict = self._rule_picks(self.state.eviction_request(plan, now))

@@ -159,9 +159,9 @@ class PrefixReuse:
     def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:
         """How many idle cached blocks must go for the cache to be within its capacity
         now, and the snapshot of all idle blocks an eviction rule picks them from. The
-        engine asks before any waiting turn is offered a hit, so a history a turn has
-        just released is trimmed (Algorithm 1: X <- L, then trim to C) before the next
-        turn can take it over. None when the cache is within its capacity."""
+        engine asks once a step has released histories, so each is trimmed (Algorithm 1:
+        X <- L, then trim to C) before the next turn can take it over. None when the cache
+        is within its capacity."""
         n = self.over_capacity()
         if n <= 0:
             return None

@@ -199,8 +199,8 @@ class EngineState:
 
     def capacity_request(self, now: float) -> tuple[int, CacheSnapshot] | None:
         """How many idle cached blocks must go for the prefix cache to be within its
-        capacity, and the snapshot an eviction rule picks them from; asked before the
-        snapshot offers waiting requests their hits. None when nothing needs evicting
+        capacity, and the snapshot an eviction rule picks them from; asked once a step or
+        an abort has released histories. None when nothing needs evicting
         (always, without a prefix cache or a capacity)."""
         return None if self._reuse is None else self._reuse.capacity_request(now)
 
