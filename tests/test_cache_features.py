@@ -1,6 +1,6 @@
 """The cache-feature seam's own rules (`jserve.cache_features`): the core refuses what no
 registered feature owns, a request is in one feature's own state at a time, and runners and
-backends refuse a feature's part they were not built for."""
+backends (the sharded one too) refuse a feature's part they were not built for."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from jserve.engine.sampling_params import SamplingParams
 from jserve.engine.state import EngineState
 from jserve.engine.view import SchedulerLimits
 from jserve.errors import PlanError
-from jserve.pallas_kernels.attention_metadata import ragged_metadata
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata, ragged_metadata
 from jserve.pallas_kernels.backends import select_attention
+from jserve.runners.sharding import ShardedAttention, make_mesh
 
 
 def _state(**options: object) -> EngineState:
@@ -60,10 +61,22 @@ def test_a_runner_refuses_a_batch_part_of_a_feature_it_was_not_built_with() -> N
     refuse_unknown_steps(dataclasses.replace(batch, features={}), ())
 
 
-def test_a_paged_backend_refuses_a_step_with_a_features_metadata_part() -> None:
+def _step_with_a_hidden_part() -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+    """A one-token step's query, pages and metadata, with a hidden-cache part."""
     meta = ragged_metadata(np.zeros(1, np.int32), np.ones(1, np.int32), [np.zeros(1, np.int32)],
                            num_tokens=1, num_seqs=1, max_blocks=1, block_size=4, scratch_block=1)
     x, pages = np.zeros((1, 1, 8), np.float32), np.zeros((2, 4, 1, 8), np.float32)
+    return x, pages, dataclasses.replace(meta, parts={NAME: None})
+
+
+def test_a_paged_backend_refuses_a_step_with_a_features_metadata_part() -> None:
+    x, pages, meta = _step_with_a_hidden_part()
     with pytest.raises(ValueError, match=r"paged KV only; a step with \['hidden_cache'\] parts"):
-        select_attention("reference")(x, x, x, pages, pages, dataclasses.replace(meta, parts={NAME: None}),
-                                      scale=1.0)
+        select_attention("reference")(x, x, x, pages, pages, meta, scale=1.0)
+
+
+def test_the_sharded_backend_refuses_a_step_with_a_features_metadata_part() -> None:
+    """Before any shard runs: the refusal needs no second device (a one-device mesh)."""
+    x, pages, meta = _step_with_a_hidden_part()
+    with pytest.raises(ValueError, match=r"\['hidden_cache'\] steps do not run under tensor parallelism"):
+        ShardedAttention(select_attention("reference"), make_mesh(1))(x, x, x, pages, pages, meta, scale=1.0)
