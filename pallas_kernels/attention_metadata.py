@@ -37,14 +37,10 @@ class AttentionMetadata:
     # Static: every real sequence has exactly one query token. Lets a backend pick its
     # decode kernel at trace time; a different value is a different compiled step.
     decode_only: bool = field(default=False, metadata=dict(static=True))
-    # Per-layer tables and write slots `[L, S, max_blocks]`, `[L, T]`, when some sequence's
-    # layers live in different blocks (LayerKV's partly offloaded requests); None: every
-    # layer uses `block_tables` and `slot_mapping`.
-    layer_block_tables: jax.Array | None = None
-    layer_slot_mapping: jax.Array | None = None
     # Cache features' own parts, by feature name, read by their wrappers of the backend
-    # (Apt-Serve's hidden cache, `jserve.cache_features.hidden_cache.metadata`); each a
-    # `MetadataPart`. Empty: plain paged KV, which every backend attends over itself.
+    # (Apt-Serve's hidden cache, `jserve.cache_features.hidden_cache.metadata`; LayerKV's
+    # per-layer tables, `...layer_offload.metadata`); each a `MetadataPart`. Empty: plain
+    # paged KV, which every backend attends over itself.
     parts: dict[str, MetadataPart] = field(default_factory=dict)
 
     def for_layer(self, layer: int | jax.Array, pages: tuple[int, ...]) -> AttentionMetadata:
@@ -52,14 +48,10 @@ class AttentionMetadata:
         every layer seen flat, in which the layer's block `b` is `layer * pages[0] + b`
         (`jserve.models.paged.KVCache`; `pages`: one layer's pool shape `[blocks,
         block_size, kv_heads, head_dim]`)."""
-        tables, slots = self.block_tables, self.slot_mapping
-        if self.layer_block_tables is not None:
-            tables, slots = self.layer_block_tables[layer], self.layer_slot_mapping[layer]
         first = layer * pages[0]
         parts = {name: part.for_layer(layer, pages) for name, part in self.parts.items()}
-        return dataclasses.replace(self, block_tables=tables + first,
-                                   slot_mapping=slots + first * pages[1], layer_block_tables=None,
-                                   layer_slot_mapping=None, parts=parts)
+        return dataclasses.replace(self, block_tables=self.block_tables + first,
+                                   slot_mapping=self.slot_mapping + first * pages[1], parts=parts)
 
 
 def ragged_metadata(
@@ -103,20 +95,3 @@ def ragged_metadata(
     context_lens[:n] = np.asarray(starts) + np.asarray(query_lens)
     return AttentionMetadata(positions, slots, query_start, context_lens, block_tables, decode_only)
 
-
-def with_layer_tables(meta: AttentionMetadata, layer_tables: dict[int, Sequence[np.ndarray]],
-                      num_layers: int, block_size: int) -> AttentionMetadata:
-    """`meta` (host-side) with per-layer tables: sequence `i` in `layer_tables` reads and
-    writes layer `l` through `layer_tables[i][l]`, the others through `meta.block_tables`."""
-    tables = np.repeat(np.asarray(meta.block_tables)[None], num_layers, axis=0)
-    for i, per_layer in layer_tables.items():
-        for layer, table in enumerate(per_layer):
-            tables[layer, i, : len(table)] = table
-    slots = np.repeat(np.asarray(meta.slot_mapping)[None], num_layers, axis=0)
-    query_start = np.asarray(meta.query_start)
-    positions = np.asarray(meta.positions)
-    for i in layer_tables:
-        tok = np.arange(query_start[i], query_start[i + 1])
-        pos = positions[tok]
-        slots[:, tok] = tables[:, i, pos // block_size] * block_size + pos % block_size
-    return dataclasses.replace(meta, layer_block_tables=tables, layer_slot_mapping=slots)

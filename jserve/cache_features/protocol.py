@@ -172,6 +172,21 @@ class StepContext:
     pages_sharding: jax.sharding.Sharding | None = None
 
 
+@dataclass(frozen=True)
+class AttentionWrapper:
+    """A feature's wrapper of the attention backend (`StepFeature.wrap_attention`): it
+    handles the steps with the feature's metadata part and passes everything else (the
+    backend's name, block copies and kernels) through to `inner`. Hashable, as the backend
+    is: the model's jitted block takes it as a static argument."""
+
+    inner: AttentionBackend
+
+    def __getattr__(self, name: str) -> object:
+        if name == "inner":  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class StepFeature:
     """A cache feature's runner side, in step order: the device blocks it adds, the attention
     it wraps, the compiled variant of steps holding its sequences, their tables and metadata,
@@ -236,7 +251,7 @@ class StepFeature:
 
     def marks(self, meta: AttentionMetadata) -> bool:
         """Whether `meta` has its part (the step is its compiled variant)."""
-        return False
+        return self.name in meta.parts
 
     def after_compute(self, batch: Batch, cache: KVCache, step: object) -> None:
         """Copies after the compute has been dispatched."""

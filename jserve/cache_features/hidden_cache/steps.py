@@ -17,7 +17,7 @@ from jserve.cache.sizing import hidden_rows_per_page
 from jserve.cache_features.hidden_cache.batch import hidden_mask
 from jserve.cache_features.hidden_cache.metadata import HiddenMetadata, with_hidden
 from jserve.cache_features.hidden_cache.section import NAME
-from jserve.cache_features.protocol import StepContext, StepFeature
+from jserve.cache_features.protocol import AttentionWrapper, StepContext, StepFeature
 from jserve.engine.batch import Batch
 from jserve.errors import ConfigError
 from jserve.models.config import ModelConfig
@@ -48,18 +48,10 @@ class HiddenLayout:
                    -(-max_model_len // (2 * rows)))
 
 
-@dataclass(frozen=True)
-class HiddenCacheAttention:
+class HiddenCacheAttention(AttentionWrapper):
     """`inner` for every sequence but those the metadata's part puts on the hidden cache: their
     layer input rows go into their blocks (K page, then V page) and they attend through K/V
     projected from those rows, with `inner`'s hidden-row kernel."""
-
-    inner: AttentionBackend
-
-    def __getattr__(self, name: str) -> object:  # the backend's name, copies and kernels
-        if name == "inner":  # not set yet (a copy being made)
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -130,9 +122,6 @@ class HiddenSteps(StepFeature):
 
     def padding_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return self._with_hidden(meta, np.zeros(0, bool), [])
-
-    def marks(self, meta: AttentionMetadata) -> bool:
-        return NAME in meta.parts
 
     def _with_hidden(self, meta: AttentionMetadata, hidden: np.ndarray,
                      tables: list[np.ndarray]) -> AttentionMetadata:

@@ -11,11 +11,13 @@ import numpy as np
 
 from jserve.cache_features.layer_offload.batch import LayerMove, layer_work
 from jserve.cache_features.layer_offload.host_pool import LayerHostPool
+from jserve.cache_features.layer_offload.metadata import LayerTablesAttention, with_layer_tables
 from jserve.cache_features.layer_offload.section import NAME
 from jserve.cache_features.protocol import StepContext, StepFeature
 from jserve.engine.batch import Batch
 from jserve.models.paged import KVCache
-from jserve.pallas_kernels.attention_metadata import AttentionMetadata, with_layer_tables
+from jserve.pallas_kernels.attention_metadata import AttentionMetadata
+from jserve.pallas_kernels.backends import AttentionBackend
 
 Staging = dict[int, np.ndarray]  # staging blocks of each partly offloaded sequence, by batch index
 Reads = list[tuple[str, int, np.ndarray, tuple]]  # (where to, layer, destination blocks, (K, V))
@@ -62,6 +64,9 @@ class LayerSteps(StepFeature):
 
     def warm_up(self, cache: KVCache) -> KVCache:
         return self.pool.warm_up(cache)
+
+    def wrap_attention(self, attention: AttentionBackend) -> LayerTablesAttention:
+        return LayerTablesAttention(attention)
 
     # ------------------------------------------------------------------ residency changes
     def before_moves(self, batch: Batch, cache: KVCache) -> Reads:
@@ -132,9 +137,6 @@ class LayerSteps(StepFeature):
 
     def padding_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         return with_layer_tables(meta, {}, self.ctx.cfg.num_layers, self.ctx.block_size)
-
-    def marks(self, meta: AttentionMetadata) -> bool:
-        return meta.layer_block_tables is not None
 
     def after_compute(self, batch: Batch, cache: KVCache, step: Staging) -> None:
         """The offloaded layers' K/V this step computed, staging -> host pool: one gather and
