@@ -115,6 +115,8 @@ class Engine:
                        predicted_dir=predicted_dir, conversation_id=conversation_id)
 
     def abort(self, request_id: str) -> Request | None:
+        """End a request early, with the sequences forked from it (`EngineState.abort`); a
+        history it releases into a capped prefix cache is trimmed at once."""
         req = self.state.abort(request_id, self.clock())
         self._trim_to_capacity()
         return req
