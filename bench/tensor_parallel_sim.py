@@ -47,7 +47,7 @@ from jserve.benchmarking.sweep import run_points
 from jserve.benchmarking.tables import cell, markdown_table
 from jserve.builder import sim_cost_model
 from jserve.config import EngineConfig
-from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.cache_features.layer_offload.batch import LayerTraffic
 from jserve.runners.cost_model import RooflineCostModel, StepShape
 from jserve.runners.hardware import get_hardware
 from jserve.models.registry import get_config
@@ -89,10 +89,10 @@ def contention_rows(model: str, hardware: str, tp: int) -> list[dict]:
     per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 2
     zeros = (0,) * cfg.num_layers
 
-    def moving(tokens: int, direction: str) -> LayerTransfers:
+    def moving(tokens: int, direction: str) -> LayerTraffic:
         moved = (tokens * per_token_layer,) * cfg.num_layers
-        return LayerTransfers(moved if direction == "out" else zeros, zeros,
-                              moved if direction == "in" else zeros, zeros)
+        return LayerTraffic(moved if direction == "out" else zeros, zeros,
+                            moved if direction == "in" else zeros, zeros)
 
     cases = [("prefill 8192, its K/V written to host", StepShape.prefill(8192), moving(8192, "out")),
              ("decode x256 @ 1024, one 32k-token request's layers brought back",

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.cache_features.layer_offload.batch import LayerTraffic
 from jserve.engine.batch import Batch
 from jserve.engine.preemption_costs import PreemptionCosts, SweetSpot
 from jserve.runners.cost_model import (
@@ -388,8 +388,8 @@ def test_fit_of_the_cost_model_agrees_with_its_profile():
 
 
 # --------------------------------------------------------------------------- LayerKV transfers
-def _layers(n: int, prefill_to_host=0, to_host=0, to_device=0, device_copy=0) -> LayerTransfers:
-    return LayerTransfers(*((v,) * n for v in (prefill_to_host, to_host, to_device, device_copy)))
+def _layers(n: int, prefill_to_host=0, to_host=0, to_device=0, device_copy=0) -> LayerTraffic:
+    return LayerTraffic(*((v,) * n for v in (prefill_to_host, to_host, to_device, device_copy)))
 
 
 def test_layer_transfers_are_pipelined_with_the_layers_compute():

@@ -106,13 +106,13 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     assert device_layers(view).tolist() == [2]
     assert num_free_layer_blocks(view) == 4 * 8 - 2 * 3  # 2 kept layers x 3 blocks on the device
     assert num_free_host_layer_blocks(view) == 4 * 8 - 2 * 3
-    assert layer_work(batch).traffic.prefill_to_host.tolist() == [3, 0, 3, 0]  # layers 1, 3 kept
+    assert layer_work(batch).traffic.prefill_to_host == (3, 0, 3, 0)  # layers 1, 3 kept
     assert runner.num_partial_prefills == 1
     # It decodes with layers 0 and 2 on the host: their 3 blocks of context read for the
     # step, the block its 6th token lands in written back; it stays OFFLOADED.
     batch = _apply(engine, Plan(run={s: 1}))
-    assert layer_work(batch).traffic.to_device.tolist() == [3, 0, 3, 0]
-    assert layer_work(batch).traffic.prefill_to_host.tolist() == [1, 0, 1, 0]
+    assert layer_work(batch).traffic.to_device == (3, 0, 3, 0)
+    assert layer_work(batch).traffic.prefill_to_host == (1, 0, 1, 0)
     assert state.snapshot(0.0).requests.status.tolist() == [RequestStatus.OFFLOADED]
     assert runner.num_host_decodes == 1
     # Its 7th token needs a 4th block: a slot in each kept layer and on the host for the others.
@@ -122,8 +122,8 @@ def test_a_prefill_keeping_some_layers_holds_slots_and_host_blocks():
     view = state.snapshot(0.0)
     assert num_free_layer_blocks(view) == 4 * 8 - 2 * 4 and num_free_host_layer_blocks(view) == 4 * 8 - 2 * 4
     batch = _apply(engine, Plan(run={s: 1}, features=section({s: 4}), allocate={}))
-    assert layer_work(batch).traffic.to_device.tolist() == [4, 0, 4, 0]
-    assert layer_work(batch).traffic.device_copy.tolist() == [0, 4, 0, 4]
+    assert layer_work(batch).traffic.to_device == (4, 0, 4, 0)
+    assert layer_work(batch).traffic.device_copy == (0, 4, 0, 4)
     view = state.snapshot(0.0)  # that was its 4th and last token: everything is free
     assert view.num_free_blocks == 8 and num_free_host_layer_blocks(view) == 4 * 8
 
@@ -134,11 +134,11 @@ def test_offloading_a_running_request_frees_its_layers_for_others():
     s = req.seq_id
     _apply(engine, Plan(run={s: 5}, allocate={s: 3}))
     batch = _apply(engine, Plan(features=section({s: 0})))
-    assert layer_work(batch).traffic.to_host.tolist() == [3, 3, 3, 3]
+    assert layer_work(batch).traffic.to_host == (3, 3, 3, 3)
     view = engine.state.snapshot(0.0)
     assert view.num_free_blocks == 8 and view.requests.status.tolist() == [RequestStatus.OFFLOADED]
     batch = _apply(engine, Plan(features=section({s: 1})))  # one layer back, into slots
-    assert layer_work(batch).traffic.to_device.tolist() == [0, 0, 0, 3]
+    assert layer_work(batch).traffic.to_device == (0, 0, 0, 3)
     assert num_free_layer_blocks(engine.state.snapshot(0.0)) == 4 * 8 - 3
     _apply(engine, Plan(run={s: 1}, features=section({s: 4})))
 
@@ -255,7 +255,7 @@ def test_getting_every_layer_back_reuses_the_blocks_its_slots_free():
     view = engine.state.snapshot(0.0)
     assert view.num_free_blocks == 1 and layer_view(view).free_slots.tolist() == [3, 0, 3, 0]
     batch = _apply(engine, Plan(run={s: 1}, allocate={s: 1}, features=section({s: 4})))
-    assert layer_work(batch).traffic.device_copy.tolist() == [0, 3, 0, 3]
+    assert layer_work(batch).traffic.device_copy == (0, 3, 0, 3)
     assert engine.state.snapshot(0.0).num_free_blocks == 0
 
 

@@ -13,7 +13,7 @@ from jserve.benchmarking.bench import BenchConfig, run_benchmark
 from jserve.builder import build_engine, sim_cost_model
 from jserve.cache.sizing import block_bytes
 from jserve.config import EngineConfig
-from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.cache_features.layer_offload.batch import LayerTraffic
 from jserve.runners.cost_model import ALLREDUCES_PER_LAYER, RooflineCostModel, StepShape, overlap_layers
 from jserve.runners.engine_overhead import KERNELS_ONLY
 from jserve.runners.hardware import NVLINK3, PCIE4, Interconnect, get_hardware, kv_capacity_blocks
@@ -96,7 +96,7 @@ def test_layerkv_offload_contends_with_allreduce_on_pcie_not_on_nvlink():
     layers = LLAMA70B.num_layers
     per_layer = 4096 * 2 * LLAMA70B.num_kv_heads * LLAMA70B.head_dim * 2
     zeros = (0,) * layers
-    shape = dataclasses.replace(StepShape.prefill(4096), layer_bytes=LayerTransfers(
+    shape = dataclasses.replace(StepShape.prefill(4096), layer_bytes=LayerTraffic(
         (per_layer,) * layers, zeros, zeros, zeros))
     pcie = RooflineCostModel(LLAMA70B, L20, tensor_parallel=4)
     nvlink = RooflineCostModel(LLAMA70B, nvlink_l20, tensor_parallel=4)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.cache_features.layer_offload.batch import LayerTraffic
 from jserve.models.config import ModelConfig
 from jserve.runners.engine_overhead import FLAT_2MS, EngineOverhead, FitRange, FitRangeWatch
 from jserve.runners.hardware import Hardware
@@ -88,7 +88,7 @@ class StepShape:
     page_walk: int = 0
     swap_blocks: int = 0
     swap_moves: int = 0
-    layer_bytes: LayerTransfers | None = None
+    layer_bytes: LayerTraffic | None = None
     prefill_square: int = 0
     prefill_prefix: int = 0
     decode_context: int = 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jserve.engine.layerkv_costs import LayerKVCosts
-from jserve.cache_features.layer_offload.batch import LayerTransfers
+from jserve.cache_features.layer_offload.batch import LayerTraffic
 from jserve.runners.cost_model import CostModel, StepShape, nnls
 from jserve.runners.hardware import Hardware
 from jserve.models.config import ModelConfig
@@ -44,7 +44,7 @@ def fit_lengths(max_model_len: int) -> tuple[int, ...]:
 def offload_step(layer_bytes: int, num_layers: int) -> StepShape:
     """A step that only writes `layer_bytes` of every layer to host, as a prefill does."""
     zeros = (0,) * num_layers
-    out = LayerTransfers(prefill_to_host=(layer_bytes,) * num_layers, to_host=zeros,
+    out = LayerTraffic(prefill_to_host=(layer_bytes,) * num_layers, to_host=zeros,
                          to_device=zeros, device_copy=zeros)
     return StepShape(0, 0, 0, 0, 0, layer_bytes=out)
 

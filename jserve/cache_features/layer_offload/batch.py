@@ -40,9 +40,11 @@ class LayerTables:
     host: tuple[np.ndarray, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LayerTraffic:
-    """Layer blocks (one block of one layer's K and V) a step moves, per layer `[L]`:
+    """What a step moves per layer, each `[L]`, in layer blocks (one block of one layer's K
+    and V; `LayerBatch.traffic`) or in bytes (`in_bytes`: the cost model's term,
+    `StepShape.layer_bytes`, hashable as the shape is):
 
     - `prefill_to_host`: the new K/V this step computes in offloaded layers (a prefill's
       every block, a decode's block its token lands in), written to the host as each layer
@@ -55,28 +57,17 @@ class LayerTraffic:
     - `device_copy`: kept layers' slots copied into whole blocks when a request gets every
       layer back (device memory to device memory)."""
 
-    prefill_to_host: np.ndarray
-    to_host: np.ndarray
-    to_device: np.ndarray
-    device_copy: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class LayerTransfers:
-    """`LayerTraffic` in bytes, each `[L]`: the cost model's term for a step's layer moves
-    (`StepShape.layer_bytes`)."""
-
     prefill_to_host: tuple[int, ...]
     to_host: tuple[int, ...]
     to_device: tuple[int, ...]
     device_copy: tuple[int, ...]
 
-    @classmethod
-    def of(cls, traffic: LayerTraffic, bytes_per_block: int) -> LayerTransfers:
-        """`bytes_per_block`: one block of every layer's K and V."""
-        per_layer = bytes_per_block // len(traffic.to_host)
-        return cls(*(tuple((getattr(traffic, f.name) * per_layer).tolist())
-                     for f in dataclasses.fields(cls)))
+    def in_bytes(self, bytes_per_block: int) -> LayerTraffic:
+        """This traffic, counted in layer blocks, in bytes; `bytes_per_block`: one block of
+        every layer's K and V."""
+        per_layer = bytes_per_block // len(self.to_host)
+        return LayerTraffic(*(tuple(n * per_layer for n in getattr(self, f.name))
+                              for f in dataclasses.fields(self)))
 
 
 @dataclass(frozen=True)
@@ -105,7 +96,7 @@ class LayerBatch:
     def shape_terms(self, batch: Batch, bytes_per_block: int) -> dict[str, object]:
         if self.traffic is None:
             return {}
-        return {"layer_bytes": LayerTransfers.of(self.traffic, bytes_per_block)}
+        return {"layer_bytes": self.traffic.in_bytes(bytes_per_block)}
 
 
 NO_LAYER_WORK = LayerBatch()

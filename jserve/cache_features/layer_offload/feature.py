@@ -246,8 +246,9 @@ class LayerOffload(CacheFeature):
             s, end = int(runs.start[i]), int(runs.start[i] + runs.query_lens[i])
             read[host] += -(-s // bs)
             written[host] += -(-end // bs) - s // bs
-        return LayerTraffic(written, per_layer(moves.to_host), per_layer(moves.to_device) + read,
-                            per_layer(moves.device_copies))
+        moved = (written, per_layer(moves.to_host), per_layer(moves.to_device) + read,
+                 per_layer(moves.device_copies))
+        return LayerTraffic(*(tuple(m.tolist()) for m in moved))
 
     # ------------------------------------------------------------------ between steps
     def own_blocks(self) -> Collection[int]:
